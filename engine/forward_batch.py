@@ -1,0 +1,43 @@
+"""The tensors one model forward needs, built by the scheduler, read by the model and kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.attention.backend import AttentionBackend
+    from engine.memory.kv_pool import KVPool
+
+
+class ForwardMode(Enum):
+    EXTEND = auto()  # prefill: several new tokens per request, after an optional cached prefix
+    DECODE = auto()  # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    # one entry per token of the batch (requests concatenated in batch order)
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    out_cache_loc: torch.Tensor  # [T] int64, pool slot receiving each token's K/V
+    # one entry per request
+    req_pool_indices: torch.Tensor  # [B] int64, the request's row in req_to_token
+    seq_lens: torch.Tensor  # [B] int64, KV length once this step's tokens are stored
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]  # new tokens per request (all 1 in decode)
+    kv_pool: KVPool
+    req_to_token: torch.Tensor  # [max_requests, max_context] int32
+    attn_backend: AttentionBackend
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def prefix_lens_cpu(self) -> list[int]:
+        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]

@@ -1,0 +1,33 @@
+"""The attention layer the models call: it knows its heads, not how attention is computed.
+
+The batch's attention backend (chosen once per engine) stores the new K/V into the paged pool
+and computes attention over each request's cached and new tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.forward_batch import ForwardBatch
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> attention output [T, Hq*D]."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = batch.attn_backend.forward(q, k, v, self, batch)
+        return out.reshape(-1, self.num_heads * self.head_dim)

@@ -1,0 +1,127 @@
+"""Linear layers in the column- / row-parallel form of Megatron-LM.
+
+Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies this rank's
+slice of a checkpoint tensor into place, so model files never slice weights themselves.
+A column-parallel layer splits the output features across ranks; a row-parallel layer splits
+the input features and sums the partial outputs with an all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import all_reduce, divide, tp_rank, tp_size
+
+
+def _copy_checked(param: nn.Parameter, target: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if target.shape != loaded.shape:
+        raise ValueError(f"shape mismatch for {name}: the checkpoint has {tuple(loaded.shape)}, the model expects {tuple(target.shape)}")
+    target.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        _copy_checked(param, param.data, loaded, type(self).__name__)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W split along its output rows; each rank holds out_features / tp rows."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, divide(out_features, tp_size(), "output features"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        rows = param.shape[0]
+        _copy_checked(param, param.data, loaded.narrow(0, tp_rank() * rows, rows) if tp_size() > 1 else loaded, type(self).__name__)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in one matmul (gate and up of an MLP)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        assert isinstance(shard_id, int)
+        size = self.output_sizes[shard_id] // tp_size()
+        offset = sum(self.output_sizes[:shard_id]) // tp_size()
+        if tp_size() > 1:
+            loaded = loaded.narrow(0, tp_rank() * size, size)
+        _copy_checked(param, param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections of attention in one matmul, split by heads across ranks.
+
+    NOTE: when there are fewer KV heads than ranks, each KV head is replicated on tp/num_kv_heads ranks.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp, "num_attention_heads")
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        if num_kv_heads >= tp:
+            divide(num_kv_heads, tp, "num_key_value_heads")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id == "q":
+            offset, size, index = 0, self.q_size, tp_rank()
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, index = self.kv_size, tp_rank() // self.kv_replicas
+        else:
+            raise ValueError(f"QKVParallelLinear shard must be 'q', 'k' or 'v', got {shard_id!r}")
+        if tp_size() > 1:
+            loaded = loaded.narrow(0, index * size, size)
+        _copy_checked(param, param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]")
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W split along its input columns; partial sums are all-reduced across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: the bias is added once, after the reduction, not once per rank.
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if param.dim() == 2 and tp_size() > 1:
+            cols = param.shape[1]
+            loaded = loaded.narrow(1, tp_rank() * cols, cols)
+        _copy_checked(param, param.data, loaded, type(self).__name__)

@@ -1,0 +1,51 @@
+"""Rotary position embedding (the rotate-half layout of Hugging Face checkpoints).
+
+Supports plain RoPE and the "linear" and "llama3" frequency scalings that configs declare.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # [max_positions, head_dim // 2] each; float32 whatever the model dtype.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, Hk, D] by their token positions [T]."""
+        cos = self.cos_cache[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,30 @@
+"""The request -> KV slot table that attention kernels read.
+
+Row r describes the request holding row r: column i is the pool slot of that request's token i.
+It lives on the model's device as int32 so kernels index it directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
+        self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int:
+        if not self._free_rows:
+            raise MemoryError("no free request rows (max_running_requests reached)")
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start : start + slots.numel()] = slots.to(torch.int32)

@@ -1,0 +1,159 @@
+"""What the engine needs to know about a Hugging Face model folder, read from its config.json.
+
+Parsed from the raw JSON (not transformers' config classes) so that both the older key layout
+(``rope_theta`` / ``rope_scaling``) and transformers 5's ``rope_parameters`` are understood the same
+way whatever transformers version is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    architecture: str
+    hf: dict[str, Any]  # the raw config.json
+    dtype: torch.dtype
+    context_length: int
+    eos_token_ids: frozenset[int]
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_folder(cls, model_path: str, dtype: str = "auto", context_length: int | None = None) -> ModelConfig:
+        path = Path(model_path)
+        if not path.is_dir():
+            raise ValueError(f"model_path {model_path!r} is not a folder (gristmill loads local Hugging Face model folders).")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"model_path {model_path!r} has no config.json.")
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{cfg_file} names no 'architectures'.")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+            if key not in hf:
+                raise ValueError(f"{cfg_file} is missing {key!r}.")
+
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        if sliding is not None and sliding < max_pos:
+            # NOTE: sliding-window attention is not implemented; capping the context keeps results exact.
+            logger.warning("sliding_window=%d < max_position_embeddings=%d: context capped to %d", sliding, max_pos, sliding)
+            max_pos = int(sliding)
+        if context_length is None:
+            context_length = max_pos
+        elif context_length > max_pos:
+            raise ValueError(f"context_length={context_length} exceeds the model's maximum of {max_pos} tokens.")
+
+        eos = _as_ids(hf.get("eos_token_id"))
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            eos |= _as_ids(json.loads(gen_file.read_text()).get("eos_token_id"))
+
+        config = cls(path, archs[0], hf, _resolve_dtype(dtype, hf), context_length, frozenset(eos))
+        _ = config.rope_scaling  # validate early
+        return config
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf["hidden_size"])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.hf["intermediate_size"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf["num_hidden_layers"])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf.get("num_key_value_heads") or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.hf.get("head_dim") or self.hidden_size // self.num_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf["vocab_size"])
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return float(self.hf.get("rms_norm_eps", 1e-6))
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.hf.get("tie_word_embeddings", False))
+
+    @property
+    def hidden_act(self) -> str:
+        return self.hf.get("hidden_act", "silu")
+
+    # ------------------------------------------------------------------ rotary embedding
+    @property
+    def rope_theta(self) -> float:
+        params = self.hf.get("rope_parameters") or {}
+        return float(self.hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None:
+        """The scaling dict with a normalised 'rope_type', or None for plain RoPE."""
+        scaling = self.hf.get("rope_scaling") or self.hf.get("rope_parameters")
+        if not scaling:
+            return None
+        scaling = dict(scaling)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}.")
+        if rope_type == "default":
+            return None
+        scaling["rope_type"] = rope_type
+        return scaling
+
+    # ------------------------------------------------------------------ memory
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(kv_dtype).bits // 8
+
+
+def _as_ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"config.json dtype {name!r} is not supported; pass dtype= one of float32, bfloat16, float16.")
+    return _DTYPES[name]

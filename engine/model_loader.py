@@ -1,0 +1,80 @@
+"""Build a model from a Hugging Face folder and fill its weights from safetensors (or randomly)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.models import model_class
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(config: ModelConfig, load_format: str, device: torch.device) -> nn.Module:
+    cls = model_class(config)
+    files = [] if load_format == "dummy" else safetensors_files(config.path)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    else:
+        model.load_weights(iter_safetensors(files))
+    return model.eval()
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint files: those the index names when there is one, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index ({e})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index.name} names shard(s) missing from {folder}: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder} (only safetensors checkpoints are loaded)")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"cannot read weights file {file}: {e}") from None
+        with handle as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from None
+                yield name, tensor
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the real shapes (load_format="dummy"), for benchmarks: norms 1, the rest N(0, 0.02)."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+            continue
+        gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+        param.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,65 @@
+"""One generation request as the scheduler sees it, from admission to its last token."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # the request's sampling_seed, or one drawn for it by the engine
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: output logprobs only (SGLang's default)
+    top_logprobs_num: int = 0
+
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    cached_tokens: int = 0
+    created_at: float = field(default_factory=time.perf_counter)
+    finished_at: float | None = None
+
+    # KV memory, owned by engine.memory.KVCache
+    pool_row: int = -1
+    kv_pages: list[int] = field(default_factory=list)
+    kv_len: int = 0  # tokens whose K/V are in the pool
+
+    # logprobs: value, and top-k (values, ids) per position; None where SGLang gives None
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[tuple[list[float], list[int]] | None] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[tuple[list[float], list[int]]] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def input_logprob_start(self) -> int:
+        """First prompt position whose logprob is reported (SGLang: -1 means the last prompt token)."""
+        if self.logprob_start_len < 0:
+            return self.prompt_len - 1
+        return min(self.logprob_start_len, self.prompt_len - 1)
+
+    def finish(self, reason: dict[str, Any]) -> None:
+        self.finish_reason = reason
+        self.finished_at = time.perf_counter()
+
+    def check_finished(self, token: int, context_length: int) -> None:
+        """Called after `token` was appended to output_ids."""
+        if token in self.sampling.stop_ids and len(self.output_ids) >= self.sampling.min_new_tokens:
+            self.finish({"type": "stop", "matched": token})
+        elif len(self.output_ids) >= self.sampling.max_new_tokens:
+            self.finish({"type": "length", "length": self.sampling.max_new_tokens})
+        elif self.prompt_len + len(self.output_ids) >= context_length:
+            self.finish({"type": "length", "length": len(self.output_ids)})

@@ -1,0 +1,3 @@
+from engine.scheduler.scheduler import Scheduler, SchedulerStats
+
+__all__ = ["Scheduler", "SchedulerStats"]
