@@ -27,9 +27,17 @@ logger = logging.getLogger(__name__)
 
 # generate() arguments of SGLang that this engine does not serve; passing them is an error, not a no-op
 _UNSUPPORTED_GENERATE_ARGS = (
-    "image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor",
-    "token_ids_logprob", "return_hidden_states", "bootstrap_host", "bootstrap_port",
-    "bootstrap_room", "data_parallel_rank",
+    "image_data",
+    "audio_data",
+    "video_data",
+    "lora_path",
+    "custom_logit_processor",
+    "token_ids_logprob",
+    "return_hidden_states",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "data_parallel_rank",
 )
 
 
@@ -39,10 +47,14 @@ class Engine:
         args = self.server_args
         logging.getLogger("engine").setLevel(args.log_level.upper())
         started = time.perf_counter()
-        self.model_config = ModelConfig.from_folder(args.model_path, args.dtype, args.context_length)
+        self.model_config = ModelConfig.from_folder(
+            args.model_path, args.dtype, args.context_length
+        )
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.scheduler = Scheduler(args, self.model_config, self.device)
-        self.tokenizer_manager = TokenizerManager(args, self.model_config, self.scheduler.max_total_tokens)
+        self.tokenizer_manager = TokenizerManager(
+            args, self.model_config, self.scheduler.max_total_tokens
+        )
         self.startup_seconds = time.perf_counter() - started
         self._closed = False
         logger.info("engine ready in %.1fs on %s", self.startup_seconds, self.device)
@@ -67,8 +79,14 @@ class Engine:
         if stream:
             raise ValueError("stream=True is not supported by this engine version yet.")
         call = self.tokenizer_manager.make_call(
-            prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
-            top_logprobs_num, rid, return_text_in_logprobs,
+            prompt,
+            input_ids,
+            sampling_params,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            rid,
+            return_text_in_logprobs,
         )
         for req in call.reqs:
             self.scheduler.add_request(req)
@@ -79,12 +97,16 @@ class Engine:
                     if req.finished:
                         pending.discard(req.rid)
                 if pending and not self.scheduler.has_work():
-                    raise RuntimeError(f"scheduler went idle with {len(pending)} request(s) unfinished")
+                    raise RuntimeError(
+                        f"scheduler went idle with {len(pending)} request(s) unfinished"
+                    )
         except BaseException:
             for rid_ in pending:  # leave the engine clean for the next call
                 self.scheduler.abort_request(rid_)
             raise
-        outputs = [self.tokenizer_manager.format(req, call.return_text_in_logprobs) for req in call.reqs]
+        outputs = [
+            self.tokenizer_manager.format(req, call.return_text_in_logprobs) for req in call.reqs
+        ]
         _raise_if_aborted(call.reqs)
         return outputs if call.is_batch else outputs[0]
 
@@ -104,14 +126,18 @@ class Engine:
             "max_total_num_tokens": self.scheduler.max_total_tokens,
             "max_running_requests": self.scheduler.max_running_requests,
             "startup_seconds": self.startup_seconds,
-            "internal_states": [{
-                "requests_finished": stats.requests_finished,
-                "prompt_tokens": stats.prompt_tokens,
-                "generated_tokens": stats.generated_tokens,
-                "prefill_steps": stats.prefill_steps,
-                "decode_steps": stats.decode_steps,
-                "gen_throughput": stats.generated_tokens / stats.busy_seconds if stats.busy_seconds else 0.0,
-            }],
+            "internal_states": [
+                {
+                    "requests_finished": stats.requests_finished,
+                    "prompt_tokens": stats.prompt_tokens,
+                    "generated_tokens": stats.generated_tokens,
+                    "prefill_steps": stats.prefill_steps,
+                    "decode_steps": stats.decode_steps,
+                    "gen_throughput": stats.generated_tokens / stats.busy_seconds
+                    if stats.busy_seconds
+                    else 0.0,
+                }
+            ],
         }
 
     def shutdown(self) -> None:
@@ -140,7 +166,9 @@ def _refuse(unsupported: dict[str, Any]) -> None:
         raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(unknown)}")
     used = [k for k, v in unsupported.items() if v not in (None, False)]
     if used:
-        raise ValueError(f"generate() argument(s) {', '.join(used)} are not supported by this engine.")
+        raise ValueError(
+            f"generate() argument(s) {', '.join(used)} are not supported by this engine."
+        )
 
 
 def _raise_if_aborted(reqs: list) -> None:

@@ -20,9 +20,14 @@ logger = logging.getLogger(__name__)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
 }
 
 
@@ -37,10 +42,14 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_folder(cls, model_path: str, dtype: str = "auto", context_length: int | None = None) -> ModelConfig:
+    def from_folder(
+        cls, model_path: str, dtype: str = "auto", context_length: int | None = None
+    ) -> ModelConfig:
         path = Path(model_path)
         if not path.is_dir():
-            raise ValueError(f"model_path {model_path!r} is not a folder (gristmill loads local Hugging Face model folders).")
+            raise ValueError(
+                f"model_path {model_path!r} is not a folder (gristmill loads local Hugging Face model folders)."
+            )
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"model_path {model_path!r} has no config.json.")
@@ -51,7 +60,13 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError(f"{cfg_file} names no 'architectures'.")
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+            "intermediate_size",
+        ):
             if key not in hf:
                 raise ValueError(f"{cfg_file} is missing {key!r}.")
 
@@ -59,12 +74,19 @@ class ModelConfig:
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         if sliding is not None and sliding < max_pos:
             # NOTE: sliding-window attention is not implemented; capping the context keeps results exact.
-            logger.warning("sliding_window=%d < max_position_embeddings=%d: context capped to %d", sliding, max_pos, sliding)
+            logger.warning(
+                "sliding_window=%d < max_position_embeddings=%d: context capped to %d",
+                sliding,
+                max_pos,
+                sliding,
+            )
             max_pos = int(sliding)
         if context_length is None:
             context_length = max_pos
         elif context_length > max_pos:
-            raise ValueError(f"context_length={context_length} exceeds the model's maximum of {max_pos} tokens.")
+            raise ValueError(
+                f"context_length={context_length} exceeds the model's maximum of {max_pos} tokens."
+            )
 
         eos = _as_ids(hf.get("eos_token_id"))
         gen_file = path / "generation_config.json"
@@ -131,7 +153,9 @@ class ModelConfig:
         scaling = dict(scaling)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}.")
+            raise ValueError(
+                f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}."
+            )
         if rope_type == "default":
             return None
         scaling["rope_type"] = rope_type
@@ -139,7 +163,14 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ memory
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(kv_dtype).bits // 8
+        return (
+            2
+            * self.num_layers
+            * self.num_kv_heads
+            * self.head_dim
+            * torch.finfo(kv_dtype).bits
+            // 8
+        )
 
 
 def _as_ids(value: Any) -> set[int]:
@@ -155,5 +186,7 @@ def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> torch.dtype:
         return _DTYPES[dtype]
     name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     if name not in _DTYPES:
-        raise ValueError(f"config.json dtype {name!r} is not supported; pass dtype= one of float32, bfloat16, float16.")
+        raise ValueError(
+            f"config.json dtype {name!r} is not supported; pass dtype= one of float32, bfloat16, float16."
+        )
     return _DTYPES[name]

@@ -45,11 +45,15 @@ def safetensors_files(folder: Path) -> list[Path]:
         files = [folder / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ValueError(f"{index.name} names shard(s) missing from {folder}: {', '.join(missing)}")
+            raise ValueError(
+                f"{index.name} names shard(s) missing from {folder}: {', '.join(missing)}"
+            )
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors weights in {folder} (only safetensors checkpoints are loaded)")
+        raise ValueError(
+            f"no *.safetensors weights in {folder} (only safetensors checkpoints are loaded)"
+        )
     return files
 
 

@@ -33,14 +33,22 @@ class ModelRunner:
         self.max_running_requests = args.max_running_requests or min(256, self.max_total_tokens)
         page = args.page_size
         self.kv_pool = KVPool(
-            self.max_total_tokens // page, page, config.num_layers,
-            self.model.layers[0].self_attn.attn.num_kv_heads, config.head_dim, self.kv_dtype, device,
+            self.max_total_tokens // page,
+            page,
+            config.num_layers,
+            self.model.layers[0].self_attn.attn.num_kv_heads,
+            config.head_dim,
+            self.kv_dtype,
+            device,
         )
         self.req_to_token = ReqToTokenPool(self.max_running_requests, config.context_length, device)
         self.attn_backend = create_backend(args.attention_backend)
         logger.info(
             "KV pool: %d tokens in pages of %d (%.1f MiB), %d request rows",
-            self.kv_pool.num_tokens, page, self.kv_pool.nbytes() / 2**20, self.max_running_requests,
+            self.kv_pool.num_tokens,
+            page,
+            self.kv_pool.nbytes() / 2**20,
+            self.max_running_requests,
         )
 
     def _pool_tokens(self) -> int:

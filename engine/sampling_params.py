@@ -65,7 +65,9 @@ class SamplingParams:
     def verify(self) -> None:
         """SGLang's rules; every message names the field, the allowed range and the value."""
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative and finite, got {self.temperature}.")
+            raise ValueError(
+                f"temperature must be non-negative and finite, got {self.temperature}."
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if not 0.0 <= self.min_p <= 1.0:
@@ -77,7 +79,9 @@ class SamplingParams:
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+            raise ValueError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}."
+            )
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -91,7 +95,9 @@ class SamplingParams:
         if sum(g is not None for g in (self.json_schema, self.regex, self.ebnf)) > 1:
             raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}.")
+            raise ValueError(
+                f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}."
+            )
         self._refuse_unbuilt()
 
     def _refuse_unbuilt(self) -> None:
@@ -110,11 +116,15 @@ class SamplingParams:
         }
         used = [name for name, on in unbuilt.items() if on]
         if used:
-            raise ValueError(f"Sampling parameter(s) {', '.join(used)} are not supported by this engine version yet.")
+            raise ValueError(
+                f"Sampling parameter(s) {', '.join(used)} are not supported by this engine version yet."
+            )
 
     def verify_vocab(self, vocab_size: int) -> None:
         if self.stop_token_ids is not None and any(t >= vocab_size for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be < vocab size {vocab_size}, got {self.stop_token_ids}.")
+            raise ValueError(
+                f"stop_token_ids must be < vocab size {vocab_size}, got {self.stop_token_ids}."
+            )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -166,4 +176,6 @@ def _check_type(key: str, value: Any, types: tuple[type, ...]) -> None:
         ok = all(isinstance(s, str) for s in value)
     if not ok:
         names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
-        raise ValueError(f"sampling parameter {key!r} must be {names}, got {value!r} ({type(value).__name__}).")
+        raise ValueError(
+            f"sampling parameter {key!r} must be {names}, got {value!r} ({type(value).__name__})."
+        )

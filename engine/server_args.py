@@ -70,21 +70,36 @@ class ServerArgs:
         if self.kv_cache_dtype != "auto":
             _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *DTYPES))
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}.")
-        for name in ("max_total_tokens", "max_running_requests", "context_length", "chunked_prefill_size"):
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}."
+            )
+        for name in (
+            "max_total_tokens",
+            "max_running_requests",
+            "context_length",
+            "chunked_prefill_size",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
         if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be a positive integer, got {self.max_prefill_tokens!r}.")
+            raise ValueError(
+                f"max_prefill_tokens must be a positive integer, got {self.max_prefill_tokens!r}."
+            )
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}.")
         if self.tp_size != 1:
-            raise ValueError(f"tp_size must be 1 in this version (tensor parallelism is not built yet), got {self.tp_size}.")
+            raise ValueError(
+                f"tp_size must be 1 in this version (tensor parallelism is not built yet), got {self.tp_size}."
+            )
         if self.dp_size != 1:
-            raise ValueError(f"dp_size must be 1 (scale out with the data-parallel flows instead), got {self.dp_size}.")
+            raise ValueError(
+                f"dp_size must be 1 (scale out with the data-parallel flows instead), got {self.dp_size}."
+            )
         if self.is_embedding:
-            raise ValueError("is_embedding=True is not supported yet: this engine serves generation models.")
+            raise ValueError(
+                "is_embedding=True is not supported yet: this engine serves generation models."
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
@@ -96,9 +111,13 @@ class ServerArgs:
             for name in unknown:
                 close = difflib.get_close_matches(name, known, n=1)
                 hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ValueError(f"Unknown engine argument(s): {', '.join(hints)}. Known arguments: {', '.join(sorted(known))}.")
+            raise ValueError(
+                f"Unknown engine argument(s): {', '.join(hints)}. Known arguments: {', '.join(sorted(known))}."
+            )
         if "model_path" not in kwargs:
-            raise ValueError("model_path is required: the path of a local Hugging Face model folder")
+            raise ValueError(
+                "model_path is required: the path of a local Hugging Face model folder"
+            )
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:

@@ -63,7 +63,11 @@ class TokenizerManager:
         for i in range(n):
             where = f"request {i}: " if is_batch else ""
             try:
-                reqs.append(self._make_req(token_lists[i], params[i], logprob[i], starts[i], tops[i], rids[i]))
+                reqs.append(
+                    self._make_req(
+                        token_lists[i], params[i], logprob[i], starts[i], tops[i], rids[i]
+                    )
+                )
             except ValueError as e:
                 raise ValueError(f"{where}{e}") from None
         if len({r.rid for r in reqs}) != n:
@@ -73,9 +77,15 @@ class TokenizerManager:
     def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("Either prompt or input_ids must be given, and not both.")
+        if (prompt if prompt is not None else input_ids) == []:
+            raise ValueError(
+                f"{'prompt' if prompt is not None else 'input_ids'} is an empty list: give at least one prompt."
+            )
         if prompt is not None:
             if self.tokenizer is None:
-                raise ValueError("prompt needs a tokenizer: pass input_ids, or start the engine without skip_tokenizer_init")
+                raise ValueError(
+                    "prompt needs a tokenizer: pass input_ids, or start the engine without skip_tokenizer_init"
+                )
             if isinstance(prompt, str):
                 return [self.tokenizer.encode(prompt)], False
             if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
@@ -83,13 +93,20 @@ class TokenizerManager:
             raise ValueError("prompt must be a str or a list of str")
         if isinstance(input_ids, list) and input_ids and all(_is_token(t) for t in input_ids):
             return [list(input_ids)], False
-        if isinstance(input_ids, list) and all(isinstance(x, list) and all(_is_token(t) for t in x) for x in input_ids):
+        if isinstance(input_ids, list) and all(
+            isinstance(x, list) and all(_is_token(t) for t in x) for x in input_ids
+        ):
             return [list(x) for x in input_ids], True
         raise ValueError("input_ids must be a list of int token ids or a list of such lists")
 
     def _make_req(
-        self, ids: list[int], params: dict | None, return_logprob: bool | None,
-        logprob_start_len: int | None, top_logprobs_num: int | None, rid: str | None,
+        self,
+        ids: list[int],
+        params: dict | None,
+        return_logprob: bool | None,
+        logprob_start_len: int | None,
+        top_logprobs_num: int | None,
+        rid: str | None,
     ) -> Req:
         sampling = SamplingParams.from_dict(params)
         sampling.verify_vocab(self.config.vocab_size)
@@ -97,7 +114,9 @@ class TokenizerManager:
             raise ValueError("the prompt is empty (0 tokens)")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"input_ids contain token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+            raise ValueError(
+                f"input_ids contain token ids outside [0, {self.config.vocab_size}): {bad[:5]}"
+            )
         ids = self._fit_context(ids, sampling.max_new_tokens)
         need = len(ids) + sampling.max_new_tokens
         if need > self.max_total_tokens:
@@ -107,11 +126,17 @@ class TokenizerManager:
             )
         start = -1 if logprob_start_len is None else logprob_start_len
         if return_logprob and start >= len(ids):
-            raise ValueError(f"logprob_start_len ({start}) must be smaller than the input length ({len(ids)}).")
+            raise ValueError(
+                f"logprob_start_len ({start}) must be smaller than the input length ({len(ids)})."
+            )
         top = top_logprobs_num or 0
         if top < 0:
             raise ValueError(f"top_logprobs_num must be at least 0, got {top}.")
-        seed = sampling.sampling_seed if sampling.sampling_seed is not None else self._seeds.getrandbits(63)
+        seed = (
+            sampling.sampling_seed
+            if sampling.sampling_seed is not None
+            else self._seeds.getrandbits(63)
+        )
         return Req(
             rid=rid or uuid.uuid4().hex,
             input_ids=ids,
@@ -133,7 +158,9 @@ class TokenizerManager:
             return ids
         if self.args.allow_auto_truncate and max_new_tokens < context:
             keep = context - max_new_tokens
-            logger.warning("prompt of %d tokens truncated to %d (allow_auto_truncate)", len(ids), keep)
+            logger.warning(
+                "prompt of %d tokens truncated to %d (allow_auto_truncate)", len(ids), keep
+            )
             return ids[:keep]
         raise ValueError(
             f"Requested token count exceeds the model's maximum context length of {context} tokens. "
@@ -147,7 +174,11 @@ class TokenizerManager:
         sp = req.sampling
         ids = req.output_ids
         reason = req.finish_reason or {}
-        if reason.get("type") == "stop" and isinstance(reason.get("matched"), int) and not sp.no_stop_trim:
+        if (
+            reason.get("type") == "stop"
+            and isinstance(reason.get("matched"), int)
+            and not sp.no_stop_trim
+        ):
             ids = ids[:-1]
         text = self.decode(ids, sp) if self.tokenizer is not None else ""
         meta: dict[str, Any] = {
@@ -160,11 +191,19 @@ class TokenizerManager:
         }
         if req.return_logprob:
             start = req.input_logprob_start
-            meta["input_token_logprobs"] = self._triples(req.input_logprobs, req.input_ids[start:], with_text_in_logprobs)
-            meta["output_token_logprobs"] = self._triples(req.output_logprobs, req.output_ids, with_text_in_logprobs)
+            meta["input_token_logprobs"] = self._triples(
+                req.input_logprobs, req.input_ids[start:], with_text_in_logprobs
+            )
+            meta["output_token_logprobs"] = self._triples(
+                req.output_logprobs, req.output_ids, with_text_in_logprobs
+            )
             if req.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = [self._top(t, with_text_in_logprobs) for t in req.input_top_logprobs]
-                meta["output_top_logprobs"] = [self._top(t, with_text_in_logprobs) for t in req.output_top_logprobs]
+                meta["input_top_logprobs"] = [
+                    self._top(t, with_text_in_logprobs) for t in req.input_top_logprobs
+                ]
+                meta["output_top_logprobs"] = [
+                    self._top(t, with_text_in_logprobs) for t in req.output_top_logprobs
+                ]
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     def decode(self, ids: list[int], sp: SamplingParams) -> str:
@@ -176,15 +215,21 @@ class TokenizerManager:
     def _triples(self, values: list[float | None], ids: list[int], with_text: bool) -> list[tuple]:
         return [(v, t, self._token_text(t, with_text)) for v, t in zip(values, ids)]
 
-    def _top(self, top: tuple[list[float], list[int]] | None, with_text: bool) -> list[tuple] | None:
+    def _top(
+        self, top: tuple[list[float], list[int]] | None, with_text: bool
+    ) -> list[tuple] | None:
         return None if top is None else self._triples(*top, with_text)
 
 
 def load_tokenizer(args: ServerArgs) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(args.tokenizer_path, trust_remote_code=args.trust_remote_code)
+        return AutoTokenizer.from_pretrained(
+            args.tokenizer_path, trust_remote_code=args.trust_remote_code
+        )
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load a tokenizer from tokenizer_path {args.tokenizer_path!r}: {e}") from None
+        raise ValueError(
+            f"cannot load a tokenizer from tokenizer_path {args.tokenizer_path!r}: {e}"
+        ) from None
 
 
 def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
@@ -200,8 +245,12 @@ def _per_request(name: str, value: Any, n: int, item_type: type) -> list[Any]:
     """A scalar applies to every request; a list must give one value per request."""
     if isinstance(value, list):
         if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries for {n} prompts; give one value or one per prompt.")
+            raise ValueError(
+                f"{name} has {len(value)} entries for {n} prompts; give one value or one per prompt."
+            )
         return value
     if value is not None and not isinstance(value, item_type):
-        raise ValueError(f"{name} must be {item_type.__name__} or a list of them, got {type(value).__name__}.")
+        raise ValueError(
+            f"{name} must be {item_type.__name__} or a list of them, got {type(value).__name__}."
+        )
     return [value] * n

@@ -23,12 +23,23 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
 
     @abstractmethod
-    def forward_extend(self, q: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor: ...
+    def forward_extend(
+        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> torch.Tensor: ...
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor: ...
+    def forward_decode(
+        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> torch.Tensor: ...
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens -> output [T, Hq, D]."""
         batch.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
         if batch.mode is ForwardMode.DECODE:

@@ -23,35 +23,56 @@ class TorchAttnBackend(AttentionBackend):
             # [B, L]: every request's slots, padded to the longest; the mask hides the padding.
             max_len = max(batch.seq_lens_cpu)
             self.decode_slots = table[batch.req_pool_indices, :max_len].long()
-            self.decode_mask = torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens[:, None]
+            self.decode_mask = (
+                torch.arange(max_len, device=table.device)[None, :] < batch.seq_lens[:, None]
+            )
         else:
             rows = batch.req_pool_indices.tolist()
             self.extend_slots = [table[r, :n].long() for r, n in zip(rows, batch.seq_lens_cpu)]
 
-    def forward_decode(self, q: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
+    def forward_decode(
+        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> torch.Tensor:
         k = batch.kv_pool.k_buffers[layer.layer_id][self.decode_slots]  # [B, L, Hkv, D]
         v = batch.kv_pool.v_buffers[layer.layer_id][self.decode_slots]
         mask = self.decode_mask[:, None, None, None, :]  # [B, 1, 1, 1, L]
-        out = _attend(q.unflatten(1, (layer.num_kv_heads, -1)).unsqueeze(-2), k, v, mask, layer.scaling)
+        out = _attend(
+            q.unflatten(1, (layer.num_kv_heads, -1)).unsqueeze(-2), k, v, mask, layer.scaling
+        )
         return out.squeeze(-2).flatten(1, 2)
 
-    def forward_extend(self, q: torch.Tensor, layer: Attention, batch: ForwardBatch) -> torch.Tensor:
+    def forward_extend(
+        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+    ) -> torch.Tensor:
         out = torch.empty_like(q)
-        k_buf, v_buf = batch.kv_pool.k_buffers[layer.layer_id], batch.kv_pool.v_buffers[layer.layer_id]
+        k_buf, v_buf = (
+            batch.kv_pool.k_buffers[layer.layer_id],
+            batch.kv_pool.v_buffers[layer.layer_id],
+        )
         start = 0
         for slots, n in zip(self.extend_slots, batch.extend_lens_cpu):
             prefix = slots.numel() - n
             k, v = k_buf[slots].unsqueeze(0), v_buf[slots].unsqueeze(0)  # [1, L, Hkv, D]
             # query i (absolute position prefix + i) sees keys 0..prefix + i
-            causal = torch.arange(slots.numel(), device=q.device)[None, :] <= (prefix + torch.arange(n, device=q.device))[:, None]
-            qi = q[start : start + n].unflatten(1, (layer.num_kv_heads, -1)).permute(1, 2, 0, 3).unsqueeze(0)  # [1, Hkv, G, n, D]
+            causal = (
+                torch.arange(slots.numel(), device=q.device)[None, :]
+                <= (prefix + torch.arange(n, device=q.device))[:, None]
+            )
+            qi = (
+                q[start : start + n]
+                .unflatten(1, (layer.num_kv_heads, -1))
+                .permute(1, 2, 0, 3)
+                .unsqueeze(0)
+            )  # [1, Hkv, G, n, D]
             oi = _attend(qi, k, v, causal[None, None, None], layer.scaling)  # [1, Hkv, G, n, D]
             out[start : start + n] = oi[0].permute(2, 0, 1, 3).flatten(1, 2)
             start += n
         return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """q [B, Hkv, G, n, D] over k/v [B, L, Hkv, D] with a boolean mask broadcastable to [B, Hkv, G, n, L]."""
     kt = k.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, L]
     scores = torch.matmul(q, kt) * scaling

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float) -> None:
+    def __init__(
+        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = num_heads
@@ -24,7 +26,9 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> attention output [T, Hq*D]."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)

@@ -17,10 +17,14 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.rows_per_rank = -(-vocab_size // tp_size())
         self.vocab_start = tp_rank() * self.rows_per_rank
-        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.vocab_size:
             raise ValueError(
                 f"shape mismatch for {type(self).__name__}: the checkpoint has {tuple(loaded.shape)}, "

@@ -15,9 +15,13 @@ from torch import nn
 from engine.distributed import all_reduce, divide, tp_rank, tp_size
 
 
-def _copy_checked(param: nn.Parameter, target: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+def _copy_checked(
+    param: nn.Parameter, target: torch.Tensor, loaded: torch.Tensor, name: str
+) -> None:
     if target.shape != loaded.shape:
-        raise ValueError(f"shape mismatch for {name}: the checkpoint has {tuple(loaded.shape)}, the model expects {tuple(target.shape)}")
+        raise ValueError(
+            f"shape mismatch for {name}: the checkpoint has {tuple(loaded.shape)}, the model expects {tuple(target.shape)}"
+        )
     target.copy_(loaded)
 
 
@@ -35,12 +39,16 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         raise NotImplementedError
 
 
 class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         _copy_checked(param, param.data, loaded, type(self).__name__)
 
 
@@ -50,9 +58,16 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, divide(out_features, tp_size(), "output features"), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         rows = param.shape[0]
-        _copy_checked(param, param.data, loaded.narrow(0, tp_rank() * rows, rows) if tp_size() > 1 else loaded, type(self).__name__)
+        _copy_checked(
+            param,
+            param.data,
+            loaded.narrow(0, tp_rank() * rows, rows) if tp_size() > 1 else loaded,
+            type(self).__name__,
+        )
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -62,13 +77,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         assert isinstance(shard_id, int)
         size = self.output_sizes[shard_id] // tp_size()
         offset = sum(self.output_sizes[:shard_id]) // tp_size()
         if tp_size() > 1:
             loaded = loaded.narrow(0, tp_rank() * size, size)
-        _copy_checked(param, param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]")
+        _copy_checked(
+            param, param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]"
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -77,7 +96,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     NOTE: when there are fewer KV heads than ranks, each KV head is replicated on tp/num_kv_heads ranks.
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
         tp = tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp, "num_attention_heads")
@@ -96,7 +117,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         if shard_id == "q":
             offset, size, index = 0, self.q_size, tp_rank()
         elif shard_id in ("k", "v"):
@@ -106,7 +129,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"QKVParallelLinear shard must be 'q', 'k' or 'v', got {shard_id!r}")
         if tp_size() > 1:
             loaded = loaded.narrow(0, index * size, size)
-        _copy_checked(param, param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]")
+        _copy_checked(
+            param, param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]"
+        )
 
 
 class RowParallelLinear(LinearBase):
@@ -120,7 +145,9 @@ class RowParallelLinear(LinearBase):
         y = all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         if param.dim() == 2 and tp_size() > 1:
             cols = param.shape[1]
             loaded = loaded.narrow(1, tp_rank() * cols, cols)

@@ -11,8 +11,14 @@ import torch
 
 class KVPool:
     def __init__(
-        self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.num_pages = num_pages  # usable pages, ids 1..num_pages
         self.page_size = page_size

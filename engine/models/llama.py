@@ -33,18 +33,34 @@ class LlamaAttention(nn.Module):
         super().__init__()
         head_dim = config.head_dim
         bias = self.qkv_bias or bool(config.hf.get("attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_heads, config.num_kv_heads, bias)
-        self.o_proj = RowParallelLinear(config.num_heads * head_dim, config.hidden_size, bias=bool(config.hf.get("attention_bias", False)))
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_heads, config.num_kv_heads, bias
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * head_dim,
+            config.hidden_size,
+            bias=bool(config.hf.get("attention_bias", False)),
+        )
         self.rotary = rotary
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.attn = Attention(
-            layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, scaling=head_dim**-0.5
+            layer_id,
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            head_dim,
+            scaling=head_dim**-0.5,
         )
-        self.q_size, self.kv_size, self.head_dim = self.qkv_proj.q_size, self.qkv_proj.kv_size, head_dim
+        self.q_size, self.kv_size, self.head_dim = (
+            self.qkv_proj.q_size,
+            self.qkv_proj.kv_size,
+            head_dim,
+        )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
         k = k.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
@@ -58,7 +74,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; supported: 'silu'.")
+            raise ValueError(
+                f"hidden_act {config.hidden_act!r} is not supported; supported: 'silu'."
+            )
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=False)
         self.act = SiluAndMul()
@@ -79,7 +97,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -105,15 +127,21 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta, config.rope_scaling)
+        rotary = RotaryEmbedding(
+            config.head_dim, config.context_length, config.rope_theta, config.rope_scaling
+        )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(config, i, rotary) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            self.layer_cls(config, i, rotary) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, batch)
@@ -130,7 +158,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         name = name.removeprefix("model.")
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return None  # some tied checkpoints store it anyway; the embedding is the source of truth
+            return (
+                None  # some tied checkpoints store it anyway; the embedding is the source of truth
+            )
         for ckpt, ours, shard in self.stacked_params:
             if f".{ckpt}." in name:
                 return name.replace(ckpt, ours), shard
@@ -138,7 +168,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
-        expected = {n for n in params if not (n == "lm_head.weight" and self.config.tie_word_embeddings)}
+        expected = {
+            n for n in params if not (n == "lm_head.weight" and self.config.tie_word_embeddings)
+        }
         loaded: set[tuple[str, object]] = set()
         for ckpt_name, tensor in weights:
             mapped = self.checkpoint_to_param(ckpt_name)
@@ -146,7 +178,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name, shard = mapped
             if name not in params:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}"
+                )
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             try:
@@ -154,14 +188,18 @@ class LlamaForCausalLM(nn.Module):
                     loader(param, tensor.to(param.dtype), shard)
                 else:
                     if param.shape != tensor.shape:
-                        raise ValueError(f"the checkpoint has {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
+                        raise ValueError(
+                            f"the checkpoint has {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
+                        )
                     param.data.copy_(tensor)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
             loaded.add((name, shard))
         missing = sorted(e for e in expected if not self._covered(e, loaded))
         if missing:
-            raise ValueError(f"the checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+            raise ValueError(
+                f"the checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+            )
 
     def _covered(self, name: str, loaded: set[tuple[str, object]]) -> bool:
         """A fused parameter is loaded when every one of its shards is."""

@@ -122,7 +122,12 @@ class Scheduler:
         """Nothing runs yet the head of the queue cannot be admitted: it can never fit; fail it alone."""
         if self.waiting and not self.running:
             req = self.waiting.popleft()
-            req.finish({"type": "abort", "message": f"request needs more KV memory than the pool's {self.max_total_tokens} tokens"})
+            req.finish(
+                {
+                    "type": "abort",
+                    "message": f"request needs more KV memory than the pool's {self.max_total_tokens} tokens",
+                }
+            )
 
     # ------------------------------------------------------------------ forward
     def _run(self, reqs: list[Req], mode: ForwardMode) -> list[Req]:
@@ -140,7 +145,11 @@ class Scheduler:
             positions.extend(range(start, start + len(new)))
             slots.append(self.kv.extend(req, len(new)))
             extend_lens.append(len(new))
-            first = max(start, req.input_logprob_start) if mode is ForwardMode.EXTEND and req.return_logprob else start + len(new) - 1
+            first = (
+                max(start, req.input_logprob_start)
+                if mode is ForwardMode.EXTEND and req.return_logprob
+                else start + len(new) - 1
+            )
             rows.append([offset + p - start for p in range(first, start + len(new))])
 
         dev = self.device
@@ -149,7 +158,9 @@ class Scheduler:
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             out_cache_loc=torch.cat(slots),
-            req_pool_indices=torch.tensor([r.pool_row for r in reqs], dtype=torch.int64, device=dev),
+            req_pool_indices=torch.tensor(
+                [r.pool_row for r in reqs], dtype=torch.int64, device=dev
+            ),
             seq_lens=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev),
             seq_lens_cpu=[r.kv_len for r in reqs],
             extend_lens_cpu=extend_lens,

@@ -1,0 +1,61 @@
+"""Shared pytest fixtures: tiny Hugging Face model folders built offline (see tests/tiny_models.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import build_tokenizer, make_tiny_model
+
+SHARD_SIZE = "20KB"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    build_tokenizer(out)
+    return out
+
+
+# Each arch gets its own seed (llama and mistral have identical parameter names, so with one seed
+# their weights would be identical); llama_sharded_dir shares llama_dir's seed.
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def llama_sharded_dir(tmp_path_factory):
+    """Same weights as ``llama_dir`` (same seed), saved as several shards + index json."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("llama_sharded"), "llama", max_shard_size=SHARD_SIZE
+    )
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("mistral"), "mistral", seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=2)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    """Qwen3 with tied word embeddings (the other archs are untied)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("qwen3"), "qwen3", tie_word_embeddings=True, head_dim=16, seed=3
+    )

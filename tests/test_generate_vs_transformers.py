@@ -1,0 +1,102 @@
+"""Greedy tokens and logprobs of the engine equal transformers' on the same model folders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine
+from tests.tiny_models import hf_greedy, random_prompts, special_token_ids
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+# 16 prompts, 1 to 250 tokens
+LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120, 144, 177, 200, 233, 250]
+MAX_NEW = 32
+GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_case(request):
+    """(model folder, engine, prompts, transformers' greedy tokens and logprobs) per architecture."""
+    model_dir = request.getfixturevalue(f"{request.param}_dir")
+    with Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=8192) as engine:
+        prompts = random_prompts(
+            engine.model_config.vocab_size, LENGTHS, seed=7, avoid_ids=special_token_ids()
+        )
+        refs = [hf_greedy(model_dir, p, MAX_NEW) for p in prompts]
+        yield model_dir, engine, prompts, refs
+
+
+def test_greedy_batch_equals_transformers(arch_case):
+    _, engine, prompts, refs = arch_case
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert len(outs) == len(prompts)
+    for i, (out, (ref_tokens, _)) in enumerate(zip(outs, refs)):
+        assert out["output_ids"] == ref_tokens, f"prompt {i} ({len(prompts[i])} tokens)"
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+        assert out["meta_info"]["prompt_tokens"] == len(prompts[i])
+        assert out["meta_info"]["completion_tokens"] == MAX_NEW
+
+
+def test_logprobs_match_transformers(arch_case):
+    _, engine, prompts, refs = arch_case
+    k = 5
+    outs = engine.generate(
+        input_ids=prompts, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=k
+    )
+    for out, (ref_tokens, ref_logprobs) in zip(outs, refs):
+        meta = out["meta_info"]
+        assert len(meta["output_token_logprobs"]) == MAX_NEW
+        for step, ((lp, tok, text), ref) in enumerate(
+            zip(meta["output_token_logprobs"], ref_logprobs)
+        ):
+            assert tok == ref_tokens[step]
+            assert text is None
+            assert abs(lp - ref[tok].item()) < LOGPROB_TOL
+            ref_vals, ref_ids = ref.topk(k)
+            top = meta["output_top_logprobs"][step]
+            assert [t for _, t, _ in top] == ref_ids.tolist()
+            assert torch.allclose(torch.tensor([v for v, _, _ in top]), ref_vals, atol=LOGPROB_TOL)
+
+
+def test_staggered_arrivals_equal_transformers(arch_case):
+    """Requests join a running batch between decode steps and still produce the reference tokens."""
+    _, engine, prompts, refs = arch_case
+    scheduler, tm = engine.scheduler, engine.tokenizer_manager
+    reqs = tm.make_call(None, prompts, GREEDY, False, None, None, None, False).reqs
+    arrivals = {0: reqs[:4], 3: reqs[4:8], 10: reqs[8:12], 25: reqs[12:]}
+    joined_running_batch = False
+    step = 0
+    while any(not r.finished for r in reqs):
+        for req in arrivals.get(step, []):
+            if scheduler.running:
+                joined_running_batch = True
+            scheduler.add_request(req)
+        scheduler.step()
+        step += 1
+    assert joined_running_batch
+    for req, (ref_tokens, _) in zip(reqs, refs):
+        assert req.output_ids == ref_tokens
+
+
+def test_pool_just_large_enough_for_longest_request(arch_case):
+    """With room for one long request at a time, requests wait their turn and none fails."""
+    model_dir, _, prompts, refs = arch_case
+    longest = max(len(p) for p in prompts) + MAX_NEW
+    with Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=longest) as small:
+        outs = small.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert small.scheduler.max_total_tokens == longest
+    for out, (ref_tokens, _) in zip(outs, refs):
+        assert out["output_ids"] == ref_tokens
+
+
+def test_sharded_checkpoint_equals_single_file(llama_sharded_dir, llama_dir):
+    prompts = random_prompts(300, [4, 60], seed=3, avoid_ids=special_token_ids())
+    assert len(list(llama_sharded_dir.glob("*.safetensors"))) > 1
+    with Engine(
+        model_path=str(llama_sharded_dir), dtype="float32", max_total_tokens=1024
+    ) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out["output_ids"] == hf_greedy(llama_dir, prompt, MAX_NEW)[0]

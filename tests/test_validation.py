@@ -1,0 +1,208 @@
+"""Bad input raises a clear ValueError before anything is queued, and the engine stays usable."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine import Engine, SamplingParams
+from engine.server_args import ServerArgs
+
+# (bad sampling params, the message the user reads)
+RULES = [
+    ({"temperature": -0.5}, "temperature must be non-negative and finite, got -0.5."),
+    ({"temperature": math.inf}, "temperature must be non-negative and finite, got inf."),
+    ({"temperature": math.nan}, "temperature must be non-negative and finite, got nan."),
+    ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0."),
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5."),
+    ({"top_k": 0}, "top_k must be -1 (disable) or at least 1, got 0."),
+    ({"top_k": -2}, "top_k must be -1 (disable) or at least 1, got -2."),
+    ({"min_p": -0.1}, "min_p must be in [0, 1], got -0.1."),
+    ({"min_p": 1.1}, "min_p must be in [0, 1], got 1.1."),
+    ({"max_new_tokens": -1}, "max_new_tokens must be at least 0, got -1."),
+    ({"min_new_tokens": -1}, "min_new_tokens must be in [0, max_new_tokens(128)], got -1."),
+    (
+        {"min_new_tokens": 9, "max_new_tokens": 8},
+        "min_new_tokens must be in [0, max_new_tokens(8)], got 9.",
+    ),
+    ({"frequency_penalty": 2.5}, "frequency_penalty must be in [-2, 2], got 2.5."),
+    ({"frequency_penalty": -2.5}, "frequency_penalty must be in [-2, 2], got -2.5."),
+    ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2], got 3."),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 2], got 0.0."),
+    ({"repetition_penalty": 2.1}, "repetition_penalty must be in (0, 2], got 2.1."),
+    ({"regex": "a+", "json_schema": "{}"}, "Only one of regex, json_schema, or ebnf can be set."),
+    (
+        {"regex": "a+", "ebnf": "root ::= 'a'"},
+        "Only one of regex, json_schema, or ebnf can be set.",
+    ),
+    ({"n": 0}, "n must be at least 1, got 0."),
+]
+
+
+@pytest.mark.parametrize(("params", "message"), RULES, ids=[next(iter(p)) for p, _ in RULES])
+def test_each_rule_has_its_message(params, message):
+    with pytest.raises(ValueError) as err:
+        SamplingParams.from_dict(params)
+    assert str(err.value) == message
+
+
+def test_valid_edges_are_accepted():
+    for params in (
+        {"temperature": 0},
+        {"top_p": 1.0},
+        {"top_k": -1},
+        {"top_k": 1},
+        {"min_p": 0},
+        {"min_p": 1},
+        {"max_new_tokens": 0},
+        {"min_new_tokens": 4, "max_new_tokens": 4},
+        {"repetition_penalty": 1.0},
+    ):
+        SamplingParams.from_dict(params)
+
+
+def test_unknown_key_lists_allowed_keys():
+    with pytest.raises(
+        ValueError,
+        match=r"Unknown sampling parameter\(s\): 'max_tokens'\. Allowed: .*max_new_tokens",
+    ):
+        SamplingParams.from_dict({"max_tokens": 5})
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        ({"temperature": "hot"}, "'temperature' must be int or float, got 'hot'"),
+        ({"max_new_tokens": 3.5}, "'max_new_tokens' must be int, got 3.5"),
+        ({"top_k": True}, "'top_k' must be int, got True"),
+        ({"stop_token_ids": [1, "2"]}, "'stop_token_ids' must be list or None"),
+        ({"ignore_eos": 1}, "'ignore_eos' must be bool, got 1"),
+    ],
+)
+def test_wrong_types_name_the_key(params, fragment):
+    with pytest.raises(
+        ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ):
+        SamplingParams.from_dict(params)
+
+
+def test_unbuilt_features_are_refused_by_name():
+    with pytest.raises(ValueError, match="frequency_penalty are not supported"):
+        SamplingParams.from_dict({"frequency_penalty": 0.5})
+
+
+def test_engine_arguments_are_checked():
+    with pytest.raises(
+        ValueError,
+        match=r"Unknown engine argument\(s\): 'mem_fraction' \(did you mean 'mem_fraction_static'\?\)",
+    ):
+        ServerArgs.from_kwargs(model_path="x", mem_fraction=0.5)
+    with pytest.raises(ValueError, match="dtype must be one of .*got 'float8'"):
+        ServerArgs.from_kwargs(model_path="x", dtype="float8")
+    with pytest.raises(ValueError, match=r"mem_fraction_static must be in \(0, 1\), got 1.5"):
+        ServerArgs.from_kwargs(model_path="x", mem_fraction_static=1.5)
+    with pytest.raises(
+        ValueError, match="max_total_tokens must be a positive integer or None, got 0"
+    ):
+        ServerArgs.from_kwargs(model_path="x", max_total_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    with Engine(
+        model_path=str(llama_dir), dtype="float32", max_total_tokens=400, context_length=512
+    ) as e:
+        yield e
+
+
+GOOD = {"temperature": 0, "max_new_tokens": 4}
+
+
+def _assert_usable(engine):
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)
+    assert len(out["output_ids"]) == 4
+    assert not engine.scheduler.has_work()
+    assert engine.scheduler.kv.allocator.num_free == engine.scheduler.kv.pool.num_pages
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"input_ids": [[1, 2], [3]], "sampling_params": [GOOD, {"top_p": 2.0}]},
+            r"request 1: top_p must be in \(0, 1\], got 2.0.",
+        ),
+        (
+            {"input_ids": [1, 2], "sampling_params": [GOOD, GOOD]},
+            "sampling_params has 2 entries for 1 prompts",
+        ),
+        ({"input_ids": [1, 999999]}, r"token ids outside \[0, "),
+        ({"input_ids": []}, "input_ids is an empty list"),
+        ({"input_ids": [1, [2]]}, "input_ids must be a list of int token ids"),
+        ({"input_ids": [[]]}, r"the prompt is empty \(0 tokens\)"),
+        (
+            {"prompt": "hi", "input_ids": [1]},
+            "Either prompt or input_ids must be given, and not both.",
+        ),
+        ({}, "Either prompt or input_ids must be given, and not both."),
+        ({"prompt": 42}, "prompt must be a str or a list of str"),
+        (
+            {"input_ids": [1] * 600},
+            r"The input \(600 tokens\) is longer than the model's context length \(512 tokens\).",
+        ),
+        (
+            {"input_ids": [1] * 500, "sampling_params": {"max_new_tokens": 20}},
+            r"maximum context length of 512 tokens. You requested a total of 520 tokens: 500 tokens from the input and 20",
+        ),
+        (
+            {"input_ids": [1] * 10, "return_logprob": True, "logprob_start_len": 10},
+            r"logprob_start_len \(10\) must be smaller than the input length \(10\)",
+        ),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [10**6]}},
+            "stop_token_ids must be < vocab size",
+        ),
+        ({"input_ids": [1], "image_data": "cat.png"}, "image_data are not supported"),
+    ],
+)
+def test_bad_generate_input_raises_and_engine_stays_usable(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+    assert not engine.scheduler.waiting, "nothing of a rejected call may be queued"
+    _assert_usable(engine)
+
+
+def test_request_larger_than_pool_fails_alone(engine):
+    # fits the context (512) but not the pool (400 slots): prompt 300 + 101 new
+    with pytest.raises(
+        ValueError,
+        match=r"needs 401 KV slots \(300 prompt tokens \+ max_new_tokens 101\) but the KV pool holds 400",
+    ):
+        engine.generate(input_ids=[1] * 300, sampling_params={"max_new_tokens": 101})
+    _assert_usable(engine)
+
+
+def test_auto_truncate_keeps_the_head(llama_dir):
+    with Engine(
+        model_path=str(llama_dir),
+        dtype="float32",
+        max_total_tokens=600,
+        context_length=64,
+        allow_auto_truncate=True,
+    ) as e:
+        out = e.generate(
+            input_ids=list(range(3, 103)), sampling_params={"max_new_tokens": 4, "temperature": 0}
+        )
+        ref = e.generate(
+            input_ids=list(range(3, 63)), sampling_params={"max_new_tokens": 4, "temperature": 0}
+        )
+    assert out["meta_info"]["prompt_tokens"] == 60
+    assert out["output_ids"] == ref["output_ids"]
+
+
+def test_model_folder_errors(tmp_path):
+    with pytest.raises(ValueError, match="is not a folder"):
+        Engine(model_path=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="has no config.json"):
+        Engine(model_path=str(tmp_path))
