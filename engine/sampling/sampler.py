@@ -47,7 +47,7 @@ def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) ->
     """Uniform(0, 1) draws [B, V] float32, open at both ends, depending only on (seed, step, column)."""
     row = _mix64(_mix64(seeds.long() + _GAMMA) + steps.long() * _GAMMA)
     # Column c is the c-th output of a splitmix64 stream keyed by the row, so no row sees another.
-    cols = (torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)) * _GAMMA
+    cols = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64) * _GAMMA
     bits = _shr(_mix64(row[:, None] + cols), 64 - _UNIFORM_BITS)
     return (bits.float() + 0.5) * (2.0**-_UNIFORM_BITS)
 
@@ -74,7 +74,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
     greedy = batch.temperatures == 0
     temps = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)
-    # NaN logits are never sampled and +inf ones are clamped, so softmax cannot yield NaN.
+    # NaN logits are never sampled and +inf ones are clamped, so softmax is NaN-free
+    # unless a row has no usable logit at all.
     scaled = torch.nan_to_num(
         logits / temps[:, None],
         nan=float("-inf"),
