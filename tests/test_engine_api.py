@@ -38,8 +38,19 @@ def test_single_prompt_gives_a_dict_and_a_list_gives_a_list_in_order(engine, lla
         assert out["output_ids"] == hf_greedy(llama_dir, ids, 16)[0]
         assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
         meta = out["meta_info"]
-        assert set(meta) == {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"}
-        assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 16 and meta["cached_tokens"] == 0
+        assert set(meta) == {
+            "id",
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "e2e_latency",
+        }
+        assert (
+            meta["prompt_tokens"] == len(ids)
+            and meta["completion_tokens"] == 16
+            and meta["cached_tokens"] == 0
+        )
         assert meta["e2e_latency"] > 0
     assert len({o["meta_info"]["id"] for o in batch}) == 3
 
@@ -61,11 +72,18 @@ def _first_new_token(engine, prompt):
 def test_stop_token_ids_finish_with_stop_reason(engine, prompts, llama_dir):
     tok = AutoTokenizer.from_pretrained(llama_dir)
     token, step, ref = _first_new_token(engine, prompts[1])
-    out = engine.generate(input_ids=prompts[1], sampling_params={**GREEDY, "stop_token_ids": [token]})
+    out = engine.generate(
+        input_ids=prompts[1], sampling_params={**GREEDY, "stop_token_ids": [token]}
+    )
     assert out["output_ids"] == ref[: step + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
-    assert out["text"] == tok.decode(ref[:step], skip_special_tokens=True), "the matched stop token is trimmed"
-    kept = engine.generate(input_ids=prompts[1], sampling_params={**GREEDY, "stop_token_ids": [token], "no_stop_trim": True})
+    assert out["text"] == tok.decode(ref[:step], skip_special_tokens=True), (
+        "the matched stop token is trimmed"
+    )
+    kept = engine.generate(
+        input_ids=prompts[1],
+        sampling_params={**GREEDY, "stop_token_ids": [token], "no_stop_trim": True},
+    )
     assert kept["text"] == tok.decode(ref[: step + 1], skip_special_tokens=True)
 
 
@@ -73,11 +91,21 @@ def test_min_new_tokens_equals_transformers(engine, prompts, llama_dir):
     """Stop ids cannot end the output before min_new_tokens: the reference is transformers' min_new_tokens."""
     token, step, _ = _first_new_token(engine, prompts[2])
     min_new = step + 3
-    params = {"temperature": 0, "max_new_tokens": 24, "stop_token_ids": [token], "min_new_tokens": min_new}
+    params = {
+        "temperature": 0,
+        "max_new_tokens": 24,
+        "stop_token_ids": [token],
+        "min_new_tokens": min_new,
+    }
     out = engine.generate(input_ids=prompts[2], sampling_params=params)
     model = load_hf_model(llama_dir)
     ref = model.generate(
-        torch.tensor([prompts[2]]), max_new_tokens=24, min_new_tokens=min_new, eos_token_id=token, do_sample=False, pad_token_id=0
+        torch.tensor([prompts[2]]),
+        max_new_tokens=24,
+        min_new_tokens=min_new,
+        eos_token_id=token,
+        do_sample=False,
+        pad_token_id=0,
     )[0, len(prompts[2]) :].tolist()
     assert out["output_ids"] == ref
     assert len(out["output_ids"]) > step + 1
@@ -92,7 +120,9 @@ def test_eos_from_generation_config(prompts, llama_dir, tmp_path):
     gen["eos_token_id"] = [token]
     (folder / "generation_config.json").write_text(json.dumps(gen))
     with Engine(model_path=str(folder), dtype="float32", max_total_tokens=1024) as e:
-        stopped = e.generate(input_ids=prompts[0], sampling_params={"temperature": 0, "max_new_tokens": 16})
+        stopped = e.generate(
+            input_ids=prompts[0], sampling_params={"temperature": 0, "max_new_tokens": 16}
+        )
         ignored = e.generate(input_ids=prompts[0], sampling_params=GREEDY)
     assert stopped["output_ids"] == ref[: step + 1]
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
@@ -101,7 +131,10 @@ def test_eos_from_generation_config(prompts, llama_dir, tmp_path):
 
 def test_max_new_tokens_zero_returns_input_logprobs_only(engine, prompts, llama_dir):
     out = engine.generate(
-        input_ids=prompts[2], sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+        input_ids=prompts[2],
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=0,
     )
     assert out["output_ids"] == [] and out["text"] == ""
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
@@ -113,8 +146,11 @@ def test_max_new_tokens_zero_returns_input_logprobs_only(engine, prompts, llama_
 def test_input_logprobs_match_transformers(engine, prompts, llama_dir, start):
     ids = prompts[2]
     out = engine.generate(
-        input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 2}, return_logprob=True,
-        logprob_start_len=start, top_logprobs_num=3,
+        input_ids=ids,
+        sampling_params={**GREEDY, "max_new_tokens": 2},
+        return_logprob=True,
+        logprob_start_len=start,
+        top_logprobs_num=3,
     )
     with torch.no_grad():
         ref = load_hf_model(llama_dir)(torch.tensor([ids])).logits[0].float().log_softmax(-1)
@@ -122,7 +158,9 @@ def test_input_logprobs_match_transformers(engine, prompts, llama_dir, start):
     got = out["meta_info"]["input_token_logprobs"]
     tops = out["meta_info"]["input_top_logprobs"]
     assert [t for _, t, _ in got] == ids[first:]
-    assert got[0][0] is None and tops[0] is None, "the first reported token has no logprob, as in SGLang"
+    assert got[0][0] is None and tops[0] is None, (
+        "the first reported token has no logprob, as in SGLang"
+    )
     for j, ((lp, token, _), top) in enumerate(zip(got[1:], tops[1:]), start=first + 1):
         assert abs(lp - ref[j - 1, token].item()) < 1e-4
         assert [t for _, t, _ in top] == ref[j - 1].topk(3).indices.tolist()
@@ -130,34 +168,55 @@ def test_input_logprobs_match_transformers(engine, prompts, llama_dir, start):
 
 def test_text_in_logprobs(engine, llama_dir):
     tok = AutoTokenizer.from_pretrained(llama_dir)
-    out = engine.generate("hello world", GREEDY, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True)
-    for lp, token, text in out["meta_info"]["output_token_logprobs"]:
+    out = engine.generate(
+        "hello world", GREEDY, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=True
+    )
+    for _, token, text in out["meta_info"]["output_token_logprobs"]:
         assert text == tok.decode([token])
-    assert all(text == tok.decode([t]) for step in out["meta_info"]["output_top_logprobs"] for _, t, text in step)
+    assert all(
+        text == tok.decode([t])
+        for step in out["meta_info"]["output_top_logprobs"]
+        for _, t, text in step
+    )
 
 
 def test_per_request_logprob_flags(engine, prompts):
-    outs = engine.generate(input_ids=prompts[:2], sampling_params=GREEDY, return_logprob=[True, False])
+    outs = engine.generate(
+        input_ids=prompts[:2], sampling_params=GREEDY, return_logprob=[True, False]
+    )
     assert "output_token_logprobs" in outs[0]["meta_info"]
     assert "output_token_logprobs" not in outs[1]["meta_info"]
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(engine, prompts):
-    params = {"temperature": 0.9, "top_p": 0.95, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 1234}
+    params = {
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "max_new_tokens": 16,
+        "ignore_eos": True,
+        "sampling_seed": 1234,
+    }
     alone = engine.generate(input_ids=prompts[1], sampling_params=params)["output_ids"]
     others = [{**params, "sampling_seed": s} for s in (1, 2, 3)]
-    mixed = engine.generate(input_ids=[prompts[0], prompts[1], prompts[2], prompts[3]],
-                            sampling_params=[others[0], params, others[1], others[2]])
+    mixed = engine.generate(
+        input_ids=[prompts[0], prompts[1], prompts[2], prompts[3]],
+        sampling_params=[others[0], params, others[1], others[2]],
+    )
     assert mixed[1]["output_ids"] == alone
     assert len({tuple(m["output_ids"]) for m in mixed}) > 1
-    again = engine.generate(input_ids=[prompts[1]] * 3, sampling_params=[params, {**params, "sampling_seed": 99}, params])
+    again = engine.generate(
+        input_ids=[prompts[1]] * 3,
+        sampling_params=[params, {**params, "sampling_seed": 99}, params],
+    )
     assert again[0]["output_ids"] == again[2]["output_ids"] == alone
     assert again[1]["output_ids"] != alone
 
 
 def test_top_k_one_equals_greedy(engine, prompts):
     greedy = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-    top1 = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "temperature": 1.3, "top_k": 1})
+    top1 = engine.generate(
+        input_ids=prompts, sampling_params={**GREEDY, "temperature": 1.3, "top_k": 1}
+    )
     assert [o["output_ids"] for o in greedy] == [o["output_ids"] for o in top1]
 
 
@@ -165,19 +224,29 @@ def test_unseeded_sampling_is_reproducible_with_random_seed(llama_dir, prompts):
     params = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}
     runs = []
     for _ in range(2):
-        with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=1024, random_seed=5) as e:
-            runs.append([o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)])
+        with Engine(
+            model_path=str(llama_dir), dtype="float32", max_total_tokens=1024, random_seed=5
+        ) as e:
+            runs.append(
+                [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+            )
     assert runs[0] == runs[1]
 
 
 def test_server_info_and_lifecycle(llama_dir):
-    e = Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=512, max_running_requests=8)
+    e = Engine(
+        model_path=str(llama_dir), dtype="float32", max_total_tokens=512, max_running_requests=8
+    )
     e.generate(input_ids=[[1, 2, 3]] * 3, sampling_params=GREEDY)
     info = e.get_server_info()
     assert info["model_path"] == str(llama_dir)
     assert info["max_total_num_tokens"] == 512 and info["max_running_requests"] == 8
     state = info["internal_states"][0]
-    assert state["generated_tokens"] == 48 and state["prompt_tokens"] == 9 and state["requests_finished"] == 3
+    assert (
+        state["generated_tokens"] == 48
+        and state["prompt_tokens"] == 9
+        and state["requests_finished"] == 3
+    )
     assert e.flush_cache() is True
     e.shutdown()
     e.shutdown()  # idempotent
