@@ -195,15 +195,15 @@ class LlamaForCausalLM(nn.Module):
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
             loaded.add((name, shard))
-        missing = sorted(e for e in expected if not self._covered(e, loaded))
+        missing = sorted(m for name in expected for m in self._missing(name, loaded))
         if missing:
             raise ValueError(
                 f"the checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
             )
 
-    def _covered(self, name: str, loaded: set[tuple[str, object]]) -> bool:
-        """A fused parameter is loaded when every one of its shards is."""
+    def _missing(self, name: str, loaded: set[tuple[str, object]]) -> list[str]:
+        """What of parameter `name` no checkpoint tensor filled: the whole of it, or shards of a fused one."""
         shards = [s for _, ours, s in self.stacked_params if f".{ours}." in name]
-        if shards:
-            return all((name, s) in loaded for s in shards)
-        return (name, None) in loaded
+        if not shards:
+            return [] if (name, None) in loaded else [name]
+        return [f"{name} (shard {s!r})" for s in shards if (name, s) not in loaded]
