@@ -4,41 +4,36 @@
     out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 16})
     print(out["text"], out["meta_info"]["finish_reason"])
 
-The path of a request: `generate` -> TokenizerManager.make_call (tokenize, validate, build Req)
--> Scheduler.add_request -> Scheduler.step (batching, KV pages, ModelRunner.forward -> model ->
-attention backend over the paged pool, sampling) -> TokenizerManager.format (detokenize, meta_info).
-In this version the scheduler runs in the caller's process.
+The path of a request:
+  caller process   Engine.generate -> InputProcessor.make_call (tokenize, validate, build a Req)
+                   -> TokenizerManager.submit ---------------------------------------- ZMQ -->
+  scheduler proc.  SchedulerProcess -> Scheduler.step (batching, KV pages) -> ModelRunner.forward
+                   -> model -> attention backend over the paged KV pool; sampling ---- ZMQ -->
+  detokenizer      Detokenizer.process (incremental text, stop strings) ------------- ZMQ -->
+  caller process   TokenizerManager receiver thread -> the caller's Channel -> result dict
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import weakref
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import torch
-
 from engine.model_config import ModelConfig
-from engine.scheduler import Scheduler
 from engine.server_args import ServerArgs
-from engine.tokenizer_manager import TokenizerManager
+from engine.tokenizer_manager import Channel, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
 # generate() arguments of SGLang that this engine does not serve; passing them is an error, not a no-op
 _UNSUPPORTED_GENERATE_ARGS = (
-    "image_data",
-    "audio_data",
-    "video_data",
-    "lora_path",
-    "custom_logit_processor",
-    "token_ids_logprob",
-    "return_hidden_states",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "data_parallel_rank",
-)
+    "image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor",
+    "token_ids_logprob", "return_hidden_states", "bootstrap_host", "bootstrap_port",
+    "bootstrap_room", "data_parallel_rank",
+)  # fmt: skip
 
 
 class Engine:
@@ -47,17 +42,15 @@ class Engine:
         args = self.server_args
         logging.getLogger("engine").setLevel(args.log_level.upper())
         started = time.perf_counter()
+        # read config.json here, so a bad folder fails before any process starts
         self.model_config = ModelConfig.from_folder(
             args.model_path, args.dtype, args.context_length
         )
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.scheduler = Scheduler(args, self.model_config, self.device)
-        self.tokenizer_manager = TokenizerManager(
-            args, self.model_config, self.scheduler.max_total_tokens
-        )
+        self.tokenizer_manager = TokenizerManager(args, self.model_config)
+        # NOTE: children go away at shutdown(), when the engine is collected, and at interpreter exit
+        self._finalizer = weakref.finalize(self, self.tokenizer_manager.shutdown)
         self.startup_seconds = time.perf_counter() - started
-        self._closed = False
-        logger.info("engine ready in %.1fs on %s", self.startup_seconds, self.device)
+        logger.info("engine ready in %.1fs", self.startup_seconds)
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -72,92 +65,84 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         **unsupported: Any,
-    ) -> dict | list[dict]:
-        """Generate for one prompt (returns a dict) or a list of prompts (a list of dicts, in input order)."""
-        self._check_open()
-        _refuse(unsupported)
+    ) -> dict | list[dict] | Iterator[dict]:
+        """One prompt -> a dict; a list -> a list of dicts in input order; stream=True -> an iterator of chunks.
+
+        Streamed chunks carry the text and token ids new since the previous chunk; the last
+        one of each request carries its finish_reason and complete meta_info.
+        """
+        tm = self.tokenizer_manager
+        call = self._make_call(locals(), unsupported)
+        channel = Channel()
+        states = tm.submit(call, channel)
         if stream:
-            raise ValueError("stream=True is not supported by this engine version yet.")
-        call = self.tokenizer_manager.make_call(
-            prompt,
-            input_ids,
-            sampling_params,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            rid,
-            return_text_in_logprobs,
-        )
-        for req in call.reqs:
-            self.scheduler.add_request(req)
-        pending = {req.rid for req in call.reqs}
-        try:
-            while pending:
-                for req in self.scheduler.step():
-                    if req.finished:
-                        pending.discard(req.rid)
-                if pending and not self.scheduler.has_work():
-                    raise RuntimeError(
-                        f"scheduler went idle with {len(pending)} request(s) unfinished"
-                    )
-        except BaseException:
-            for rid_ in pending:  # leave the engine clean for the next call
-                self.scheduler.abort_request(rid_)
-            raise
-        outputs = [
-            self.tokenizer_manager.format(req, call.return_text_in_logprobs) for req in call.reqs
-        ]
-        _raise_if_aborted(call.reqs)
-        return outputs if call.is_batch else outputs[0]
+            return tm.stream(states, channel, with_index=call.is_batch)
+        results = tm.wait_all(states, channel)
+        return results if call.is_batch else results[0]
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        **unsupported: Any,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        """As generate(), awaited on the caller's event loop; stream=True gives an async iterator.
+
+        Cancelling the awaiting task aborts its requests and frees their KV pages.
+        """
+        tm = self.tokenizer_manager
+        call = self._make_call(locals(), unsupported)
+        channel = Channel(asyncio.get_running_loop())
+        states = tm.submit(call, channel)
+        if stream:
+            return tm.async_stream(states, channel, with_index=call.is_batch)
+        results = await tm.async_wait_all(states, channel)
+        return results if call.is_batch else results[0]
+
+    def _make_call(self, arguments: dict[str, Any], unsupported: dict[str, Any]):
+        _refuse(unsupported)
+        tm = self.tokenizer_manager
+        tm._check_usable()
+        return tm.inputs.make_call(
+            arguments["prompt"], arguments["input_ids"], arguments["sampling_params"],
+            arguments["return_logprob"], arguments["logprob_start_len"], arguments["top_logprobs_num"],
+            arguments["rid"], arguments["return_text_in_logprobs"], arguments["stream"],
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ management
     def flush_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while requests run. Nothing is cached across calls yet."""
-        self._check_open()
-        return not self.scheduler.has_work()
+        """Empty the prefix cache; refused (False) while requests run."""
+        return bool(self.tokenizer_manager.control("flush_cache"))
 
     def get_server_info(self) -> dict[str, Any]:
-        self._check_open()
-        stats = self.scheduler.stats
+        tm = self.tokenizer_manager
         return {
             **self.server_args.to_dict(),
             "model_config": self.model_config.hf,
-            "device": str(self.device),
-            "max_total_num_tokens": self.scheduler.max_total_tokens,
-            "max_running_requests": self.scheduler.max_running_requests,
+            "device": tm.scheduler_info["device"],
+            "max_total_num_tokens": tm.scheduler_info["max_total_tokens"],
+            "max_running_requests": tm.scheduler_info["max_running_requests"],
             "startup_seconds": self.startup_seconds,
-            "internal_states": [
-                {
-                    "requests_finished": stats.requests_finished,
-                    "prompt_tokens": stats.prompt_tokens,
-                    "generated_tokens": stats.generated_tokens,
-                    "prefill_steps": stats.prefill_steps,
-                    "decode_steps": stats.decode_steps,
-                    "gen_throughput": stats.generated_tokens / stats.busy_seconds
-                    if stats.busy_seconds
-                    else 0.0,
-                }
-            ],
+            "pids": tm.children.pids,
+            "internal_states": [tm.control("get_info")],
         }
 
     def shutdown(self) -> None:
-        """Release the model and KV memory. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        del self.scheduler
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """Stop the scheduler and detokenizer processes and free their memory. Idempotent."""
+        self._finalizer()
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the engine has been shut down")
 
 
 def _refuse(unsupported: dict[str, Any]) -> None:
@@ -169,10 +154,3 @@ def _refuse(unsupported: dict[str, Any]) -> None:
         raise ValueError(
             f"generate() argument(s) {', '.join(used)} are not supported by this engine."
         )
-
-
-def _raise_if_aborted(reqs: list) -> None:
-    """A request the scheduler had to fail surfaces as an error in its caller, as in SGLang."""
-    for req in reqs:
-        if req.finish_reason and req.finish_reason.get("type") == "abort":
-            raise ValueError(f"request {req.rid} failed: {req.finish_reason.get('message')}")

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.detokenize import IncrementalDecoder, find_stop
 from engine.sampling_params import SamplingParams
 
 
@@ -18,6 +19,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: output logprobs only (SGLang's default)
     top_logprobs_num: int = 0
+    stream: bool = False
 
     output_ids: list[int] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
@@ -29,6 +31,12 @@ class Req:
     pool_row: int = -1
     kv_pages: list[int] = field(default_factory=list)
     kv_len: int = 0  # tokens whose K/V are in the pool
+
+    # progress already sent to the caller (scheduler process)
+    sent_len: int = 0
+    sent_first: bool = False
+    # the text so far, kept only for requests with stop strings (scheduler process)
+    stop_decoder: IncrementalDecoder | None = field(default=None, repr=False)
 
     # logprobs: value, and top-k (values, ids) per position; None where SGLang gives None
     input_logprobs: list[float | None] = field(default_factory=list)
@@ -57,8 +65,16 @@ class Req:
 
     def check_finished(self, token: int, context_length: int) -> None:
         """Called after `token` was appended to output_ids."""
+        stop_string = None
+        if self.stop_decoder is not None:
+            new_text = self.stop_decoder.push([token])
+            stop_string = find_stop(
+                self.stop_decoder.text, len(new_text), self.sampling.stop_strings
+            )
         if token in self.sampling.stop_ids and len(self.output_ids) >= self.sampling.min_new_tokens:
             self.finish({"type": "stop", "matched": token})
+        elif stop_string is not None:
+            self.finish({"type": "stop", "matched": stop_string})
         elif len(self.output_ids) >= self.sampling.max_new_tokens:
             self.finish({"type": "length", "length": self.sampling.max_new_tokens})
         elif self.prompt_len + len(self.output_ids) >= context_length:

@@ -94,6 +94,8 @@ class SamplingParams:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
         if sum(g is not None for g in (self.json_schema, self.regex, self.ebnf)) > 1:
             raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
+        if any(not s for s in self.stop_strings):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}.")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}."
@@ -111,7 +113,6 @@ class SamplingParams:
             "regex": self.regex is not None,
             "ebnf": self.ebnf is not None,
             "structural_tag": self.structural_tag is not None,
-            "stop": bool(self.stop),
             "n": self.n != 1,
         }
         used = [name for name, on in unbuilt.items() if on]
@@ -127,6 +128,12 @@ class SamplingParams:
             )
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1

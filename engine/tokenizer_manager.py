@@ -1,256 +1,396 @@
-"""The caller's side of the engine: tokenize, validate, build requests, format results.
+"""The caller's side of the engine: submit requests to the scheduler process, hand results back.
 
-Every check happens here, before any request of a call is queued, so a bad input raises in
-its caller and leaves nothing half-submitted.
+A receiver thread owns the one inbound socket. It routes every output to its request's
+Channel, answers control calls, replays the children's log records through the caller's
+logging, and watches the children: if one dies, every waiting caller gets a RuntimeError at
+once. Channels are thread-safe and work for blocking callers and for asyncio callers on any
+event loop, so no caller ever needs nest_asyncio.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
-import random
-import uuid
-from dataclasses import dataclass
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+import zmq
 
+from engine.input_processor import GenerateCall, InputProcessor, load_tokenizer
 from engine.model_config import ModelConfig
 from engine.request import Req
-from engine.sampling_params import SamplingParams
+from engine.runtime.children import ChildProcesses
+from engine.runtime.ipc import Endpoints, pull_socket, push_socket, recv_all
+from engine.runtime.messages import (
+    AbortReq,
+    BatchOut,
+    ChildError,
+    ControlReply,
+    ControlReq,
+    LogMsg,
+    Ready,
+    ReqOutput,
+)
 from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+_POLL_MS = 100
+_CONTROL_TIMEOUT_S = 60.0
 
-@dataclass
-class GenerateCall:
-    """One generate() call, normalised: a request per prompt, and whether the caller gave a batch."""
 
-    reqs: list[Req]
-    is_batch: bool
-    return_text_in_logprobs: bool
+class Channel:
+    """Where a call's results arrive: (index, kind, payload) items, kind in 'chunk', 'final', 'error'."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue | queue.Queue = asyncio.Queue() if loop else queue.Queue()
+
+    def put(self, item: tuple[int, str, Any]) -> None:
+        if self.loop is None:
+            self.queue.put(item)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    def get(self) -> tuple[int, str, Any]:
+        return self.queue.get()
+
+    async def aget(self) -> tuple[int, str, Any]:
+        return await self.queue.get()
+
+
+class ReqState:
+    """What the caller has received so far for one request."""
+
+    def __init__(self, req: Req, index: int, channel: Channel, text_in_logprobs: bool) -> None:
+        self.req = req
+        self.index = index
+        self.channel = channel
+        self.text_in_logprobs = text_in_logprobs
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.finish_reason: dict | None = None
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.input_logprobs: list = []
+        self.input_top_logprobs: list = []
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list = []
+        self.created = time.perf_counter()
+        self.finished_at: float | None = None
+
+    def apply(self, out: ReqOutput) -> None:
+        self.text += out.text
+        self.output_ids += out.new_ids
+        self.completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
+        self.output_logprobs += out.output_logprobs
+        self.output_top_logprobs += out.output_top_logprobs
+        if out.input_logprobs is not None:
+            self.input_logprobs, self.input_top_logprobs = (
+                out.input_logprobs,
+                out.input_top_logprobs,
+            )
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.finished_at = time.perf_counter()
 
 
 class TokenizerManager:
-    def __init__(self, args: ServerArgs, config: ModelConfig, max_total_tokens: int) -> None:
+    def __init__(self, args: ServerArgs, config: ModelConfig) -> None:
         self.args = args
         self.config = config
-        self.max_total_tokens = max_total_tokens
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args)
-        self.eos_ids = config.eos_token_ids | _tokenizer_eos(self.tokenizer)
-        self._seeds = random.Random(args.random_seed)
-
-    # ------------------------------------------------------------------ inputs
-    def make_call(
-        self,
-        prompt: str | list[str] | None,
-        input_ids: list[int] | list[list[int]] | None,
-        sampling_params: dict | list[dict] | None,
-        return_logprob: bool | list[bool],
-        logprob_start_len: int | list[int] | None,
-        top_logprobs_num: int | list[int] | None,
-        rid: str | list[str] | None,
-        return_text_in_logprobs: bool,
-    ) -> GenerateCall:
-        token_lists, is_batch = self._token_lists(prompt, input_ids)
-        n = len(token_lists)
-        params = _per_request("sampling_params", sampling_params, n, dict)
-        logprob = _per_request("return_logprob", return_logprob, n, bool)
-        starts = _per_request("logprob_start_len", logprob_start_len, n, int)
-        tops = _per_request("top_logprobs_num", top_logprobs_num, n, int)
-        rids = _per_request("rid", rid, n, str)
-        reqs = []
-        for i in range(n):
-            where = f"request {i}: " if is_batch else ""
-            try:
-                reqs.append(
-                    self._make_req(
-                        token_lists[i], params[i], logprob[i], starts[i], tops[i], rids[i]
-                    )
-                )
-            except ValueError as e:
-                raise ValueError(f"{where}{e}") from None
-        if len({r.rid for r in reqs}) != n:
-            raise ValueError("rid values must be unique within a call")
-        return GenerateCall(reqs, is_batch, return_text_in_logprobs)
-
-    def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("Either prompt or input_ids must be given, and not both.")
-        if (prompt if prompt is not None else input_ids) == []:
-            raise ValueError(
-                f"{'prompt' if prompt is not None else 'input_ids'} is an empty list: give at least one prompt."
-            )
-        if prompt is not None:
-            if self.tokenizer is None:
-                raise ValueError(
-                    "prompt needs a tokenizer: pass input_ids, or start the engine without skip_tokenizer_init"
-                )
-            if isinstance(prompt, str):
-                return [self.tokenizer.encode(prompt)], False
-            if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-                return [self.tokenizer.encode(p) for p in prompt], True
-            raise ValueError("prompt must be a str or a list of str")
-        if isinstance(input_ids, list) and input_ids and all(_is_token(t) for t in input_ids):
-            return [list(input_ids)], False
-        if isinstance(input_ids, list) and all(
-            isinstance(x, list) and all(_is_token(t) for t in x) for x in input_ids
-        ):
-            return [list(x) for x in input_ids], True
-        raise ValueError("input_ids must be a list of int token ids or a list of such lists")
-
-    def _make_req(
-        self,
-        ids: list[int],
-        params: dict | None,
-        return_logprob: bool | None,
-        logprob_start_len: int | None,
-        top_logprobs_num: int | None,
-        rid: str | None,
-    ) -> Req:
-        sampling = SamplingParams.from_dict(params)
-        sampling.verify_vocab(self.config.vocab_size)
-        if not ids:
-            raise ValueError("the prompt is empty (0 tokens)")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"input_ids contain token ids outside [0, {self.config.vocab_size}): {bad[:5]}"
-            )
-        ids = self._fit_context(ids, sampling.max_new_tokens)
-        need = len(ids) + sampling.max_new_tokens
-        if need > self.max_total_tokens:
-            raise ValueError(
-                f"the request needs {need} KV slots ({len(ids)} prompt tokens + max_new_tokens "
-                f"{sampling.max_new_tokens}) but the KV pool holds {self.max_total_tokens} (max_total_tokens)."
-            )
-        start = -1 if logprob_start_len is None else logprob_start_len
-        if return_logprob and start >= len(ids):
-            raise ValueError(
-                f"logprob_start_len ({start}) must be smaller than the input length ({len(ids)})."
-            )
-        top = top_logprobs_num or 0
-        if top < 0:
-            raise ValueError(f"top_logprobs_num must be at least 0, got {top}.")
-        seed = (
-            sampling.sampling_seed
-            if sampling.sampling_seed is not None
-            else self._seeds.getrandbits(63)
+        self._folder = tempfile.mkdtemp(prefix="gristmill-")  # mode 0700: private to this user
+        endpoints = Endpoints(self._folder)
+        self._ctx = zmq.Context()
+        self._inbox = pull_socket(self._ctx, endpoints.tokenizer)
+        self._to_scheduler = push_socket(self._ctx, endpoints.scheduler)
+        self._send_lock = threading.Lock()
+        self._states: dict[str, ReqState] = {}
+        self._controls: dict[int, tuple[threading.Event, list]] = {}
+        self._control_ids = itertools.count()
+        self._error: Exception | None = None
+        self._closed = False
+        self.children: ChildProcesses | None = None
+        try:
+            self.children = ChildProcesses(args, endpoints)
+            info = self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.scheduler_info = info
+        self.inputs = InputProcessor(args, config, self.tokenizer, info["max_total_tokens"])
+        self._receiver = threading.Thread(
+            target=self._receive_loop, name="gristmill-receiver", daemon=True
         )
-        return Req(
-            rid=rid or uuid.uuid4().hex,
-            input_ids=ids,
-            sampling=sampling.with_stop_ids(self.eos_ids),
-            seed=seed,
-            return_logprob=bool(return_logprob),
-            logprob_start_len=start,
-            top_logprobs_num=top if return_logprob else 0,
-        )
+        self._receiver.start()
 
-    def _fit_context(self, ids: list[int], max_new_tokens: int) -> list[int]:
-        context = self.config.context_length
-        if len(ids) >= context:
-            if not self.args.allow_auto_truncate:
-                raise ValueError(
-                    f"The input ({len(ids)} tokens) is longer than the model's context length ({context} tokens)."
+    # ------------------------------------------------------------------ start-up
+    def _wait_ready(self) -> dict[str, Any]:
+        ready: dict[str, dict] = {}
+        while len(ready) < 2:
+            for msg in recv_all(self._inbox, _POLL_MS):
+                if isinstance(msg, Ready):
+                    ready[msg.role] = msg.info
+                elif isinstance(msg, ChildError):
+                    raise _child_exception(msg)
+                elif isinstance(msg, LogMsg):
+                    _replay(msg)
+            if len(ready) < 2 and (gone := self.children.exited()):
+                # a report sent just before dying may still be in flight
+                for msg in recv_all(self._inbox, 500):
+                    if isinstance(msg, ChildError):
+                        raise _child_exception(msg)
+                raise RuntimeError(
+                    f"the {gone[0]} process exited with code {gone[1]} while starting"
                 )
-        elif len(ids) + max_new_tokens <= context:
-            return ids
-        if self.args.allow_auto_truncate and max_new_tokens < context:
-            keep = context - max_new_tokens
-            logger.warning(
-                "prompt of %d tokens truncated to %d (allow_auto_truncate)", len(ids), keep
-            )
-            return ids[:keep]
-        raise ValueError(
-            f"Requested token count exceeds the model's maximum context length of {context} tokens. "
-            f"You requested a total of {len(ids) + max_new_tokens} tokens: {len(ids)} tokens from the input "
-            f"and {max_new_tokens} tokens for the completion (max_new_tokens). "
-            "Reduce the input or max_new_tokens to fit within the limit."
-        )
+        return ready["scheduler"]
 
-    # ------------------------------------------------------------------ outputs
-    def format(self, req: Req, with_text_in_logprobs: bool) -> dict[str, Any]:
-        sp = req.sampling
-        ids = req.output_ids
-        reason = req.finish_reason or {}
-        if (
-            reason.get("type") == "stop"
-            and isinstance(reason.get("matched"), int)
-            and not sp.no_stop_trim
-        ):
-            ids = ids[:-1]
-        text = self.decode(ids, sp) if self.tokenizer is not None else ""
+    # ------------------------------------------------------------------ submitting
+    def submit(self, call: GenerateCall, channel: Channel) -> list[ReqState]:
+        self._check_usable()
+        states = [
+            ReqState(req, i, channel, call.return_text_in_logprobs)
+            for i, req in enumerate(call.reqs)
+        ]
+        with self._send_lock:
+            busy = [s.req.rid for s in states if s.req.rid in self._states]
+            if busy:
+                raise ValueError(f"rid {busy[0]!r} is already in flight")
+            for state in states:
+                self._states[state.req.rid] = state
+                self._to_scheduler.send_pyobj(state.req)
+        return states
+
+    def abort(self, states: list[ReqState]) -> None:
+        """Stop requests the caller no longer waits for; the scheduler frees their pages."""
+        with self._send_lock:
+            for state in states:
+                if self._states.pop(state.req.rid, None) is not None and not self._closed:
+                    self._to_scheduler.send_pyobj(AbortReq(state.req.rid))
+
+    def wait_all(self, states: list[ReqState], channel: Channel) -> list[dict]:
+        results: dict[int, dict] = {}
+        try:
+            while len(results) < len(states):
+                index, kind, payload = channel.get()
+                results.update(_take(index, kind, payload))
+        except BaseException:
+            self.abort([s for s in states if s.index not in results])
+            raise
+        return [results[i] for i in range(len(states))]
+
+    async def async_wait_all(self, states: list[ReqState], channel: Channel) -> list[dict]:
+        results: dict[int, dict] = {}
+        try:
+            while len(results) < len(states):
+                index, kind, payload = await channel.aget()
+                results.update(_take(index, kind, payload))
+        except BaseException:  # CancelledError included: abort what is still running
+            self.abort([s for s in states if s.index not in results])
+            raise
+        return [results[i] for i in range(len(states))]
+
+    def stream(self, states: list[ReqState], channel: Channel, with_index: bool) -> Iterator[dict]:
+        live = {s.index for s in states}
+        try:
+            while live:
+                index, kind, payload = channel.get()
+                yield _chunk(index, kind, payload, live, with_index)
+        finally:
+            self.abort([s for s in states if s.index in live])
+
+    async def async_stream(
+        self, states: list[ReqState], channel: Channel, with_index: bool
+    ) -> AsyncIterator[dict]:
+        live = {s.index for s in states}
+        try:
+            while live:
+                index, kind, payload = await channel.aget()
+                yield _chunk(index, kind, payload, live, with_index)
+        finally:
+            self.abort([s for s in states if s.index in live])
+
+    # ------------------------------------------------------------------ control calls
+    def control(self, kind: str) -> Any:
+        self._check_usable()
+        event, box = threading.Event(), []
+        with self._send_lock:
+            cid = next(self._control_ids)
+            self._controls[cid] = (event, box)
+            self._to_scheduler.send_pyobj(ControlReq(kind, cid))
+        if not event.wait(_CONTROL_TIMEOUT_S):
+            self._controls.pop(cid, None)
+            raise RuntimeError(
+                f"the scheduler did not answer {kind!r} within {_CONTROL_TIMEOUT_S:.0f}s"
+            )
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+
+    # ------------------------------------------------------------------ receiving
+    def _receive_loop(self) -> None:
+        try:
+            while not self._closed:
+                for msg in recv_all(self._inbox, _POLL_MS):
+                    self._dispatch(msg)
+                if not self._closed and (gone := self.children.exited()):
+                    for msg in recv_all(self._inbox, 200):  # a last report may be in flight
+                        self._dispatch(msg)
+                    if self._error is None:
+                        self._fail(
+                            RuntimeError(
+                                f"the {gone[0]} process died (exit code {gone[1]}); the engine must be restarted"
+                            )
+                        )
+                    return
+        except Exception as e:  # a bug here must not leave callers hanging
+            logger.exception("receiver thread failed")
+            self._fail(RuntimeError(f"the engine's receiver failed: {e!r}"))
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, BatchOut):
+            for out in msg.outputs:
+                self._deliver(out)
+        elif isinstance(msg, ControlReply):
+            event, box = self._controls.pop(msg.id, (None, None))
+            if event is not None:
+                box.append(msg.value)
+                event.set()
+        elif isinstance(msg, LogMsg):
+            _replay(msg)
+        elif isinstance(msg, ChildError):
+            logger.error("%s process failed:\n%s", msg.role, msg.traceback)
+            self._fail(
+                RuntimeError(f"the {msg.role} process failed: {msg.exc_type}: {msg.message}")
+            )
+
+    def _deliver(self, out: ReqOutput) -> None:
+        state = self._states.get(out.rid)
+        if state is None:  # aborted by its caller meanwhile
+            return
+        state.apply(out)
+        finished = out.finish_reason is not None
+        if finished:
+            self._states.pop(out.rid, None)
+        if state.req.stream:
+            chunk = {
+                "text": out.text,
+                "output_ids": list(out.new_ids),
+                "meta_info": self._meta(state),
+            }
+            state.channel.put((state.index, "final" if finished else "chunk", chunk))
+        elif finished:
+            result = {
+                "text": state.text,
+                "output_ids": state.output_ids,
+                "meta_info": self._meta(state),
+            }
+            state.channel.put((state.index, "final", result))
+
+    def _fail(self, error: Exception) -> None:
+        self._error = error
+        with self._send_lock:
+            states, self._states = list(self._states.values()), {}
+            controls, self._controls = list(self._controls.values()), {}
+        for state in states:
+            state.channel.put((state.index, "error", error))
+        for event, box in controls:
+            box.append(error)
+            event.set()
+
+    # ------------------------------------------------------------------ results
+    def _meta(self, state: ReqState) -> dict[str, Any]:
+        req = state.req
         meta: dict[str, Any] = {
             "id": req.rid,
-            "finish_reason": req.finish_reason,
+            "finish_reason": state.finish_reason,
             "prompt_tokens": req.prompt_len,
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "e2e_latency": (req.finished_at or req.created_at) - req.created_at,
+            "completion_tokens": state.completion_tokens,
+            "cached_tokens": state.cached_tokens,
+            "e2e_latency": (state.finished_at or time.perf_counter()) - state.created,
         }
         if req.return_logprob:
+            text = state.text_in_logprobs
             start = req.input_logprob_start
             meta["input_token_logprobs"] = self._triples(
-                req.input_logprobs, req.input_ids[start:], with_text_in_logprobs
+                state.input_logprobs, req.input_ids[start:], text
             )
             meta["output_token_logprobs"] = self._triples(
-                req.output_logprobs, req.output_ids, with_text_in_logprobs
+                state.output_logprobs, state.output_ids, text
             )
             if req.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = [
-                    self._top(t, with_text_in_logprobs) for t in req.input_top_logprobs
+                    None if t is None else self._triples(*t, text) for t in state.input_top_logprobs
                 ]
                 meta["output_top_logprobs"] = [
-                    self._top(t, with_text_in_logprobs) for t in req.output_top_logprobs
+                    self._triples(*t, text) for t in state.output_top_logprobs
                 ]
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+        return meta
 
-    def decode(self, ids: list[int], sp: SamplingParams) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+    def _triples(self, values: list, ids: list[int], with_text: bool) -> list[tuple]:
+        decode = self.tokenizer.decode if with_text and self.tokenizer is not None else None
+        return [(v, t, decode([t]) if decode else None) for v, t in zip(values, ids)]
 
-    def _token_text(self, token: int, with_text: bool) -> str | None:
-        return self.tokenizer.decode([token]) if with_text and self.tokenizer is not None else None
+    # ------------------------------------------------------------------ lifetime
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine has been shut down")
+        if self._error is not None:
+            raise self._error
 
-    def _triples(self, values: list[float | None], ids: list[int], with_text: bool) -> list[tuple]:
-        return [(v, t, self._token_text(t, with_text)) for v, t in zip(values, ids)]
-
-    def _top(
-        self, top: tuple[list[float], list[int]] | None, with_text: bool
-    ) -> list[tuple] | None:
-        return None if top is None else self._triples(*top, with_text)
-
-
-def load_tokenizer(args: ServerArgs) -> PreTrainedTokenizerBase:
-    try:
-        return AutoTokenizer.from_pretrained(
-            args.tokenizer_path, trust_remote_code=args.trust_remote_code
-        )
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"cannot load a tokenizer from tokenizer_path {args.tokenizer_path!r}: {e}"
-        ) from None
-
-
-def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return frozenset() if eos is None else frozenset([eos])
+    def shutdown(self) -> None:
+        """Stop the children and free every resource. Idempotent; safe at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._error is None:
+            self._fail(RuntimeError("the engine has been shut down"))
+        if self.children is not None:
+            self.children.stop()
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None and receiver is not threading.current_thread():
+            receiver.join(timeout=5)
+        self._inbox.close()
+        self._to_scheduler.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._folder, ignore_errors=True)
 
 
-def _is_token(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
+def _take(index: int, kind: str, payload: Any) -> dict[int, dict]:
+    if kind == "error":
+        raise payload
+    return {index: payload} if kind == "final" else {}
 
 
-def _per_request(name: str, value: Any, n: int, item_type: type) -> list[Any]:
-    """A scalar applies to every request; a list must give one value per request."""
-    if isinstance(value, list):
-        if len(value) != n:
-            raise ValueError(
-                f"{name} has {len(value)} entries for {n} prompts; give one value or one per prompt."
-            )
-        return value
-    if value is not None and not isinstance(value, item_type):
-        raise ValueError(
-            f"{name} must be {item_type.__name__} or a list of them, got {type(value).__name__}."
-        )
-    return [value] * n
+def _chunk(index: int, kind: str, payload: Any, live: set[int], with_index: bool) -> dict:
+    if kind == "error":
+        raise payload
+    if kind == "final":
+        live.discard(index)
+    return {**payload, "index": index} if with_index else payload
+
+
+def _child_exception(msg: ChildError) -> Exception:
+    """A start-up failure of a child, raised in the caller as the same kind of error."""
+    text = (
+        f"{msg.message}"
+        if msg.exc_type == "ValueError"
+        else f"the {msg.role} process failed: {msg.exc_type}: {msg.message}"
+    )
+    return ValueError(text) if msg.exc_type == "ValueError" else RuntimeError(text)
+
+
+def _replay(msg: LogMsg) -> None:
+    record = logging.makeLogRecord(msg.record)
+    logging.getLogger(record.name).handle(record)

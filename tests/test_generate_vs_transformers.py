@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import Engine
+from tests.core import InProcessCore
 from tests.tiny_models import hf_greedy, random_prompts, special_token_ids
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -62,9 +63,10 @@ def test_logprobs_match_transformers(arch_case):
 
 def test_staggered_arrivals_equal_transformers(arch_case):
     """Requests join a running batch between decode steps and still produce the reference tokens."""
-    _, engine, prompts, refs = arch_case
-    scheduler, tm = engine.scheduler, engine.tokenizer_manager
-    reqs = tm.make_call(None, prompts, GREEDY, False, None, None, None, False).reqs
+    model_dir, _, prompts, refs = arch_case
+    core = InProcessCore(model_dir, dtype="float32", max_total_tokens=8192)
+    scheduler = core.scheduler
+    reqs = core.requests(prompts, GREEDY)
     arrivals = {0: reqs[:4], 3: reqs[4:8], 10: reqs[8:12], 25: reqs[12:]}
     joined_running_batch = False
     step = 0
@@ -86,7 +88,7 @@ def test_pool_just_large_enough_for_longest_request(arch_case):
     longest = max(len(p) for p in prompts) + MAX_NEW
     with Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=longest) as small:
         outs = small.generate(input_ids=prompts, sampling_params=GREEDY)
-        assert small.scheduler.max_total_tokens == longest
+        assert small.get_server_info()["max_total_num_tokens"] == longest
     for out, (ref_tokens, _) in zip(outs, refs):
         assert out["output_ids"] == ref_tokens
 

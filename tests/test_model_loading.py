@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import Engine
 from engine.model_config import ModelConfig
+from tests.core import InProcessCore
 from tests.tiny_models import (
     VOCAB_SIZE,
     hf_greedy,
@@ -179,7 +180,7 @@ def test_tied_embeddings_without_lm_head_tensor(qwen3_dir):
     with safe_open(str(qwen3_dir / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys())
     with Engine(model_path=str(qwen3_dir), dtype="float32", max_total_tokens=1024) as engine:
-        model = engine.scheduler.runner.model
+        model = InProcessCore.like(engine).scheduler.runner.model
         assert model.lm_head.weight is model.embed_tokens.weight
         outs = engine.generate(input_ids=SHORT_PROMPTS, sampling_params=GREEDY, return_logprob=True)
     assert_matches_transformers(qwen3_dir, outs, SHORT_PROMPTS)
@@ -196,7 +197,7 @@ def test_tied_checkpoint_that_also_stores_lm_head(qwen3_dir, tmp_path):
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" in set(f.keys())
     with Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=1024) as engine:
-        model = engine.scheduler.runner.model
+        model = InProcessCore.like(engine).scheduler.runner.model
         assert model.lm_head.weight is model.embed_tokens.weight
         outs = engine.generate(input_ids=SHORT_PROMPTS, sampling_params=GREEDY, return_logprob=True)
     assert_matches_transformers(model_dir, outs, SHORT_PROMPTS)
@@ -207,7 +208,7 @@ def test_untied_lm_head_is_loaded_separately(llama_dir):
         lm_head, embed = f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight")
     assert not torch.equal(lm_head, embed)
     with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=256) as engine:
-        model = engine.scheduler.runner.model
+        model = InProcessCore.like(engine).scheduler.runner.model
         assert model.lm_head.weight is not model.embed_tokens.weight
         assert torch.equal(model.lm_head.weight, lm_head)
         assert torch.equal(model.embed_tokens.weight, embed)
@@ -233,11 +234,11 @@ def bf16_dir(tmp_path_factory):
 
 
 def model_dtypes(engine) -> set[torch.dtype]:
-    return {p.dtype for p in engine.scheduler.runner.model.parameters()}
+    return {p.dtype for p in InProcessCore.like(engine).scheduler.runner.model.parameters()}
 
 
 def kv_dtypes(engine) -> set[torch.dtype]:
-    pool = engine.scheduler.runner.kv_pool
+    pool = InProcessCore.like(engine).scheduler.runner.kv_pool
     return {pool.dtype, *(b.dtype for b in pool.k_buffers), *(b.dtype for b in pool.v_buffers)}
 
 
@@ -318,12 +319,13 @@ def test_dummy_weights_need_no_checkpoint(llama_dir, tmp_path):
 
     with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=256) as real:
         real_shapes = {
-            n: p.shape for n, p in real.scheduler.runner.model.named_parameters()
+            n: p.shape
+            for n, p in InProcessCore.like(real).scheduler.runner.model.named_parameters()
         }  # loading checks every shape against the checkpoint's
     with Engine(
         model_path=str(model_dir), dtype="float32", max_total_tokens=256, load_format="dummy"
     ) as engine:
-        model = engine.scheduler.runner.model
+        model = InProcessCore.like(engine).scheduler.runner.model
         params = dict(model.named_parameters())
         assert {n: p.shape for n, p in params.items()} == real_shapes
         cfg = engine.model_config

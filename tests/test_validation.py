@@ -122,8 +122,9 @@ GOOD = {"temperature": 0, "max_new_tokens": 4}
 def _assert_usable(engine):
     out = engine.generate(input_ids=[5, 6, 7], sampling_params=GOOD)
     assert len(out["output_ids"]) == 4
-    assert not engine.scheduler.has_work()
-    assert engine.scheduler.kv.allocator.num_free == engine.scheduler.kv.pool.num_pages
+    state = engine.get_server_info()["internal_states"][0]
+    assert state["num_running_reqs"] == state["num_waiting_reqs"] == 0
+    assert state["kv_free_tokens"] == state["kv_total_tokens"], "no KV page may leak"
 
 
 @pytest.mark.parametrize(
@@ -169,7 +170,10 @@ def _assert_usable(engine):
 def test_bad_generate_input_raises_and_engine_stays_usable(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine.generate(**kwargs)
-    assert not engine.scheduler.waiting, "nothing of a rejected call may be queued"
+    finished = engine.get_server_info()["internal_states"][0]["requests_finished"]
+    _assert_usable(engine)
+    after = engine.get_server_info()["internal_states"][0]["requests_finished"]
+    assert after == finished + 1, "nothing of a rejected call may be queued"
     _assert_usable(engine)
 
 

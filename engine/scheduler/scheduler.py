@@ -78,6 +78,24 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def state(self) -> dict:
+        """Counters and queue lengths for get_server_info()."""
+        stats = self.stats
+        return {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "kv_free_tokens": self.kv.free_tokens,
+            "kv_total_tokens": self.max_total_tokens,
+            "requests_finished": stats.requests_finished,
+            "prompt_tokens": stats.prompt_tokens,
+            "generated_tokens": stats.generated_tokens,
+            "prefill_steps": stats.prefill_steps,
+            "decode_steps": stats.decode_steps,
+            "gen_throughput": stats.generated_tokens / stats.busy_seconds
+            if stats.busy_seconds
+            else 0.0,
+        }
+
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self) -> list[Req]:
@@ -91,8 +109,7 @@ class Scheduler:
             batch, mode = list(self.running), ForwardMode.DECODE
             self.stats.decode_steps += 1
         else:
-            self._fail_unadmittable()
-            return []
+            return self._fail_unadmittable()
         advanced = self._run(batch, mode)
         self.running = [r for r in self.running if not r.finished]
         self.stats.busy_seconds += time.perf_counter() - t0
@@ -118,16 +135,18 @@ class Scheduler:
         self.running.extend(admitted)
         return admitted
 
-    def _fail_unadmittable(self) -> None:
+    def _fail_unadmittable(self) -> list[Req]:
         """Nothing runs yet the head of the queue cannot be admitted: it can never fit; fail it alone."""
-        if self.waiting and not self.running:
-            req = self.waiting.popleft()
-            req.finish(
-                {
-                    "type": "abort",
-                    "message": f"request needs more KV memory than the pool's {self.max_total_tokens} tokens",
-                }
-            )
+        if not (self.waiting and not self.running):
+            return []
+        req = self.waiting.popleft()
+        req.finish(
+            {
+                "type": "abort",
+                "message": f"request needs more KV memory than the pool's {self.max_total_tokens} tokens",
+            }
+        )
+        return [req]
 
     # ------------------------------------------------------------------ forward
     def _run(self, reqs: list[Req], mode: ForwardMode) -> list[Req]:

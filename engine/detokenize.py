@@ -1,0 +1,72 @@
+"""Incremental detokenization: text deltas from a growing list of token ids.
+
+A byte-level tokenizer may split one character over several tokens; decoding such a prefix
+yields U+FFFD. The decoder therefore only releases text once it does not end in an
+incomplete character, and decodes each step with a few tokens of context before the new ones
+(so tokenizers that drop a leading space at the start of a decode still get spaces right).
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDecoder:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.kwargs = {
+            "skip_special_tokens": skip_special_tokens,
+            "spaces_between_special_tokens": spaces_between_special_tokens,
+        }
+        self.ids: list[int] = []
+        self.text = ""  # everything released so far
+        self._prefix = 0  # ids[_prefix:_read] were decoded last time, as context
+        self._read = 0
+
+    def push(self, new_ids: list[int]) -> str:
+        """Add tokens; return the newly completed text ('' while a character is incomplete)."""
+        self.ids.extend(new_ids)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """At the end of a request: release what is pending, incomplete characters included."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        context = self._decode(self.ids[self._prefix : self._read])
+        full = self._decode(self.ids[self._prefix :])
+        if len(full) <= len(context) or (full.endswith(_INCOMPLETE) and not final):
+            return ""
+        delta = full[len(context) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self.kwargs) if ids else ""
+
+
+def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could still grow into one of `stops`."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+def find_stop(text: str, new_chars: int, stops: tuple[str, ...]) -> str | None:
+    """The stop string completed by the last `new_chars` characters of `text`, if any."""
+    for stop in stops:
+        if stop in text[max(0, len(text) - new_chars - len(stop) + 1) :]:
+            return stop
+    return None

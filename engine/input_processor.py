@@ -1,0 +1,213 @@
+"""Turn a generate() call into validated requests: tokenize, check every field, assign ids and seeds.
+
+Every check happens here, in the caller's process, before any request of a call is queued,
+so a bad input raises in its caller and leaves nothing half-submitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.model_config import ModelConfig
+from engine.request import Req
+from engine.sampling_params import SamplingParams
+from engine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateCall:
+    """One generate() call, normalised: a request per prompt, and whether the caller gave a batch."""
+
+    reqs: list[Req]
+    is_batch: bool
+    return_text_in_logprobs: bool
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        args: ServerArgs,
+        config: ModelConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        max_total_tokens: int,
+    ) -> None:
+        self.args = args
+        self.config = config
+        self.max_total_tokens = max_total_tokens
+        self.tokenizer = tokenizer
+        self.eos_ids = config.eos_token_ids | _tokenizer_eos(tokenizer)
+        self._seeds = random.Random(args.random_seed)
+
+    # ------------------------------------------------------------------ inputs
+    def make_call(
+        self,
+        prompt: str | list[str] | None,
+        input_ids: list[int] | list[list[int]] | None,
+        sampling_params: dict | list[dict] | None,
+        return_logprob: bool | list[bool],
+        logprob_start_len: int | list[int] | None,
+        top_logprobs_num: int | list[int] | None,
+        rid: str | list[str] | None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+    ) -> GenerateCall:
+        token_lists, is_batch = self._token_lists(prompt, input_ids)
+        n = len(token_lists)
+        params = _per_request("sampling_params", sampling_params, n, dict)
+        logprob = _per_request("return_logprob", return_logprob, n, bool)
+        starts = _per_request("logprob_start_len", logprob_start_len, n, int)
+        tops = _per_request("top_logprobs_num", top_logprobs_num, n, int)
+        rids = _per_request("rid", rid, n, str)
+        reqs = []
+        for i in range(n):
+            where = f"request {i}: " if is_batch else ""
+            try:
+                req = self._make_req(
+                    token_lists[i], params[i], logprob[i], starts[i], tops[i], rids[i], stream
+                )
+                reqs.append(req)
+            except ValueError as e:
+                raise ValueError(f"{where}{e}") from None
+        if len({r.rid for r in reqs}) != n:
+            raise ValueError("rid values must be unique within a call")
+        return GenerateCall(reqs, is_batch, return_text_in_logprobs)
+
+    def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("Either prompt or input_ids must be given, and not both.")
+        if (prompt if prompt is not None else input_ids) == []:
+            raise ValueError(
+                f"{'prompt' if prompt is not None else 'input_ids'} is an empty list: give at least one prompt."
+            )
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt needs a tokenizer: pass input_ids, or start the engine without skip_tokenizer_init"
+                )
+            if isinstance(prompt, str):
+                return [self.tokenizer.encode(prompt)], False
+            if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+                return [self.tokenizer.encode(p) for p in prompt], True
+            raise ValueError("prompt must be a str or a list of str")
+        if isinstance(input_ids, list) and input_ids and all(_is_token(t) for t in input_ids):
+            return [list(input_ids)], False
+        if isinstance(input_ids, list) and all(
+            isinstance(x, list) and all(_is_token(t) for t in x) for x in input_ids
+        ):
+            return [list(x) for x in input_ids], True
+        raise ValueError("input_ids must be a list of int token ids or a list of such lists")
+
+    def _make_req(
+        self,
+        ids: list[int],
+        params: dict | None,
+        return_logprob: bool | None,
+        logprob_start_len: int | None,
+        top_logprobs_num: int | None,
+        rid: str | None,
+        stream: bool,
+    ) -> Req:
+        sampling = SamplingParams.from_dict(params)
+        sampling.verify_vocab(self.config.vocab_size)
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"input_ids contain token ids outside [0, {self.config.vocab_size}): {bad[:5]}"
+            )
+        ids = self._fit_context(ids, sampling.max_new_tokens)
+        need = len(ids) + sampling.max_new_tokens
+        if need > self.max_total_tokens:
+            raise ValueError(
+                f"the request needs {need} KV slots ({len(ids)} prompt tokens + max_new_tokens "
+                f"{sampling.max_new_tokens}) but the KV pool holds {self.max_total_tokens} (max_total_tokens)."
+            )
+        start = -1 if logprob_start_len is None else logprob_start_len
+        if return_logprob and start >= len(ids):
+            raise ValueError(
+                f"logprob_start_len ({start}) must be smaller than the input length ({len(ids)})."
+            )
+        top = top_logprobs_num or 0
+        if top < 0:
+            raise ValueError(f"top_logprobs_num must be at least 0, got {top}.")
+        seed = (
+            sampling.sampling_seed
+            if sampling.sampling_seed is not None
+            else self._seeds.getrandbits(63)
+        )
+        return Req(
+            rid=rid or uuid.uuid4().hex,
+            input_ids=ids,
+            sampling=sampling.with_stop_ids(self.eos_ids),
+            seed=seed,
+            return_logprob=bool(return_logprob),
+            logprob_start_len=start,
+            top_logprobs_num=top if return_logprob else 0,
+            stream=stream,
+        )
+
+    def _fit_context(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        context = self.config.context_length
+        if len(ids) >= context:
+            if not self.args.allow_auto_truncate:
+                raise ValueError(
+                    f"The input ({len(ids)} tokens) is longer than the model's context length ({context} tokens)."
+                )
+        elif len(ids) + max_new_tokens <= context:
+            return ids
+        if self.args.allow_auto_truncate and max_new_tokens < context:
+            keep = context - max_new_tokens
+            logger.warning(
+                "prompt of %d tokens truncated to %d (allow_auto_truncate)", len(ids), keep
+            )
+            return ids[:keep]
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+            f"You requested a total of {len(ids) + max_new_tokens} tokens: {len(ids)} tokens from the input "
+            f"and {max_new_tokens} tokens for the completion (max_new_tokens). "
+            "Reduce the input or max_new_tokens to fit within the limit."
+        )
+
+
+def load_tokenizer(args: ServerArgs) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(
+            args.tokenizer_path, trust_remote_code=args.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load a tokenizer from tokenizer_path {args.tokenizer_path!r}: {e}"
+        ) from None
+
+
+def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset() if eos is None else frozenset([eos])
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _per_request(name: str, value: Any, n: int, item_type: type) -> list[Any]:
+    """A scalar applies to every request; a list must give one value per request."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(
+                f"{name} has {len(value)} entries for {n} prompts; give one value or one per prompt."
+            )
+        return value
+    if value is not None and not isinstance(value, item_type):
+        raise ValueError(
+            f"{name} must be {item_type.__name__} or a list of them, got {type(value).__name__}."
+        )
+    return [value] * n

@@ -1,0 +1,68 @@
+"""Start, watch and stop the scheduler and detokenizer processes."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import engine
+from engine.runtime.ipc import ChildConfig, Endpoints
+from engine.server_args import ServerArgs
+
+ROLES = ("scheduler", "detokenizer")
+
+
+class ChildProcesses:
+    def __init__(self, args: ServerArgs, endpoints: Endpoints) -> None:
+        # NOTE: only this process holds the write end; when it is closed or this process dies,
+        # every child sees end-of-file on its read end and exits (engine.runtime.ipc.watch_lifeline).
+        read_fd, self._lifeline = os.pipe()
+        env = dict(os.environ)
+        # the children import `engine` from wherever the caller did, installed or not
+        package_root = str(Path(engine.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        self.procs: dict[str, subprocess.Popen] = {}
+        try:
+            for role in ROLES:
+                config_path = Path(endpoints.folder) / f"{role}.config"
+                config_path.write_bytes(
+                    pickle.dumps(ChildConfig(role, args, endpoints, read_fd, os.getpid()))
+                )
+                self.procs[role] = subprocess.Popen(
+                    [sys.executable, "-m", "engine.runtime.child", role, str(config_path)],
+                    pass_fds=(read_fd,),
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                )
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            os.close(read_fd)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {role: p.pid for role, p in self.procs.items()}
+
+    def exited(self) -> tuple[str, int] | None:
+        """(role, exit code) of a child that is no longer running, if any."""
+        for role, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                return role, code
+        return None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cut the lifeline, then make sure every child is gone."""
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

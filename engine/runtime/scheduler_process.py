@@ -1,0 +1,140 @@
+"""The scheduler process: receive requests, step the Scheduler, send each step's progress on.
+
+The loop blocks on its input socket only while there is nothing to run, so a busy engine
+never waits on I/O between forwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import zmq
+
+from engine.detokenize import IncrementalDecoder
+from engine.input_processor import load_tokenizer
+from engine.model_config import ModelConfig
+from engine.request import Req
+from engine.runtime.ipc import ChildConfig, pull_socket, push_socket, recv_all
+from engine.runtime.messages import (
+    AbortReq,
+    BatchOut,
+    ControlReply,
+    ControlReq,
+    DecodeSpec,
+    Ready,
+    ReqOutput,
+)
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 1000
+
+
+class SchedulerProcess:
+    def __init__(
+        self,
+        config: ChildConfig,
+        ctx: zmq.Context,
+        to_tokenizer: zmq.Socket,
+        send_lock: threading.Lock,
+    ) -> None:
+        args = config.args
+        self.inbox = pull_socket(ctx, config.endpoints.scheduler)
+        self.to_detokenizer = push_socket(ctx, config.endpoints.detokenizer)
+        self.to_tokenizer = to_tokenizer
+        self.send_lock = send_lock
+        model_config = ModelConfig.from_folder(args.model_path, args.dtype, args.context_length)
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index if device.index is not None else args.base_gpu_id)
+        self.scheduler = Scheduler(args, model_config, device)
+        # the scheduler decodes only to find stop strings
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args)
+        self._reply(
+            Ready(
+                "scheduler",
+                {
+                    "max_total_tokens": self.scheduler.max_total_tokens,
+                    "max_running_requests": self.scheduler.max_running_requests,
+                    "device": str(device),
+                },
+            )
+        )
+        logger.info("scheduler ready on %s", device)
+
+    def run(self) -> None:
+        while True:
+            for msg in recv_all(self.inbox, 0 if self.scheduler.has_work() else _IDLE_POLL_MS):
+                self._handle(msg)
+            if self.scheduler.has_work():
+                self._send(self.scheduler.step())
+
+    # ------------------------------------------------------------------ input
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, Req):
+            if msg.sampling.stop_strings and self.tokenizer is not None:
+                sp = msg.sampling
+                msg.stop_decoder = IncrementalDecoder(
+                    self.tokenizer, sp.skip_special_tokens, sp.spaces_between_special_tokens
+                )
+            self.scheduler.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            req = self.scheduler.abort_request(msg.rid)
+            if req is not None:  # lets the detokenizer drop its state for the request
+                self._send([req])
+        elif isinstance(msg, ControlReq):
+            self._reply(ControlReply(msg.id, self._control(msg.kind)))
+        else:
+            raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
+
+    def _control(self, kind: str) -> object:
+        if kind == "flush_cache":
+            return not self.scheduler.has_work()
+        if kind == "get_info":
+            return self.scheduler.state()
+        raise ValueError(f"unknown control request {kind!r}")
+
+    # ------------------------------------------------------------------ output
+    def _send(self, reqs: list[Req]) -> None:
+        outputs = [self._output(r) for r in reqs if r.finished or (r.stream and self._due(r))]
+        if outputs:
+            self.to_detokenizer.send_pyobj(BatchOut(outputs))
+
+    def _due(self, req: Req) -> bool:
+        interval = req.sampling.stream_interval or self.scheduler.args.stream_interval
+        return len(req.output_ids) - req.sent_len >= interval
+
+    def _output(self, req: Req) -> ReqOutput:
+        start, first = req.sent_len, not req.sent_first
+        sp = req.sampling
+        out = ReqOutput(
+            rid=req.rid,
+            new_ids=req.output_ids[start:],
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.prompt_len,
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            output_logprobs=req.output_logprobs[start:],
+            output_top_logprobs=req.output_top_logprobs[start:],
+        )
+        if first:
+            out.decode = DecodeSpec(
+                sp.skip_special_tokens,
+                sp.spaces_between_special_tokens,
+                sp.stop_strings,
+                sp.no_stop_trim,
+            )
+            if req.return_logprob:
+                out.input_logprobs, out.input_top_logprobs = (
+                    req.input_logprobs,
+                    req.input_top_logprobs,
+                )
+        req.sent_len, req.sent_first = len(req.output_ids), True
+        return out
+
+    def _reply(self, msg: object) -> None:
+        with self.send_lock:
+            self.to_tokenizer.send_pyobj(msg)

@@ -1,0 +1,48 @@
+"""The engine's core run in the test's own process: the reference the multi-process Engine must equal."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.input_processor import InputProcessor, load_tokenizer
+from engine.model_config import ModelConfig
+from engine.request import Req
+from engine.scheduler import Scheduler
+from engine.server_args import ServerArgs
+
+
+class InProcessCore:
+    """A Scheduler and an InputProcessor on the CPU, stepped by hand."""
+
+    def __init__(self, model_dir, **kwargs) -> None:
+        self._build(ServerArgs.from_kwargs(model_path=str(model_dir), device="cpu", **kwargs))
+
+    @classmethod
+    def like(cls, engine) -> InProcessCore:
+        """The same engine arguments, in this process (to look at the model and KV pool it loads)."""
+        core = cls.__new__(cls)
+        core._build(dataclasses.replace(engine.server_args, device="cpu"))
+        return core
+
+    def _build(self, args: ServerArgs) -> None:
+        config = ModelConfig.from_folder(args.model_path, args.dtype, args.context_length)
+        self.scheduler = Scheduler(args, config, torch.device("cpu"))
+        self.inputs = InputProcessor(
+            args, config, load_tokenizer(args), self.scheduler.max_total_tokens
+        )
+
+    def requests(self, input_ids: list[list[int]], sampling_params: dict | list[dict]) -> list[Req]:
+        return self.inputs.make_call(None, input_ids, sampling_params, False, None, None, None).reqs
+
+    def run(
+        self, input_ids: list[list[int]], sampling_params: dict | list[dict]
+    ) -> list[list[int]]:
+        """Generate to completion; the output token ids per prompt."""
+        reqs = self.requests(input_ids, sampling_params)
+        for req in reqs:
+            self.scheduler.add_request(req)
+        while self.scheduler.has_work():
+            self.scheduler.step()
+        return [req.output_ids for req in reqs]
