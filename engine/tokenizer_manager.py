@@ -158,12 +158,14 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ submitting
     def submit(self, call: GenerateCall, channel: Channel) -> list[ReqState]:
-        self._check_usable()
         states = [
             ReqState(req, i, channel, call.return_text_in_logprobs)
             for i, req in enumerate(call.reqs)
         ]
         with self._send_lock:
+            # NOTE: checked under the lock: _fail() and shutdown() set their flag before taking it,
+            # so a request either sees the failure here or is registered in time to receive it.
+            self._check_usable()
             busy = [s.req.rid for s in states if s.req.rid in self._states]
             if busy:
                 raise ValueError(f"rid {busy[0]!r} is already in flight")
@@ -223,9 +225,9 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ control calls
     def control(self, kind: str) -> Any:
-        self._check_usable()
         event, box = threading.Event(), []
         with self._send_lock:
+            self._check_usable()  # under the lock, as in submit()
             cid = next(self._control_ids)
             self._controls[cid] = (event, box)
             self._to_scheduler.send_pyobj(ControlReq(kind, cid))

@@ -21,7 +21,7 @@ from engine.runtime.messages import ChildError
 def main(role: str, config_path: str) -> int:
     with open(config_path, "rb") as f:
         config: ChildConfig = pickle.load(f)
-    watch_lifeline(config.lifeline_fd, config.parent_pid)
+    watch_lifeline(config.lifeline_fd, config.parent_pid, config.endpoints.folder)
     ctx = zmq.Context()
     to_tokenizer = push_socket(ctx, config.endpoints.tokenizer)
     send_lock = threading.Lock()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import shutil
 import threading
 import traceback
 from dataclasses import dataclass
@@ -76,18 +77,20 @@ def recv_all(sock: zmq.Socket, timeout_ms: int) -> list[Any]:
             return messages
 
 
-def watch_lifeline(fd: int, parent_pid: int) -> None:
+def watch_lifeline(fd: int, parent_pid: int, folder: str) -> None:
     """Exit this process the moment its parent is gone, however it died.
 
     The parent holds the pipe's write end; the kernel closes it when the parent exits (even
     by SIGKILL), which wakes the read end here. A changed parent pid catches the rare case of
-    a forked sibling that inherited the write end.
+    a forked sibling that inherited the write end. A parent that was killed could not remove
+    the private socket folder, so the children do.
     """
 
     def watch() -> None:
         while True:
             readable, _, _ = select.select([fd], [], [], 1.0)
             if (readable and not os.read(fd, 1)) or os.getppid() != parent_pid:
+                shutil.rmtree(folder, ignore_errors=True)
                 os._exit(0)
 
     threading.Thread(target=watch, name="lifeline", daemon=True).start()

@@ -1,0 +1,541 @@
+"""The life of the engine's child processes: start, run, die, and always go away.
+
+The engine runs a scheduler process and a detokenizer process (``python -m engine.runtime.child
+ROLE CONFIG``). These tests check, on CPU, that:
+
+* a user script needs no ``if __name__ == "__main__":`` guard, and its children go away when it
+  exits normally, raises, or is killed with SIGKILL (the lifeline);
+* a child killed mid-generation fails the waiting caller fast, later calls raise at once, and
+  shutdown() still cleans up;
+* shutdown(), the context manager and garbage collection stop the children;
+* a start-up failure in the scheduler surfaces in the caller, naming the problem, with no child
+  left behind;
+* the children's log records reach the caller's logging;
+* the private socket folder is 0700 while running and removed after shutdown.
+
+Every wait is bounded (subprocess timeouts, thread joins, polling deadlines) so that a bug in the
+engine fails a test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+import engine.tokenizer_manager as tokenizer_manager
+from engine import Engine
+from engine.runtime.children import ChildProcesses
+from tests.tiny_models import hf_greedy
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The quick brown fox"
+MAX_NEW = 8
+GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+ENGINE_KWARGS = {"dtype": "float32", "max_total_tokens": 1024}
+
+GONE_WITHIN_S = 5.0  # children must be gone this long after their parent / shutdown
+START_TIMEOUT_S = 120.0  # an engine start (~4 s here), generously bounded for a loaded machine
+SCRIPT_TIMEOUT_S = 180.0
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """Is `pid` a running process? A zombie (exited, not yet reaped) or a missing one is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    for line in status.splitlines():
+        if line.startswith("State:"):
+            return line.split()[1] not in ("Z", "X")
+    return True
+
+
+def _wait_gone(pids, timeout: float = GONE_WITHIN_S) -> list[int]:
+    """Poll until every pid is gone or `timeout` passes; returns the pids still alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if _alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _child_processes_in(folder: str | Path) -> list[int]:
+    """Live `engine.runtime.child` processes whose config file lies in `folder`."""
+    folder = str(folder)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        args = _cmdline(int(entry.name))
+        if "engine.runtime.child" in args and any(a.startswith(folder + os.sep) for a in args):
+            if _alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def _private_folder(pid: int) -> Path:
+    """The engine's private ipc folder: the parent of the config path on a child's command line."""
+    args = _cmdline(pid)
+    assert "engine.runtime.child" in args, args
+    return Path(args[-1]).parent
+
+
+def _bounded(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Run `fn` in a daemon thread; return its result or raise its exception; fail after `timeout`."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # handed to the test thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"bounded: {what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        pytest.fail(f"{what} did not return within {timeout:.0f}s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _start(model_dir: Path, **kwargs: Any) -> Engine:
+    return _bounded(
+        lambda: Engine(model_path=str(model_dir), **{**ENGINE_KWARGS, **kwargs}),
+        START_TIMEOUT_S,
+        "Engine()",
+    )
+
+
+def _script_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _write_script(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    return script
+
+
+def _expected_ids(model_dir: Path) -> list[int]:
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(PROMPT)
+    return hf_greedy(model_dir, ids, MAX_NEW)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1-3: a user script with no __main__ guard
+# ---------------------------------------------------------------------------------------------
+
+_SCRIPT_HEAD = """\
+import json
+import sys
+
+from engine import Engine
+
+engine = Engine(model_path={model!r}, dtype="float32", max_total_tokens=1024)
+pids = engine.get_server_info()["pids"]
+"""
+
+
+def test_script_without_main_guard_exits_cleanly_and_children_go(tmp_path, llama_dir):
+    script = _write_script(
+        tmp_path,
+        _SCRIPT_HEAD.format(model=str(llama_dir))
+        + f"""\
+out = engine.generate({PROMPT!r}, {GREEDY!r})
+print(json.dumps({{"pids": pids, "output_ids": out["output_ids"]}}))
+# no shutdown(): interpreter exit must stop the children
+""",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=_script_env(),
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout  # the children were not started by re-running the script
+    printed = json.loads(lines[0])
+    assert set(printed["pids"]) == {"scheduler", "detokenizer"}
+    assert printed["output_ids"] == _expected_ids(llama_dir)
+    assert _wait_gone(printed["pids"].values()) == []
+
+
+def test_script_raising_mid_generation_exits_nonzero_and_children_go(tmp_path, llama_dir):
+    script = _write_script(
+        tmp_path,
+        _SCRIPT_HEAD.format(model=str(llama_dir))
+        + """\
+print(json.dumps({"pids": pids}), flush=True)
+params = {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
+for chunk in engine.generate("Hello world", params, stream=True):
+    raise RuntimeError("boom")
+""",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=_script_env(),
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )
+    assert proc.returncode != 0
+    assert "boom" in proc.stderr
+    assert proc.stdout.strip(), f"the script failed before generating:\n{proc.stderr}"
+    pids = json.loads(proc.stdout.splitlines()[0])["pids"]
+    assert _wait_gone(pids.values()) == []
+
+
+def test_sigkill_of_the_script_while_generating_takes_the_children_down(tmp_path, llama_dir):
+    script = _write_script(
+        tmp_path,
+        _SCRIPT_HEAD.format(model=str(llama_dir))
+        + """\
+print(json.dumps({"pids": pids}), flush=True)
+params = {"temperature": 0.0, "max_new_tokens": 500, "ignore_eos": True}
+while True:
+    engine.generate(input_ids=[[5, 6, 7]] * 4, sampling_params=params)
+    print("tick", flush=True)
+""",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=_script_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, name="script stdout", daemon=True).start()
+    pids: dict[str, int] = {}
+    private: Path | None = None
+    try:
+        first = lines.get(timeout=SCRIPT_TIMEOUT_S)
+        assert first is not None, "the script ended before printing its children's pids"
+        pids = json.loads(first)["pids"]
+        assert all(_alive(p) for p in pids.values())
+        private = _private_folder(pids["scheduler"])
+        # one full generation is done and the next one is running
+        assert lines.get(timeout=SCRIPT_TIMEOUT_S) == "tick\n"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert _wait_gone(pids.values()) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for pid in pids.values():  # never leave orphans behind, even when the test fails
+            if _alive(pid) and "engine.runtime.child" in _cmdline(pid):
+                os.kill(pid, signal.SIGKILL)
+        if private is not None:  # nobody is left to remove a SIGKILLed engine's folder
+            shutil.rmtree(private, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4: a child dies while the caller waits
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
+def test_killing_a_child_fails_the_caller_fast_and_shutdown_still_works(llama_dir, victim):
+    engine = _start(llama_dir, max_total_tokens=8192)
+    pids = engine.get_server_info()["pids"]
+    try:
+        running = threading.Event()
+        outcome: dict[str, Any] = {}
+
+        def consume() -> None:
+            params = {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True}
+            try:
+                for _ in engine.generate(
+                    input_ids=[[5, 6, 7]] * 4, sampling_params=params, stream=True
+                ):
+                    running.set()
+                outcome["finished"] = True
+            except BaseException as e:
+                outcome["error"] = e
+            finally:
+                outcome["at"] = time.monotonic()
+                running.set()
+
+        thread = threading.Thread(target=consume, name="long generation", daemon=True)
+        thread.start()
+        assert running.wait(START_TIMEOUT_S), "the generation never produced a chunk"
+        assert not outcome, f"the generation ended before the kill: {outcome}"
+        killed_at = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+        thread.join(10)
+        assert not thread.is_alive(), "the caller still waits 10 s after the child died"
+        error = outcome.get("error")
+        assert isinstance(error, RuntimeError), outcome
+        assert victim in str(error)
+        assert outcome["at"] - killed_at < 10
+
+        # later calls fail at once, blocking and async alike
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=victim):
+            _bounded(
+                lambda: engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY), 10, "generate"
+            )
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(RuntimeError):
+            _bounded(engine.get_server_info, 10, "get_server_info")
+    finally:
+        _bounded(engine.shutdown, 30, "shutdown()")
+    assert _wait_gone(pids.values()) == []
+    _bounded(engine.shutdown, 30, "second shutdown()")  # still idempotent after a failure
+
+
+class _PausingLock:
+    """Stands in for the tokenizer manager's send lock: the thread named `who` stops right before
+    taking it (after submit()'s usability check) until `go` is set -- as if it were preempted."""
+
+    def __init__(self, real: threading.Lock, who: str) -> None:
+        self.real, self.who = real, who
+        self.arrived, self.go = threading.Event(), threading.Event()
+
+    def __enter__(self):
+        if threading.current_thread().name == self.who and not self.go.is_set():
+            self.arrived.set()
+            self.go.wait(30)
+        return self.real.__enter__()
+
+    def __exit__(self, *exc):
+        return self.real.__exit__(*exc)
+
+
+@pytest.mark.parametrize("failure", ["scheduler_killed", "shutdown"])
+def test_a_request_submitted_as_the_engine_fails_gets_runtime_error(
+    llama_dir, monkeypatch, failure
+):
+    """The engine may fail between a caller's usability check and its request being registered:
+    that caller must still get RuntimeError, never wait forever or see a raw zmq error."""
+    engine = _start(llama_dir)
+    pids = engine.get_server_info()["pids"]
+    tm = engine.tokenizer_manager
+    lock = _PausingLock(tm._send_lock, who="late caller")
+    monkeypatch.setattr(tm, "_send_lock", lock)
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            outcome["result"] = engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=call, name="late caller", daemon=True)
+    try:
+        thread.start()
+        assert lock.arrived.wait(10), "the caller never reached submit()"
+        if failure == "scheduler_killed":
+            os.kill(pids["scheduler"], signal.SIGKILL)
+            with pytest.raises(RuntimeError, match="scheduler"):  # the engine has noticed
+                _bounded(engine.get_server_info, 10, "get_server_info")
+            time.sleep(0.2)  # let the receiver finish failing the requests it knew of
+        else:
+            _bounded(engine.shutdown, 30, "shutdown()")
+        lock.go.set()
+        thread.join(10)
+        assert not thread.is_alive(), "the caller waits forever for a request the engine lost"
+        error = outcome.get("error")
+        assert isinstance(error, RuntimeError), outcome
+        assert ("scheduler" if failure == "scheduler_killed" else "shut down") in str(error)
+    finally:
+        lock.go.set()
+        _bounded(engine.shutdown, 30, "shutdown()")
+    assert _wait_gone(pids.values()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# 5 and 8: shutdown, context manager, garbage collection; the private folder
+# ---------------------------------------------------------------------------------------------
+
+
+def test_private_folder_is_0700_while_running_and_removed_after_shutdown(llama_dir):
+    engine = _start(llama_dir)
+    try:
+        pids = engine.get_server_info()["pids"]
+        folder = _private_folder(pids["scheduler"])
+        assert _private_folder(pids["detokenizer"]) == folder
+        assert folder.is_dir()
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert {"scheduler", "detokenizer", "tokenizer"} <= {p.name for p in folder.iterdir()}
+        assert engine.generate(PROMPT, GREEDY)["output_ids"]
+    finally:
+        _bounded(engine.shutdown, 30, "shutdown()")
+    assert not folder.exists()
+    assert _wait_gone(pids.values()) == []
+    assert _child_processes_in(folder) == []
+
+
+def test_shutdown_stops_children_is_idempotent_and_later_calls_raise(llama_dir):
+    engine = _start(llama_dir)
+    pids = engine.get_server_info()["pids"]
+    assert all(_alive(p) for p in pids.values())
+    _bounded(engine.shutdown, 30, "shutdown()")
+    # shutdown() waits for the children: they are gone when it returns, no polling needed
+    assert [p for p in pids.values() if _alive(p)] == []
+    _bounded(engine.shutdown, 10, "second shutdown()")
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(PROMPT, GREEDY)
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(PROMPT, GREEDY, stream=True)
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.get_server_info()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.flush_cache()
+
+
+def test_context_manager_stops_children(llama_dir):
+    with _start(llama_dir) as engine:
+        pids = engine.get_server_info()["pids"]
+        assert all(_alive(p) for p in pids.values())
+        assert engine.generate(PROMPT, GREEDY)["output_ids"]
+    assert [p for p in pids.values() if _alive(p)] == []
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(PROMPT, GREEDY)
+    engine.shutdown()  # still idempotent after the context manager
+
+
+def test_deleting_the_last_reference_stops_children(llama_dir):
+    engine = _start(llama_dir)
+    pids = engine.get_server_info()["pids"]
+    folder = _private_folder(pids["scheduler"])
+    assert engine.generate(PROMPT, GREEDY)["output_ids"]
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None, "something still holds the Engine"
+    assert _wait_gone(pids.values()) == []
+    assert not folder.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 6: start-up failures inside the scheduler
+# ---------------------------------------------------------------------------------------------
+
+BAD_TENSOR = "model.layers.1.self_attn.o_proj.weight"
+
+
+def _damage(folder: Path, how: str) -> str:
+    """Break the copied model folder; returns a string the error message must contain."""
+    weights = folder / "model.safetensors"
+    if how == "wrong_shape":
+        tensors = load_file(str(weights))
+        tensors[BAD_TENSOR] = torch.zeros(7, 5)
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        return BAD_TENSOR
+    data = weights.read_bytes()
+    if how == "truncated":
+        weights.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        weights.write_bytes(b"\xff" * 64 + data[64:])
+    else:
+        raise AssertionError(how)
+    return str(weights)
+
+
+@pytest.mark.parametrize("how", ["wrong_shape", "truncated", "garbage"])
+def test_startup_failure_in_the_scheduler_raises_and_leaves_no_child(
+    tmp_path, llama_dir, monkeypatch, how
+):
+    folder = tmp_path / "model"
+    shutil.copytree(llama_dir, folder)
+    needle = _damage(folder, how)
+
+    started: list[tuple[str, ChildProcesses]] = []
+
+    class RecordingChildren(ChildProcesses):
+        def __init__(self, args, endpoints) -> None:
+            started.append((endpoints.folder, self))
+            super().__init__(args, endpoints)
+
+    monkeypatch.setattr(tokenizer_manager, "ChildProcesses", RecordingChildren)
+    with pytest.raises(ValueError) as info:
+        _start(folder)
+    assert needle in str(info.value)
+
+    assert len(started) == 1
+    private, children = started[0]
+    pids = [p.pid for p in children.procs.values()]
+    assert len(pids) == 2, "both children should have been started"
+    assert _wait_gone(pids) == []
+    assert _child_processes_in(private) == []
+    assert not Path(private).exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 7: logs
+# ---------------------------------------------------------------------------------------------
+
+CHILD_LOGGERS = {"engine.runtime.scheduler_process", "engine.model_runner"}
+
+
+def test_child_log_records_reach_the_callers_logging(llama_dir, caplog):
+    caplog.set_level(logging.INFO, logger="engine")
+    with _start(llama_dir, log_level="info") as engine:
+        pids = engine.get_server_info()["pids"]
+        assert engine.generate(PROMPT, GREEDY)["output_ids"]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if any(r.name in CHILD_LOGGERS for r in caplog.records):
+                break
+            time.sleep(0.05)
+    from_children = [r for r in caplog.records if r.name in CHILD_LOGGERS]
+    assert from_children, [(r.name, r.getMessage()) for r in caplog.records]
+    # the records are the children's own: made in the scheduler process, replayed here
+    assert {r.process for r in from_children} == {pids["scheduler"]}
+    assert all(r.levelno == logging.INFO for r in from_children)
+    assert any(
+        "engine ready" in r.getMessage() for r in caplog.records if r.name == "engine.engine"
+    )
