@@ -30,7 +30,12 @@ class Req:
     # KV memory, owned by engine.memory.KVCache
     pool_row: int = -1
     kv_pages: list[int] = field(default_factory=list)
-    kv_len: int = 0  # tokens whose K/V are in the pool
+    kv_len: int = 0  # tokens of fill_ids whose K/V are in the pool
+    prefix_len: int = 0  # of those, served by the prefix cache at admission
+    last_node: Any = field(default=None, repr=False)  # the cache node locked for this request
+    admitted_once: bool = False
+    admit_order: int = -1  # retraction takes the newest first
+    input_logprob_next: int = -1  # next prompt position whose logits still feed input logprobs
 
     # progress already sent to the caller (scheduler process)
     sent_len: int = 0
@@ -47,6 +52,15 @@ class Req:
     @property
     def prompt_len(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token the model has seen or will see next: the prompt, then the output so far."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.input_logprob_next < self.prompt_len - 1
 
     @property
     def finished(self) -> bool:

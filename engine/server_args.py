@@ -13,7 +13,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-SCHEDULE_POLICIES = ("fcfs",)
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("torch",)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -73,12 +73,7 @@ class ServerArgs:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}."
             )
-        for name in (
-            "max_total_tokens",
-            "max_running_requests",
-            "context_length",
-            "chunked_prefill_size",
-        ):
+        for name in ("max_total_tokens", "max_running_requests", "context_length"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")

@@ -33,7 +33,8 @@ def test_single_prompt_gives_a_dict_and_a_list_gives_a_list_in_order(engine, lla
     batch = engine.generate(texts, GREEDY)
     assert isinstance(single, dict) and isinstance(batch, list) and len(batch) == 3
     assert single["output_ids"] == batch[0]["output_ids"]
-    for text, out in zip(texts, batch):
+    assert single["meta_info"]["cached_tokens"] == 0
+    for i, (text, out) in enumerate(zip(texts, batch)):
         ids = tok.encode(text)
         assert out["output_ids"] == hf_greedy(llama_dir, ids, 16)[0]
         assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
@@ -46,11 +47,9 @@ def test_single_prompt_gives_a_dict_and_a_list_gives_a_list_in_order(engine, lla
             "cached_tokens",
             "e2e_latency",
         }
-        assert (
-            meta["prompt_tokens"] == len(ids)
-            and meta["completion_tokens"] == 16
-            and meta["cached_tokens"] == 0
-        )
+        assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 16
+        # the first prompt ran just before: all but its last token come from the prefix cache
+        assert meta["cached_tokens"] == (len(ids) - 1 if i == 0 else 0)
         assert meta["e2e_latency"] > 0
     assert len({o["meta_info"]["id"] for o in batch}) == 3
 

@@ -50,23 +50,42 @@ def test_double_free_raises():
         alloc.free(pages[:1])
 
 
-def _req(rid: str, prompt_len: int, max_new: int) -> Req:
+def _req(rid: str, tokens: list[int], max_new: int = 4) -> Req:
     return Req(
-        rid=rid,
-        input_ids=list(range(prompt_len)),
-        sampling=SamplingParams(max_new_tokens=max_new),
-        seed=0,
+        rid=rid, input_ids=list(tokens), sampling=SamplingParams(max_new_tokens=max_new), seed=0
     )
 
 
-@settings(max_examples=60, deadline=None)
+def _tree_pages(kv: KVCache) -> list[int]:
+    return [p for node in kv.tree._nodes() for p in kv.tree.pages_of(node.value)] if kv.tree else []
+
+
+def _check_ownership(kv: KVCache, live: list[Req]) -> None:
+    """Every page is exactly one of: free, owned by one live request, held by the prefix cache."""
+    free = list(kv.allocator._free)
+    cached = _tree_pages(kv)
+    owned = [p for r in live for p in r.kv_pages[r.prefix_len // kv.page_size :]]
+    every = free + cached + owned
+    assert len(every) == len(set(every)), "a page is in two places"
+    assert sorted(every) == list(range(1, kv.pool.num_pages + 1)), "a page leaked"
+    for r in live:  # a request's prefix pages are the cache's
+        assert set(r.kv_pages[: r.prefix_len // kv.page_size]) <= set(cached)
+
+
+@settings(max_examples=80, deadline=None)
 @given(
-    page_size=st.sampled_from([1, 2, 4, 16]),
-    num_pages=st.integers(4, 64),
-    plan=st.lists(st.tuples(st.integers(1, 30), st.integers(0, 20)), min_size=1, max_size=12),
+    page_size=st.sampled_from([1, 2, 4]),
+    num_pages=st.integers(8, 64),
+    radix=st.booleans(),
+    plan=st.lists(
+        st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=24), st.integers(0, 12)),
+        min_size=1,
+        max_size=14,
+    ),
 )
-def test_kv_cache_slots_are_exclusive_and_table_is_consistent(page_size, num_pages, plan):
-    """Admit what fits, grow each request token by token: slots never collide, the table says where each token is."""
+def test_kv_cache_page_ownership(page_size, num_pages, radix, plan):
+    """Admit, grow token by token and release requests with overlapping prompts: no page is lost or shared
+    wrongly, the table says where each token is, and whatever the cache matched is the request's own prefix."""
     pool = KVPool(
         num_pages,
         page_size,
@@ -76,33 +95,42 @@ def test_kv_cache_slots_are_exclusive_and_table_is_consistent(page_size, num_pag
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
-    table = ReqToTokenPool(max_requests=8, max_context=64, device=torch.device("cpu"))
-    kv = KVCache(pool, table)
-    live: dict[str, tuple[Req, list[int]]] = {}
-    for i, (prompt, max_new) in enumerate(plan):
-        req = _req(f"r{i}", prompt, max_new)
-        if not kv.can_admit(req):
-            assert (
-                kv.reserved_pages + kv.pages_for(prompt + max_new) > num_pages
-                or table.num_free == 0
-            )
+    table = ReqToTokenPool(max_requests=6, max_context=64, device=torch.device("cpu"))
+    kv = KVCache(pool, table, enable_prefix_cache=radix)
+    live: list[Req] = []
+    for i, (prompt, grow) in enumerate(plan):
+        req = _req(f"r{i}", prompt)
+        if table.num_free == 0:
+            kv.release(live.pop(0))
+        cached = kv.admit(req, len(prompt) - 1)
+        assert cached % page_size == 0 and cached <= len(prompt) - 1
+        need = kv.pages_for(len(prompt) + grow) - len(req.kv_pages)
+        if need > kv.available_pages:
+            kv.release(req)  # does not fit: back out, nothing computed
+            _check_ownership(kv, live)
             continue
-        kv.admit(req)
-        slots = kv.extend(req, prompt).tolist()
-        for _ in range(max_new):
+        slots = (
+            table.table[req.pool_row, :cached].tolist()
+            + kv.extend(req, len(prompt) - cached).tolist()
+        )
+        for t in range(grow):
+            req.output_ids.append(t % 4)
             slots += kv.extend(req, 1).tolist()
-        live[req.rid] = (req, slots)
-        every = [s for _, ss in live.values() for s in ss]
-        assert len(every) == len(set(every)), "a KV slot belongs to two tokens"
-        assert all(s >= page_size for s in every), "page 0 (scratch) handed out"
+        live.append(req)
         assert table.table[req.pool_row, : len(slots)].tolist() == slots
-        assert kv.reserved_pages <= num_pages
-        if i % 3 == 2:  # finish the oldest request
-            oldest = next(iter(live))
-            kv.release(live.pop(oldest)[0])
-    for req, _ in list(live.values()):
+        owners = [
+            s for r in live for s in table.table[r.pool_row, : r.kv_len].tolist()[r.prefix_len :]
+        ]
+        assert len(owners) == len(set(owners)), "two requests computed into one slot"
+        _check_ownership(kv, live)
+        if i % 3 == 2:
+            kv.release(live.pop(0))
+            _check_ownership(kv, live)
+    for req in live:
         kv.release(req)
-    assert kv.allocator.num_free == num_pages and kv.reserved_pages == 0 and table.num_free == 8
+    _check_ownership(kv, [])
+    kv.flush()
+    assert kv.allocator.num_free == num_pages and table.num_free == 6
 
 
 def test_pages_follow_page_size():
@@ -115,9 +143,9 @@ def test_pages_follow_page_size():
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
-    kv = KVCache(pool, ReqToTokenPool(2, 32, torch.device("cpu")))
-    req = _req("a", 6, 3)
-    kv.admit(req)
+    kv = KVCache(pool, ReqToTokenPool(2, 32, torch.device("cpu")), enable_prefix_cache=False)
+    req = _req("a", range(6), 3)
+    kv.admit(req, 5)
     slots = kv.extend(req, 6).tolist()
     assert len(req.kv_pages) == 2  # 6 tokens in pages of 4
     assert [s // 4 for s in slots] == [req.kv_pages[0]] * 4 + [req.kv_pages[1]] * 2

@@ -35,13 +35,13 @@ def reference(llama_dir, prompts):
 
 
 def _wait_idle(engine, timeout=10.0):
-    """Aborts are asynchronous: wait (bounded) until nothing runs and every KV page is free."""
+    """Aborts are asynchronous: wait (bounded) until nothing runs and every page is free or cached."""
     deadline = time.monotonic() + timeout
     while True:
         state = engine.get_server_info()["internal_states"][0]
         if (
             state["num_running_reqs"] == state["num_waiting_reqs"] == 0
-            and state["kv_free_tokens"] == state["kv_total_tokens"]
+            and state["kv_free_tokens"] + state["prefix_cache_tokens"] == state["kv_total_tokens"]
         ):
             return state
         assert time.monotonic() < deadline, f"engine not idle: {state}"

@@ -92,7 +92,7 @@ class SchedulerProcess:
 
     def _control(self, kind: str) -> object:
         if kind == "flush_cache":
-            return not self.scheduler.has_work()
+            return self.scheduler.flush_cache()
         if kind == "get_info":
             return self.scheduler.state()
         raise ValueError(f"unknown control request {kind!r}")
