@@ -19,8 +19,11 @@ from engine.runtime.messages import ChildError
 
 
 def main(role: str, config_path: str) -> int:
-    with open(config_path, "rb") as f:
-        config: ChildConfig = pickle.load(f)
+    try:
+        with open(config_path, "rb") as f:
+            config: ChildConfig = pickle.load(f)
+    except FileNotFoundError:
+        return 0  # the engine that started us already gave up and removed its folder
     watch_lifeline(config.lifeline_fd, config.parent_pid, config.endpoints.folder)
     ctx = zmq.Context()
     to_tokenizer = push_socket(ctx, config.endpoints.tokenizer)
