@@ -41,8 +41,11 @@ class RadixCache:
         self.reset_state()
 
     def reset_state(self) -> None:
-        self.root = TreeNode([], [], None)
-        self.root.lock_ref = 1  # never evicted
+        # NOTE: the root object survives resets: a caller may hold it as an (empty) matched node.
+        if not hasattr(self, "root"):
+            self.root = TreeNode([], [], None)
+            self.root.lock_ref = 1  # never evicted
+        self.root.children = {}
         self.evictable_tokens = 0
         self.protected_tokens = 0
 
