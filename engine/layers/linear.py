@@ -45,13 +45,6 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
 
-class ReplicatedLinear(LinearBase):
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
-    ) -> None:
-        _copy_checked(param, param.data, loaded, type(self).__name__)
-
-
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split along its output rows; each rank holds out_features / tp rows."""
 

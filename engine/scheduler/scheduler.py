@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -63,7 +63,6 @@ class SchedulerStats:
     decode_steps: int = 0
     retractions: int = 0
     busy_seconds: float = 0.0
-    started_at: float = field(default_factory=time.time)
 
 
 class Scheduler:
