@@ -1,0 +1,4 @@
+"""Triton kernels of the GPU fast path, each beside a plain-PyTorch reference of the same function.
+
+Tests run every kernel on the CPU under TRITON_INTERPRET=1 and on the GPU (-m gpu).
+"""

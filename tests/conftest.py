@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run on the CPU through Triton's interpreter; it must be chosen before any
+# kernel module is imported (triton.jit reads it at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_models import build_tokenizer, make_tiny_model
 
