@@ -42,7 +42,7 @@ class ModelRunner:
             device,
         )
         self.req_to_token = ReqToTokenPool(self.max_running_requests, config.context_length, device)
-        self.attn_backend = create_backend(args.attention_backend)
+        self.attn_backend = create_backend(args.attention_backend, device)
         logger.info(
             "KV pool: %d tokens in pages of %d (%.1f MiB), %d request rows",
             self.kv_pool.num_tokens,

@@ -14,7 +14,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("torch", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 

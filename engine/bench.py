@@ -1,0 +1,277 @@
+"""Offline throughput benchmark, in the manner of `sglang.bench_offline_throughput`.
+
+    python -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024
+    python -m engine.bench --model /models/Llama-3.1-8B --num-prompts 1000 --input-len 1024 --output-len 256
+
+It prints one table: the workload, wall time, output and total tok/s, engine start-up, and the
+floor for this exact workload — decode bytes (weights once per decode step, plus every live
+sequence's KV per step) at the measured device-to-device copy bandwidth, plus prefill FLOPs at
+the measured matmul rate — and the fraction of that floor achieved. `--peer transformers`
+runs the same prompts through transformers' continuous batching in the same process run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model_config import ModelConfig
+
+CONFIGS = Path(__file__).parent / "model_configs"
+
+
+@dataclass
+class Workload:
+    input_ids: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(map(len, self.input_ids))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(
+    n: int, input_len: str, output_len: str, vocab: int, seed: int, prefix_len: int = 0
+) -> Workload:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab) for _ in range(prefix_len)]
+
+    def draw(spec: str) -> int:
+        lo, _, hi = spec.partition(":")
+        return rng.randint(int(lo), int(hi or lo))
+
+    ids = [prefix + [rng.randrange(vocab) for _ in range(draw(input_len))] for _ in range(n)]
+    return Workload(ids, [draw(output_len) for _ in range(n)])
+
+
+# ---------------------------------------------------------------------------------------------
+# the floor
+# ---------------------------------------------------------------------------------------------
+
+
+def measure_ceilings(device: torch.device) -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured here."""
+
+    def timed(fn, reps: int) -> float:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps
+
+    n = 1 << (28 if device.type == "cuda" else 24)
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    bandwidth = 2 * src.nbytes / timed(lambda: dst.copy_(src), 20)
+    size = 8192 if device.type == "cuda" else 1024
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (
+        torch.randn(size, size, device=device, dtype=dtype),
+        torch.randn(size, size, device=device, dtype=dtype),
+    )
+    flops = 2 * size**3 / timed(lambda: a @ b, 20)
+    return bandwidth, flops
+
+
+def weight_bytes(cfg: ModelConfig) -> int:
+    h, i, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    # decode reads the LM head once per step; the embedding rows it gathers are negligible
+    return (L * per_layer + v * h) * torch.finfo(cfg.dtype).bits // 8
+
+
+def floor_seconds(
+    cfg: ModelConfig, work: Workload, max_running: int, bandwidth: float, flops: float
+) -> tuple[float, float]:
+    """(decode floor, prefill floor) for this workload in seconds."""
+    # decode: at least max(output_len) steps, and at least total/max_running if the batch is capped
+    steps = max(max(work.output_lens), math.ceil(work.output_tokens / max_running))
+    kv_per_token = cfg.kv_bytes_per_token(cfg.dtype)
+    kv_read = sum(
+        kv_per_token * (len(p) * o + o * (o - 1) // 2)
+        for p, o in zip(work.input_ids, work.output_lens)
+    )
+    decode = (steps * weight_bytes(cfg) + kv_read) / bandwidth
+    params = weight_bytes(cfg) * 8 // torch.finfo(cfg.dtype).bits
+    attn = (
+        sum(2 * len(p) ** 2 * cfg.num_heads * cfg.head_dim for p in work.input_ids) * cfg.num_layers
+    )
+    prefill = (2 * params * work.input_tokens + attn) / flops
+    return decode, prefill
+
+
+# ---------------------------------------------------------------------------------------------
+# runs
+# ---------------------------------------------------------------------------------------------
+
+
+def run_engine(model_path: str, work: Workload, engine_args: dict) -> dict:
+    from engine import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine(model_path=model_path, skip_tokenizer_init=True, **engine_args)
+    startup = time.perf_counter() - t0
+    try:
+        engine.generate(
+            input_ids=work.input_ids[:4], sampling_params={"max_new_tokens": 4, "ignore_eos": True}
+        )
+        engine.flush_cache()
+        params = [
+            {"temperature": 0.0, "max_new_tokens": o, "ignore_eos": True} for o in work.output_lens
+        ]
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=work.input_ids, sampling_params=params)
+        wall = time.perf_counter() - t0
+        info = engine.get_server_info()
+    finally:
+        engine.shutdown()
+    produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return {"wall": wall, "startup": startup, "output_tokens": produced, "info": info}
+
+
+def run_transformers(model_path: str, work: Workload, device: torch.device) -> dict:
+    """transformers' continuous batching; one max_new_tokens for all, so the mean output length is used."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    if any(Path(model_path).glob("*.safetensors")):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    else:  # a shipped config: random weights, as the engine's load_format="dummy"
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(model_path), dtype=dtype
+            )
+    startup = time.perf_counter() - t0
+    mean_out = round(work.output_tokens / len(work.output_lens))
+    config = GenerationConfig(
+        max_new_tokens=mean_out, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    t0 = time.perf_counter()
+    outs = model.generate_batch(work.input_ids, generation_config=config)
+    wall = time.perf_counter() - t0
+    produced = sum(len(o.generated_tokens) for o in outs.values())
+    return {"wall": wall, "startup": startup, "output_tokens": produced}
+
+
+def dummy_folder(name: str) -> str:
+    """A model folder with only a config.json, for load_format='dummy'."""
+    src = CONFIGS / f"{name}.json"
+    if not src.is_file():
+        choices = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.json")))
+        raise SystemExit(f"--model-config {name!r} is not shipped; choose one of: {choices}")
+    folder = Path(tempfile.mkdtemp(prefix=f"gristmill-{name}-"))
+    (folder / "config.json").write_text(src.read_text())
+    return str(folder)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a Hugging Face model folder")
+    src.add_argument(
+        "--model-config",
+        help=f"a shipped architecture with dummy weights: {', '.join(sorted(p.stem for p in CONFIGS.glob('*.json')))}",
+    )
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", default="1024", help="N, or LO:HI for uniform random lengths")
+    ap.add_argument("--output-len", default="256", help="N, or LO:HI for uniform random lengths")
+    ap.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens of one prefix shared by every prompt",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--peer", choices=["transformers"], help="also run the workload through this library"
+    )
+    ap.add_argument(
+        "--engine-args",
+        default="{}",
+        help="JSON of extra Engine arguments, e.g. '{\"disable_radix_cache\": true}'",
+    )
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+
+    model_path = args.model or dummy_folder(args.model_config)
+    engine_args = {"load_format": "auto" if args.model else "dummy", **json.loads(args.engine_args)}
+    cfg = ModelConfig.from_folder(model_path, engine_args.get("dtype", "auto"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    work = make_workload(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        cfg.vocab_size,
+        args.seed,
+        args.shared_prefix_len,
+    )
+    bandwidth, flops = measure_ceilings(device)
+
+    result = run_engine(model_path, work, engine_args)
+    max_running = result["info"]["max_running_requests"]
+    decode_floor, prefill_floor = floor_seconds(cfg, work, max_running, bandwidth, flops)
+    rows = [
+        ("device", torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
+        (
+            "model",
+            f"{args.model_config or args.model} ({cfg.dtype}, {weight_bytes(cfg) / 2**30:.2f} GiB weights)",
+        ),
+        ("requests", f"{args.num_prompts}"),
+        (
+            "input tokens",
+            f"{work.input_tokens} (len {args.input_len}{f' + {args.shared_prefix_len} shared' if args.shared_prefix_len else ''})",
+        ),
+        ("output tokens", f"{result['output_tokens']} (len {args.output_len})"),
+        ("engine start-up (s)", f"{result['startup']:.1f}"),
+        ("wall time (s)", f"{result['wall']:.2f}"),
+        ("output tok/s", f"{result['output_tokens'] / result['wall']:.0f}"),
+        ("total tok/s", f"{(result['output_tokens'] + work.input_tokens) / result['wall']:.0f}"),
+        ("measured copy GB/s | matmul TFLOP/s", f"{bandwidth / 1e9:.0f} | {flops / 1e12:.0f}"),
+        (
+            "floor: decode + prefill (s)",
+            f"{decode_floor:.2f} + {prefill_floor:.2f} = {decode_floor + prefill_floor:.2f}",
+        ),
+        ("fraction of floor", f"{(decode_floor + prefill_floor) / result['wall']:.2f}"),
+        (
+            "prefill tokens cached",
+            f"{result['info']['internal_states'][0]['prefill_tokens_cached']}",
+        ),
+    ]
+    if args.peer == "transformers":
+        peer = run_transformers(model_path, work, device)
+        rows += [
+            (
+                "transformers wall (s)",
+                f"{peer['wall']:.2f} ({peer['output_tokens']} tokens, mean output length for all)",
+            ),
+            ("transformers output tok/s", f"{peer['output_tokens'] / peer['wall']:.0f}"),
+            (
+                "gristmill / transformers",
+                f"{(result['output_tokens'] / result['wall']) / (peer['output_tokens'] / peer['wall']):.2f}x",
+            ),
+        ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()

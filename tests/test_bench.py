@@ -1,0 +1,66 @@
+"""The benchmark's floor arithmetic against independent counts, and a smoke run of its CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.bench import Workload, dummy_folder, floor_seconds, main, weight_bytes
+from engine.model_config import ModelConfig
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.1-8b"])
+def test_weight_bytes_match_transformers_parameter_count(name):
+    folder = dummy_folder(name)
+    cfg = ModelConfig.from_folder(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    params = dict(model.named_parameters())  # a tied LM head appears once
+    counted = sum(p.numel() for n, p in params.items() if "norm" not in n)
+    if (
+        not cfg.tie_word_embeddings
+    ):  # decode gathers a few embedding rows, it does not read the table
+        counted -= params["model.embed_tokens.weight"].numel()
+    assert weight_bytes(cfg) == counted * 2  # bf16
+    billions = sum(p.numel() for p in params.values()) / 1e9
+    assert (0.55 < billions < 0.65) if name == "qwen3-0.6b" else (7.9 < billions < 8.1)
+
+
+def test_decode_floor_counts_weights_per_step_and_kv_per_live_token(llama_dir):
+    cfg = ModelConfig.from_folder(str(llama_dir))
+    work = Workload(input_ids=[[1] * 10, [1] * 4], output_lens=[3, 5])
+    decode, _ = floor_seconds(cfg, work, max_running=8, bandwidth=1.0, flops=1.0)
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, float32
+    # step t of a request reads the KV of its prompt plus the t tokens generated before it
+    kv = sum(per_token * (p + t) for p, o in ((10, 3), (4, 5)) for t in range(o))
+    assert decode == 5 * weight_bytes(cfg) + kv  # 5 steps: the longest output, all in one batch
+    capped, _ = floor_seconds(cfg, work, max_running=1, bandwidth=1.0, flops=1.0)
+    assert capped == 8 * weight_bytes(cfg) + kv  # one request at a time: 3 + 5 steps
+
+
+def test_cli_prints_the_table(llama_dir, capsys):
+    main(
+        [
+            "--model",
+            str(llama_dir),
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "5:20",
+            "--output-len",
+            "3:6",
+            "--engine-args",
+            '{"dtype": "float32", "max_total_tokens": 1024}',
+        ]
+    )
+    table = capsys.readouterr().out
+    for row in (
+        "requests",
+        "output tok/s",
+        "total tok/s",
+        "engine start-up",
+        "floor: decode + prefill",
+        "fraction of floor",
+    ):
+        assert f"| {row}" in table
