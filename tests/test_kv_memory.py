@@ -56,6 +56,14 @@ def _req(rid: str, tokens: list[int], max_new: int = 4) -> Req:
     )
 
 
+def _extend(kv: KVCache, req: Req, n: int) -> list[int]:
+    """Grow a request by n tokens and record their slots in the table, as the batch builder does."""
+    start = req.kv_len
+    slots = kv.extend(req, n)
+    kv.write_table([req.pool_row] * n, list(range(start, start + n)), torch.tensor(slots))
+    return slots
+
+
 def _tree_pages(kv: KVCache) -> list[int]:
     return [p for node in kv.tree._nodes() for p in kv.tree.pages_of(node.value)] if kv.tree else []
 
@@ -109,13 +117,10 @@ def test_kv_cache_page_ownership(page_size, num_pages, radix, plan):
             kv.release(req)  # does not fit: back out, nothing computed
             _check_ownership(kv, live)
             continue
-        slots = (
-            table.table[req.pool_row, :cached].tolist()
-            + kv.extend(req, len(prompt) - cached).tolist()
-        )
+        slots = table.table[req.pool_row, :cached].tolist() + _extend(kv, req, len(prompt) - cached)
         for t in range(grow):
             req.output_ids.append(t % 4)
-            slots += kv.extend(req, 1).tolist()
+            slots += _extend(kv, req, 1)
         live.append(req)
         assert table.table[req.pool_row, : len(slots)].tolist() == slots
         owners = [
@@ -146,11 +151,11 @@ def test_pages_follow_page_size():
     kv = KVCache(pool, ReqToTokenPool(2, 32, torch.device("cpu")), enable_prefix_cache=False)
     req = _req("a", range(6), 3)
     kv.admit(req, 5)
-    slots = kv.extend(req, 6).tolist()
+    slots = _extend(kv, req, 6)
     assert len(req.kv_pages) == 2  # 6 tokens in pages of 4
     assert [s // 4 for s in slots] == [req.kv_pages[0]] * 4 + [req.kv_pages[1]] * 2
     assert [s % 4 for s in slots] == [0, 1, 2, 3, 0, 1]
-    kv.extend(req, 2)
+    _extend(kv, req, 2)
     assert len(req.kv_pages) == 2  # token 7 and 8 still fit the second page
-    kv.extend(req, 1)
+    _extend(kv, req, 1)
     assert len(req.kv_pages) == 3

@@ -68,18 +68,25 @@ class KVCache:
             self.req_to_token.write(req.pool_row, 0, torch.tensor(slots, dtype=torch.int64))
         return len(slots)
 
-    def extend(self, req: Req, num_tokens: int) -> torch.Tensor:
-        """Slots for the request's next `num_tokens` tokens (int64, on the pool's device)."""
+    def extend(self, req: Req, num_tokens: int) -> list[int]:
+        """Slots for the request's next `num_tokens` tokens, allocating pages as needed.
+
+        NOTE: the request->slot table is not written here: the caller writes a whole batch's
+        slots at once (write_table), one transfer per step instead of one per request.
+        """
         start, end = req.kv_len, req.kv_len + num_tokens
         new_pages = self.pages_for(end) - len(req.kv_pages)
         if new_pages > 0:
             req.kv_pages.extend(self._alloc(new_pages))
-        positions = torch.arange(start, end)
-        pages = torch.tensor(req.kv_pages, dtype=torch.int64)
-        slots = pages[positions // self.page_size] * self.page_size + positions % self.page_size
-        self.req_to_token.write(req.pool_row, start, slots)
+        ps, pages = self.page_size, req.kv_pages
         req.kv_len = end
-        return slots.to(self.pool.k_buffers[0].device)
+        return [pages[p // ps] * ps + p % ps for p in range(start, end)]
+
+    def write_table(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], cols[i]] = slots[i] for a whole batch (slots already on the device)."""
+        device = self.req_to_token.table.device
+        index = torch.tensor([rows, cols], dtype=torch.int64).to(device, non_blocking=True)
+        self.req_to_token.table[index[0], index[1]] = slots.to(torch.int32)
 
     def cache_prefix(self, req: Req) -> None:
         """Share what a still-running request has computed: move its page-aligned KV into the cache

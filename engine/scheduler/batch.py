@@ -40,14 +40,16 @@ def build(
 ) -> tuple[ForwardBatch, LogitPlan]:
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[torch.Tensor] = []
+    slots: list[int] = []
+    rows: list[int] = []
     plan = LogitPlan()
     for req, n in zip(batch.reqs, batch.extend_lens):
         start, end = req.kv_len, req.kv_len + n
         offset = len(ids) - start  # token position p sits at batch row offset + p
         ids.extend(req.fill_ids[start:end])
         positions.extend(range(start, end))
-        slots.append(kv.extend(req, n))
+        slots.extend(kv.extend(req, n))
+        rows.extend([req.pool_row] * n)
         plan.starts.append(len(plan.rows))
         # logits at position p give the logprob of prompt token p + 1
         lp_rows = (
@@ -61,11 +63,14 @@ def build(
         if samples:
             plan.rows.append(offset + end - 1)
         plan.samples.append(samples)
+    # one host-to-device copy for the per-token columns of the whole batch
+    host = torch.tensor([ids, positions, slots], dtype=torch.int64).to(device, non_blocking=True)
+    kv.write_table(rows, positions, host[2])
     forward = ForwardBatch(
         mode=batch.mode,
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        out_cache_loc=torch.cat(slots),
+        input_ids=host[0],
+        positions=host[1],
+        out_cache_loc=host[2],
         req_pool_indices=torch.tensor(
             [r.pool_row for r in batch.reqs], dtype=torch.int64, device=device
         ),
