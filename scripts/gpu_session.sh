@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
+# default), then the README's benchmark workloads. Tables land in $OUT.
+# Usage there: bash scripts/gpu_session.sh [kernels|engine|w1|w2|w1-peer|prefix ...]
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/gristmill-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then  # pyzmq travels as a wheel: the machine has no network
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+for step in "${@:-kernels engine w1 w2}"; do
+  for s in $step; do
+    echo "=== $s ($(date -u +%H:%M:%S))"
+    case $s in
+      kernels) python3 -m pytest tests/test_kernel_*.py -q -p no:cacheprovider 2>&1 | tail -4 ;;
+      engine) python3 -m pytest tests/test_generate_vs_transformers.py tests/test_runtime_api.py tests/test_prefix_cache_scheduling.py \
+                -q -p no:cacheprovider -n 8 -W ignore 2>&1 | grep -v "^Loading\|Writing" | tail -4 ;;
+      w1) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --json "$OUT/w1.json" 2>&1 | grep "^|" ;;
+      w1-peer) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --peer transformers --json "$OUT/w1-peer.json" 2>&1 | grep "^|" ;;
+      w2) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 --json "$OUT/w2.json" 2>&1 | grep "^|" ;;
+      prefix) for flag in false true; do python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
+                --engine-args "{\"disable_radix_cache\": $flag}" --json "$OUT/prefix-$flag.json" 2>&1 | grep "^|"; done ;;
+    esac
+  done
+done
