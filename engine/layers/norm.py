@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.fused import use_triton
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -16,6 +18,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual) for the next block."""
+        if use_triton(x):
+            from kernels.norm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

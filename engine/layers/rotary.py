@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers.fused import use_triton
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -45,6 +47,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hk, D] by their token positions [T]."""
+        if use_triton(q):
+            from kernels.rotary import apply_rotary
+
+            return apply_rotary(q, k, positions, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

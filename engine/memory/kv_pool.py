@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.fused import use_triton
+
 
 class KVPool:
     def __init__(
@@ -32,6 +34,11 @@ class KVPool:
         return self.num_pages * self.page_size
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if use_triton(k):
+            from kernels.kv_store import store_kv
+
+            store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], slots, k, v)
+            return
         self.k_buffers[layer_id][slots] = k.to(self.dtype)
         self.v_buffers[layer_id][slots] = v.to(self.dtype)
 
