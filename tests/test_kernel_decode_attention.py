@@ -1,0 +1,274 @@
+"""Decode attention kernel (kernels/decode_attention.py) against its float64 PyTorch reference.
+
+On a CPU-only machine the kernel runs under Triton's interpreter (conftest sets TRITON_INTERPRET
+before this module imports the kernel), so those cases are tiny. The @pytest.mark.gpu cases use
+model-sized shapes. Every case draws fresh random inputs, scatters each request's tokens over
+a random permutation of the pool and places the requests in random rows of req_to_token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.decode_attention import (
+    MAX_KV_SPLITS,
+    choose_num_kv_splits,
+    decode_attention,
+    decode_attention_ref,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float32 on the interpreter (and on the GPU, whose dots run in IEEE fp32 for fp32 inputs).
+TOL_FP32 = 1e-5
+TOL_16BIT = 1e-2
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def make_batch(
+    seq_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = DEVICE,
+    num_slots: int | None = None,
+    spare_rows: int = 3,
+    seed: int = 0,
+) -> dict:
+    """A decode batch over a paged pool with shuffled slots and rows."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    total = sum(seq_lens)
+    num_slots = total + 9 if num_slots is None else num_slots
+    max_context = max(seq_lens) + 5
+    rows = B + spare_rows
+    # Unused table entries point at random (valid) slots: reading one would give a wrong answer.
+    req_to_token = torch.randint(
+        0, num_slots, (rows, max_context), generator=gen, dtype=torch.int32
+    )
+    req_pool_indices = torch.randperm(rows, generator=gen)[:B]  # a random subset, random order
+    slots = torch.randperm(num_slots, generator=gen).int()  # each token its own random slot
+    start = 0
+    for b, n in enumerate(seq_lens):
+        req_to_token[req_pool_indices[b], :n] = slots[start : start + n]
+        start += n
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    return dict(
+        q=randn(B, num_q_heads, head_dim),
+        k_buffer=randn(num_slots, num_kv_heads, head_dim),
+        v_buffer=randn(num_slots, num_kv_heads, head_dim),
+        req_to_token=req_to_token.to(device),
+        req_pool_indices=req_pool_indices.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        scaling=head_dim**-0.5,
+    )
+
+
+def check(batch: dict, tol: float, **kwargs) -> torch.Tensor:
+    B, Hq, D = batch["q"].shape
+    out = torch.full((B, Hq, D), float("nan"), dtype=batch["q"].dtype, device=batch["q"].device)
+    got = decode_attention(**batch, out=out, **kwargs)
+    assert got is out
+    assert torch.isfinite(got).all(), "output not fully written"
+    ref = decode_attention_ref(**batch)
+    assert ref.dtype == batch["q"].dtype
+    err = rel_err(got, ref)
+    assert err < tol, f"relative error {err:.3g} >= {tol}"
+    return got
+
+
+# (num_kv_heads, group size G, head_dim): G 1/2/4/8, head_dim 16/32/64/128 and 80, 96.
+SHAPES = [
+    (2, 1, 64),
+    (2, 2, 32),
+    (1, 4, 128),
+    (2, 8, 16),
+    (2, 4, 80),
+    (1, 2, 96),
+]
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3, None], ids=["splits1", "splits3", "auto"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"hkv{h}-g{g}-d{d}" for h, g, d in SHAPES])
+def test_matches_reference(shape, num_kv_splits):
+    hkv, g, d = shape
+    # 1 token, lengths off the 16/32/64 tile sizes, one exactly a tile.
+    seed = 10 * SHAPES.index(shape) + (num_kv_splits or 0)
+    batch = make_batch([37, 1, 70, 32], hkv * g, hkv, d, seed=seed)
+    check(batch, TOL_FP32, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "broadcast"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_dot_and_broadcast_paths(group, use_dot):
+    batch = make_batch([19, 50, 3], 2 * group, 2, 32, seed=10 + group)
+    check(batch, TOL_FP32, num_kv_splits=2, use_dot=use_dot)
+
+
+def test_more_splits_than_tiles():
+    """Most splits are empty for these short requests: they must be skipped, not merged."""
+    batch = make_batch([1, 5, 40], 4, 2, 32, seed=3)
+    check(batch, TOL_FP32, num_kv_splits=MAX_KV_SPLITS)
+    check(batch, TOL_FP32, num_kv_splits=7)
+
+
+def test_auto_splits_with_a_large_hint():
+    """A generous max_seq_len hint picks many splits; any upper bound must stay correct."""
+    batch = make_batch([2, 65], 4, 2, 16, seed=4)
+    assert choose_num_kv_splits(2, 2, 100_000, torch.device(DEVICE)) > 1
+    check(batch, TOL_FP32, max_seq_len=100_000)
+    check(batch, TOL_FP32, max_seq_len=65)
+
+
+def test_scratch_and_output_never_read_unwritten(monkeypatch):
+    """Every float buffer the kernel allocates (output, split scratch) starts as NaN."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    batch = make_batch([1, 33, 9], 4, 1, 32, seed=5)
+    out = decode_attention(**batch, num_kv_splits=5)
+    monkeypatch.undo()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, decode_attention_ref(**batch)) < TOL_FP32
+
+
+def test_non_contiguous_q():
+    """q as a view into a fused qkv projection output (head stride != D)."""
+    batch = make_batch([12, 41], 4, 2, 32, seed=6)
+    B, Hq, D = batch["q"].shape
+    qkv = torch.randn(B, Hq + 4, D, device=DEVICE)
+    qkv[:, :Hq] = batch["q"]
+    batch["q"] = qkv[:, :Hq]
+    assert not batch["q"].is_contiguous()
+    check(batch, TOL_FP32, num_kv_splits=2)
+
+
+def test_zero_length_request_gives_zeros():
+    """A padding row with seq_len 0 (fixed-size batches) yields zeros, not NaN."""
+    batch = make_batch([20, 1, 7], 2, 1, 16, seed=7)
+    batch["seq_lens"][1] = 0
+    out = check(batch, TOL_FP32, num_kv_splits=3)
+    assert (out[1] == 0).all()
+
+
+def test_float16_inputs():
+    batch = make_batch([1, 23, 64], 8, 2, 64, dtype=torch.float16, seed=8)
+    out = check(batch, TOL_16BIT, num_kv_splits=2)
+    assert out.dtype == torch.float16
+
+
+def test_reference_matches_per_request_loop():
+    """The float64 reference against a per-request loop of the textbook formula."""
+    batch = make_batch([1, 9, 30], 6, 2, 16, device="cpu", seed=9)
+    ref = decode_attention_ref(**batch)
+    q, k_buf, v_buf = batch["q"], batch["k_buffer"], batch["v_buffer"]
+    for b, n in enumerate(batch["seq_lens"].tolist()):
+        slots = batch["req_to_token"][batch["req_pool_indices"][b], :n].long()
+        k = k_buf[slots].double().repeat_interleave(3, dim=1)  # [n, Hq, D]
+        v = v_buf[slots].double().repeat_interleave(3, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[b].double(), k) / math.sqrt(16)
+        o = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v)
+        torch.testing.assert_close(ref[b].double(), o, rtol=1e-6, atol=1e-6)
+
+
+def test_choose_num_kv_splits_bounds():
+    dev = torch.device("cpu")
+    assert choose_num_kv_splits(1, 1, 1, dev) == 1
+    assert choose_num_kv_splits(256, 8, 100_000, dev) == 1  # grid already full
+    assert choose_num_kv_splits(1, 8, 100_000, dev) == MAX_KV_SPLITS  # capped
+    assert choose_num_kv_splits(1, 8, 1000, dev) == 4  # >= 256 tokens a split
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: model-sized shapes (a Llama-3-8B-like layer: 32 query heads, 8 kv heads, head_dim 128).
+
+
+def gpu_lens(B: int, max_len: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_len + 1, (B,), generator=gen).tolist()
+    lens[0], lens[1], lens[2] = 1, max_len, 33  # the extremes and an off-tile length
+    return lens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 16, None], ids=["s1", "s3", "s16", "auto"])
+def test_gpu_realistic_shapes(dtype, num_kv_splits):
+    batch = make_batch(gpu_lens(64, 4096, seed=1), 32, 8, 128, dtype=dtype, device="cuda")
+    check(batch, TOL_16BIT, num_kv_splits=num_kv_splits, max_seq_len=4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "broadcast"])
+@pytest.mark.parametrize("shape", [(8, 1, 128), (8, 4, 64), (4, 8, 128), (2, 4, 80)])
+def test_gpu_head_shapes(shape, use_dot):
+    hkv, g, d = shape
+    batch = make_batch(
+        gpu_lens(16, 1500, seed=2), hkv * g, hkv, d, dtype=torch.bfloat16, device="cuda"
+    )
+    check(batch, TOL_16BIT, use_dot=use_dot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-3)], ids=["fp32", "bf16"]
+)
+def test_gpu_result_independent_of_num_kv_splits(dtype, tol):
+    batch = make_batch(gpu_lens(64, 4096, seed=3), 32, 8, 128, dtype=dtype, device="cuda")
+    base = decode_attention(**batch, num_kv_splits=1)
+    for splits in [2, 3, 5, 8, 16]:
+        err = rel_err(decode_attention(**batch, num_kv_splits=splits), base)
+        assert err < tol, f"num_kv_splits={splits}: relative change {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync_and_cuda_graph_replay():
+    """No device->host sync inside; a captured launch replays with new lengths and slots."""
+    pool = 32 * 2048 + 9  # both batches the same shapes, whatever their lengths
+
+    def batch_of(seed):
+        lens = gpu_lens(32, 2048, seed=seed)
+        return make_batch(lens, 32, 8, 128, torch.bfloat16, "cuda", num_slots=pool, seed=seed)
+
+    batch = batch_of(4)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        decode_attention(**batch, num_kv_splits=8)
+        decode_attention(**batch)  # auto splits from shapes alone
+        decode_attention(**batch, max_seq_len=2048)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    out = torch.empty_like(static["q"])
+    decode_attention(**static, out=out, num_kv_splits=8)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(**static, out=out, num_kv_splits=8)
+
+    new = batch_of(5)
+    for name in ["q", "k_buffer", "v_buffer", "req_to_token", "req_pool_indices", "seq_lens"]:
+        assert static[name].shape == new[name].shape
+        static[name].copy_(new[name])
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, decode_attention_ref(**new)) < TOL_16BIT
