@@ -1,0 +1,332 @@
+"""Extend (prefill) attention over the paged KV cache, as a Triton flash-attention kernel.
+
+Each request of the batch brings ``extend_len`` new queries on top of ``prefix_len`` tokens already
+cached; the new tokens' K/V are in the pool before this runs, so every key of request ``b`` is read
+through ``req_to_token[req_pool_indices[b], 0:seq_len]``. Query ``i`` of a request sits at absolute
+position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i`` (full prefix, causal over the new
+tokens). Numerics follow ``engine/attention/torch_backend.py``: scores ``q·k * scaling``, softmax in
+float32 (here online, flash style), output in ``q.dtype``.
+
+``extend_attention_ref`` is the same function in plain float64 PyTorch, independent of the kernel,
+for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# exp2 is the native instruction on the GPU; fold log2(e) into the score scale once per tile
+# instead of multiplying inside exp().
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    K,
+    V,
+    slot_row,
+    k_off,
+    v_off,
+    stride_kn,
+    stride_vn,
+    offs_m_abs,
+    offs_d,
+    mask_d,
+    start,
+    end,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """Online softmax of the query tile over keys [start, end) in BLOCK_N steps.
+
+    MASKED=False is the bulk of a long prefix: every key of every step is visible to every query
+    of the tile and in range, so no mask is built at all. MASKED=True covers the tail that crosses
+    the causal diagonal or the end of the sequence.
+    """
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASKED:
+            mask_n = offs_n < end
+            slots = tl.load(slot_row + offs_n, mask=mask_n, other=0)
+        else:
+            slots = tl.load(slot_row + offs_n)
+        # int64: slot * stride overflows int32 once the pool holds ~2^31 elements per layer
+        slots = slots.to(tl.int64)
+
+        # K^T tile [BLOCK_D, BLOCK_N], gathered row by row through the slot table
+        k_ptrs = K + k_off + slots[None, :] * stride_kn + offs_d[:, None]
+        if MASKED:
+            if EVEN_D:
+                k = tl.load(k_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        else:
+            if EVEN_D:
+                k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+
+        qk = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # log2 domain
+        if MASKED:
+            # keys past `end` need no mask of their own: end is at most one past the causal
+            # limit of the tile's last real query, so the causal test hides them from every
+            # stored row (padded rows may see zero keys there; they are never stored)
+            qk = tl.where(offs_m_abs[:, None] >= offs_n[None, :], qk, float("-inf"))
+
+        # Every row sees key 0 (processed in the first step), so m_i is finite after one step
+        # and a fully masked row in a later step gives exp2(-inf) = 0, never NaN.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_ptrs = V + v_off + slots[:, None] * stride_vn + offs_d[None, :]
+        if MASKED:
+            if EVEN_D:
+                v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        else:
+            if EVEN_D:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        # probabilities go to the value dtype for the tensor cores (as the reference's
+        # softmax(...).to(q.dtype) @ v); accumulation stays float32
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _extend_attention_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    ReqToToken,
+    ReqPoolIndices,
+    SeqLens,
+    ExtendLens,
+    QoIndptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_req,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_m = tl.program_id(2)
+
+    extend_len = tl.load(ExtendLens + b).to(tl.int32)
+    num_m = tl.cdiv(extend_len, BLOCK_M)
+    if pid_m >= num_m:
+        # the grid is sized for the longest extend of the batch; shorter requests stop here
+        return
+    # Reverse the tile order: the last tile of a request has the most keys (causal), and the
+    # pid_m = 0 programs are scheduled first, so the longest programs start earliest.
+    m_start = (num_m - 1 - pid_m) * BLOCK_M
+
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    prefix_len = seq_len - extend_len
+    q_start = tl.load(QoIndptr + b).to(tl.int64)
+    req_row = tl.load(ReqPoolIndices + b).to(tl.int64)
+    slot_row = ReqToToken + req_row * stride_req
+    kv_h = h // GROUP
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < extend_len
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q_ptrs = Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    # padded rows load as zeros; their results are computed but never stored
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Keys 0 .. prefix_len + m_start are visible to all queries of the tile: whole BLOCK_N steps
+    # there run unmasked. The rest, up to the causal limit of the tile's last real query, is
+    # masked; keys past that limit are never loaded.
+    kv_end = prefix_len + tl.minimum(m_start + BLOCK_M, extend_len)
+    full_end = ((prefix_len + m_start + 1) // BLOCK_N) * BLOCK_N
+    offs_m_abs = prefix_len + offs_m
+    acc, l_i, m_i = _attend_tile(
+        acc, l_i, m_i, q, K, V, slot_row, kv_h * stride_kh, kv_h * stride_vh, stride_kn, stride_vn,
+        offs_m_abs, offs_d, mask_d, 0, full_end, qk_scale,
+        BLOCK_N, False, EVEN_D, INPUT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tile(
+        acc, l_i, m_i, q, K, V, slot_row, kv_h * stride_kh, kv_h * stride_vh, stride_kn, stride_vn,
+        offs_m_abs, offs_d, mask_d, full_end, kv_end, qk_scale,
+        BLOCK_N, True, EVEN_D, INPUT_PRECISION,
+    )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    o_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _default_blocks(
+    head_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if device.type != "cuda":
+        # interpreter: small tiles keep the numpy work per program small and still cross tiles
+        return 32, 32, 4, 1
+    if dtype == torch.float32:
+        # float32 tiles are twice the bytes: smaller tiles keep registers/shared memory in range
+        return 64, 32, 4, 2
+    if head_dim <= 128:
+        # best of a sweep on H100, bf16 D=128 Hq=32 Hkv=8 (mixed, causal-only and long-prefix
+        # batches): 128x64, 4 warps, 3 stages ~240-320 TFLOP/s; 8 warps or 1 stage ~35% slower
+        return 128, 64, 4, 3
+    # three 128x64 stages of K and V at D=256 overrun the 228 KB of shared memory
+    return 64, 64, 4, 2
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    scaling: float,
+    max_extend_len: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Attention of the extend batch's queries over their requests' cached + new keys.
+
+    q [T, Hq, D] (T = sum(extend_lens), request b at rows qo_indptr[b]:qo_indptr[b + 1]);
+    k_buffer / v_buffer [num_slots, Hkv, D]; req_to_token [max_requests, max_context] int32;
+    req_pool_indices, seq_lens, extend_lens [B]; qo_indptr [B + 1]. ``max_extend_len`` sizes the
+    grid; pass it when the host knows it (the scheduler does), else it is read from
+    ``extend_lens`` (one device sync). ``out`` [T, Hq, D] may be given to write in place.
+    Returns out [T, Hq, D] in q.dtype.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    assert k_buffer.shape[2] == head_dim and v_buffer.shape[1:] == k_buffer.shape[1:]
+    assert num_q_heads % num_kv_heads == 0, "GQA needs Hq to be a multiple of Hkv"
+    assert k_buffer.dtype == q.dtype and v_buffer.dtype == q.dtype
+    # the kernel indexes the head dim with unit stride
+    assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
+    assert req_to_token.stride(1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+    batch = extend_lens.shape[0]
+    if batch == 0 or num_tokens == 0:
+        return out
+    if max_extend_len is None:
+        max_extend_len = int(extend_lens.max())
+    if max_extend_len == 0:
+        return out
+
+    bm, bn, warps, stages = _default_blocks(head_dim, q.dtype, q.device)
+    bm, bn = block_m or bm, block_n or bn
+    warps, stages = num_warps or warps, num_stages or stages
+    # float32 stays float32 (no tf32 on the tensor cores); for 16-bit inputs it is ignored
+    input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    grid = (batch, num_q_heads, triton.cdiv(max_extend_len, bm))
+    _extend_attention_kernel[grid](
+        q,
+        k_buffer,
+        v_buffer,
+        out,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_lens,
+        qo_indptr,
+        scaling * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        GROUP=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(max(head_dim, 16)),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        INPUT_PRECISION=input_precision,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+def extend_attention_ref(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    scaling: float,
+    max_extend_len: int | None = None,
+) -> torch.Tensor:
+    """Same function in plain float64 PyTorch, one request at a time (for tests)."""
+    del max_extend_len  # only a grid-size hint for the kernel
+    num_q_heads, num_kv_heads = q.shape[1], k_buffer.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    rows = req_pool_indices.tolist()
+    for b, (row, seq_len, n) in enumerate(zip(rows, seq_lens.tolist(), extend_lens.tolist())):
+        start = int(qo_indptr[b])
+        prefix = seq_len - n
+        slots = req_to_token[row, :seq_len].long()
+        k = k_buffer[slots].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_buffer[slots].double().repeat_interleave(group, dim=1)
+        qi = q[start : start + n].double()  # [n, Hq, D]
+        scores = torch.einsum("nhd,lhd->hnl", qi, k) * scaling
+        # query i (absolute position prefix + i) sees keys 0 .. prefix + i
+        causal = (
+            torch.arange(seq_len, device=q.device)[None, :]
+            <= (prefix + torch.arange(n, device=q.device))[:, None]
+        )
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out[start : start + n] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+    return out.to(q.dtype)

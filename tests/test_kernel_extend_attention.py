@@ -1,0 +1,272 @@
+"""Extend attention kernel against its float64 reference (CPU interpreter; realistic shapes on GPU).
+
+Relative error ‖out − ref‖ / ‖ref‖: float32 inputs < 1e-5 (tl.dot runs in ieee float32, no tf32),
+bf16/fp16 < 1e-2. Slots are a random permutation of the pool, requests sit in random rows of
+req_to_token, and the kernel writes into a NaN-poisoned output, so a row it forgets or a slot it
+reads contiguously instead of through the table shows up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.extend_attention import extend_attention, extend_attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_batch(
+    prefix_lens,
+    extend_lens,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    dtype=torch.float32,
+    device=DEVICE,
+    seed=0,
+    spare_slots=7,
+    spare_rows=3,
+):
+    """Random inputs for one extend batch; K/V of prefix and new tokens already in the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(prefix_lens)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_slots = sum(seq_lens) + spare_slots
+    max_context = max(seq_lens) + 5
+    max_requests = batch + spare_rows
+
+    # a random permutation of the pool hands out slots, so no request's slots are contiguous
+    perm = torch.randperm(num_slots, generator=gen).to(torch.int32)
+    rows = torch.randperm(max_requests, generator=gen)[:batch]
+    # unused table entries point at slot 0..; garbage past seq_len must never be read
+    req_to_token = torch.randint(
+        0, num_slots, (max_requests, max_context), generator=gen, dtype=torch.int32
+    )
+    start = 0
+    for row, n in zip(rows.tolist(), seq_lens):
+        req_to_token[row, :n] = perm[start : start + n]
+        start += n
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    total = sum(extend_lens)
+    args = dict(
+        q=rand(total, num_q_heads, head_dim),
+        k_buffer=rand(num_slots, num_kv_heads, head_dim),
+        v_buffer=rand(num_slots, num_kv_heads, head_dim),
+        req_to_token=req_to_token,
+        req_pool_indices=rows.to(torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        extend_lens=torch.tensor(extend_lens, dtype=torch.int32),
+        qo_indptr=torch.tensor([0] + extend_lens, dtype=torch.int64).cumsum(0),
+        scaling=head_dim**-0.5,
+    )
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def check(args, tol, **kernel_kwargs):
+    ref = extend_attention_ref(**args)
+    out = torch.full_like(args["q"], float("nan"))
+    got = extend_attention(**args, out=out, **kernel_kwargs)
+    assert got is out
+    assert got.dtype == args["q"].dtype and got.shape == args["q"].shape
+    assert not got.isnan().any(), "rows left unwritten"
+    err = rel_err(got, ref)
+    assert err < tol, err
+    return got
+
+
+# (prefix_lens, extend_lens): each tuple one batch
+CPU_CASES = {
+    "plain_prefill": ([0], [45]),
+    "cached_prefix": ([37], [5]),
+    "decode_shaped": ([50], [1]),
+    "single_token_no_prefix": ([0], [1]),
+    "ragged_mixed": ([0, 37, 70, 3], [70, 5, 1, 33]),
+}
+
+
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_matches_reference(case):
+    prefix_lens, extend_lens = CPU_CASES[case]
+    args = make_batch(prefix_lens, extend_lens, num_q_heads=4, num_kv_heads=2, head_dim=32)
+    check(args, 1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [16, 64, 80])
+def test_gqa_and_head_dims(group, head_dim):
+    num_kv_heads = 2 if group < 4 else 1
+    args = make_batch(
+        [0, 21],
+        [19, 11],
+        num_q_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seed=group * 1000 + head_dim,
+    )
+    check(args, 1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batches(seed):
+    """Random batch sizes, lengths, GQA groups and head dims (48: a non-power-of-two)."""
+    gen = torch.Generator().manual_seed(100 + seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    batch = int(torch.randint(1, 5, (1,), generator=gen))
+    prefix_lens = torch.randint(0, 80, (batch,), generator=gen).tolist()
+    extend_lens = torch.randint(1, 70, (batch,), generator=gen).tolist()
+    group, num_kv_heads, head_dim = pick(1, 2, 4), pick(1, 2), pick(16, 48, 64)
+    args = make_batch(
+        prefix_lens, extend_lens, group * num_kv_heads, num_kv_heads, head_dim, seed=seed
+    )
+    check(args, 1e-5)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 32), (32, 16), (64, 16)])
+def test_block_shapes(block_m, block_n):
+    """Tile edges: the unmasked prefix loop, the diagonal tail, and tiles of unequal size.
+
+    Prefixes 14, 15, 30, 31, 32 put a tile's first query next to a BLOCK_N boundary, where the
+    unmasked loop must stop exactly at the last key that the tile's first query sees.
+    """
+    args = make_batch(
+        [0, 40, 17, 14, 15, 30, 31, 32],
+        [50, 9, 16, 20, 35, 33, 18, 3],
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        seed=7,
+    )
+    check(args, 1e-5, block_m=block_m, block_n=block_n)
+
+
+def test_max_extend_len_hint():
+    args = make_batch([5, 0], [20, 34], num_q_heads=2, num_kv_heads=2, head_dim=16, seed=3)
+    ref = extend_attention_ref(**args)
+    # the hint sizes the grid; a larger one than needed only adds idle programs
+    for hint in (None, 34, 100):
+        assert rel_err(extend_attention(**args, max_extend_len=hint), ref) < 1e-5
+
+
+def test_strided_q_and_out():
+    """q as a view into a fused qkv projection (row stride > Hq * D), out likewise."""
+    args = make_batch([9], [23], num_q_heads=4, num_kv_heads=2, head_dim=16, seed=5)
+    q = args["q"]
+    qkv = torch.randn(q.shape[0], 3 * q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    qkv[:, : q.shape[1] * q.shape[2]] = q.flatten(1)
+    q_view = qkv[:, : q.shape[1] * q.shape[2]].unflatten(1, q.shape[1:])
+    assert not q_view.is_contiguous()
+    ref = extend_attention_ref(**args)
+    out_wide = torch.full(
+        (q.shape[0], q.shape[1], 2 * q.shape[2]), float("nan"), dtype=q.dtype, device=q.device
+    )
+    out = out_wide[:, :, : q.shape[2]]
+    extend_attention(**{**args, "q": q_view}, out=out)
+    assert rel_err(out, ref) < 1e-5
+    assert out_wide[:, :, q.shape[2] :].isnan().all(), "wrote outside the output view"
+
+
+def test_strided_kv_buffers():
+    """K and V as views with different layouts: K inside a fused [slots, 2, Hkv, D] pool, V with
+    a padded head stride; the kernel must use each buffer's own strides."""
+    args = make_batch([19, 0], [13, 40], num_q_heads=4, num_kv_heads=2, head_dim=16, seed=9)
+    k, v = args["k_buffer"], args["v_buffer"]
+    fused = torch.randn(k.shape[0], 2, *k.shape[1:], dtype=k.dtype, device=k.device)
+    fused[:, 1] = k
+    wide = torch.randn(*v.shape[:2], 3 * v.shape[2], dtype=v.dtype, device=v.device)
+    wide[:, :, 5 : 5 + v.shape[2]] = v
+    k_view, v_view = fused[:, 1], wide[:, :, 5 : 5 + v.shape[2]]
+    assert k_view.stride() != v_view.stride()
+    ref = extend_attention_ref(**args)
+    out = extend_attention(**{**args, "k_buffer": k_view, "v_buffer": v_view})
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_reference_matches_torch_sdpa():
+    """The reference itself, against torch's SDPA on a contiguous single request."""
+    args = make_batch([12], [20], num_q_heads=4, num_kv_heads=2, head_dim=16, seed=11)
+    ref = extend_attention_ref(**args)
+    slots = args["req_to_token"][args["req_pool_indices"][0], :32].long()
+    k = args["k_buffer"][slots].repeat_interleave(2, dim=1).transpose(0, 1)  # [Hq, L, D]
+    v = args["v_buffer"][slots].repeat_interleave(2, dim=1).transpose(0, 1)
+    q = args["q"].transpose(0, 1)  # [Hq, n, D]
+    mask = torch.ones(20, 32, dtype=torch.bool, device=q.device).tril(diagonal=12)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask, scale=args["scaling"]
+    ).transpose(0, 1)
+    assert rel_err(ref, want) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float16,
+        # the interpreter keeps bf16 as uint16 and tl.dot multiplies the bit patterns
+        # (triton-lang/triton#11584, "not supported yet"): bf16 runs on the GPU only
+        pytest.param(torch.bfloat16, marks=pytest.mark.gpu),
+    ],
+)
+def test_half_precision(dtype):
+    args = make_batch([13, 0], [20, 17], num_q_heads=2, num_kv_heads=1, head_dim=16, dtype=dtype)
+    check(args, 1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: realistic shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_realistic(dtype):
+    gen = torch.Generator().manual_seed(0)
+    extend_lens = torch.randint(1, 1025, (8,), generator=gen).tolist()
+    extend_lens[0], extend_lens[1] = 1024, 1
+    prefix_lens = torch.randint(0, 2049, (8,), generator=gen).tolist()
+    prefix_lens[0], prefix_lens[2] = 0, 2048
+    args = make_batch(prefix_lens, extend_lens, 32, 8, 128, dtype=dtype, seed=1)
+    check(args, 1e-2, max_extend_len=max(extend_lens))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_gpu_float32_is_ieee(head_dim):
+    """float32 on the tensor cores would be tf32 (~1e-3); the kernel asks for ieee."""
+    args = make_batch([300, 0, 1000], [257, 511, 3], 8, 2, head_dim, seed=head_dim)
+    check(args, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_gpu_head_dims_bf16(head_dim):
+    args = make_batch([0, 129, 2000], [300, 64, 77], 16, 4, head_dim, dtype=torch.bfloat16)
+    check(args, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_speed_report(capsys):
+    """Not a gate: prints TFLOP/s of the realistic batch (run with -s to see it)."""
+    import triton.testing
+
+    extend_lens = [1024, 512, 1024, 256, 1024, 768, 128, 1024]
+    prefix_lens = [0, 2048, 1024, 0, 512, 2048, 256, 1536]
+    args = make_batch(prefix_lens, extend_lens, 32, 8, 128, dtype=torch.bfloat16, seed=2)
+    ms = triton.testing.do_bench(lambda: extend_attention(**args, max_extend_len=1024))
+    # causal-visible (query, key) pairs, 2 matmuls x 2 flops each
+    pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
+    tflops = 4 * pairs * 32 * 128 / (ms * 1e-3) / 1e12
+    with capsys.disabled():
+        print(f"\nextend_attention B=8 Hq=32 Hkv=8 D=128 bf16: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+    assert math.isfinite(ms)
