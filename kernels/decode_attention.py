@@ -42,8 +42,6 @@ nothing and stage 2 skips it, so a fixed, generous split count is correct for an
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -146,7 +144,6 @@ def _decode_stage1(
     BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -179,54 +176,29 @@ def _decode_stage1(
         slot_row = ReqToToken + row * stride_r2t
         k_head = K + kvh.to(tl.int64) * stride_kh
         v_head = V + kvh.to(tl.int64) * stride_vh
-        if INTERPRET:
-            # Triton 3.6's interpreter cannot run a `for` over run-time bounds with NumPy >= 2.4
-            # (it calls int() on a 1-element array); a `while` loop works there.
-            n0 = start
-            while n0 < end:
-                m_i, l_i, acc = _stage1_tile(
-                    q,
-                    m_i,
-                    l_i,
-                    acc,
-                    n0,
-                    end,
-                    slot_row,
-                    k_head,
-                    v_head,
-                    stride_kn,
-                    stride_vn,
-                    qk_scale,
-                    HEAD_DIM,
-                    BLOCK_N,
-                    BLOCK_D,
-                    USE_DOT,
-                    DOT_PRECISION,
-                )
-                n0 += BLOCK_N
-        else:
-            # On the GPU a `for` loop, which Triton software-pipelines (num_stages): the next
-            # tile's slot/K/V loads are issued before this tile's math.
-            for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _stage1_tile(
-                    q,
-                    m_i,
-                    l_i,
-                    acc,
-                    n0,
-                    end,
-                    slot_row,
-                    k_head,
-                    v_head,
-                    stride_kn,
-                    stride_vn,
-                    qk_scale,
-                    HEAD_DIM,
-                    BLOCK_N,
-                    BLOCK_D,
-                    USE_DOT,
-                    DOT_PRECISION,
-                )
+        # A `for` loop, which Triton software-pipelines (num_stages): the next tile's slot/K/V
+        # loads are issued before this tile's math. (kernels/interpreter.py lets the CPU
+        # interpreter run its run-time bounds.)
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _stage1_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                n0,
+                end,
+                slot_row,
+                k_head,
+                v_head,
+                stride_kn,
+                stride_vn,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                USE_DOT,
+                DOT_PRECISION,
+            )
 
         # Normalised partial output and its log2-sum-exp: stage 2 needs nothing else.
         out_mask = mask_g[:, None] & mask_d[None, :]
@@ -296,10 +268,6 @@ def _decode_stage2(
         out.to(Out.dtype.element_ty),
         mask=mask_d,
     )
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -423,7 +391,6 @@ def decode_attention(
         BLOCK_D=BLOCK_D,
         USE_DOT=use_dot,
         DOT_PRECISION=dot_precision,
-        INTERPRET=_interpreting(),
         num_warps=_NUM_WARPS,
         num_stages=num_stages,
     )
