@@ -230,6 +230,7 @@ def test_flush_cache_is_refused_while_requests_run(llama_dir):
                 )
             )
             while engine.get_server_info()["internal_states"][0]["num_running_reqs"] == 0:
+                assert not task.done(), "the request ended before it was seen running"
                 await asyncio.sleep(0.01)
             refused = engine.flush_cache()
             await task

@@ -152,6 +152,7 @@ def test_cancelling_the_caller_aborts_and_frees_pages(engine, prompts):
             engine.async_generate(input_ids=prompts[3], sampling_params=LONG)
         )
         while engine.get_server_info()["internal_states"][0]["num_running_reqs"] == 0:
+            assert not task.done(), "the request ended before it was seen running"
             await asyncio.sleep(0.02)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
