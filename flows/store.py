@@ -1,0 +1,162 @@
+"""The checkpoint store: results as Parquet shards that survive any crash, each row written once.
+
+    <output_dir>/<run_name>/<fingerprint>/config.json      what produced these rows
+    <output_dir>/<run_name>/<fingerprint>/shards/*.parquet  the rows, in shards
+
+A shard is written to a dot-prefixed temporary name and moved into place with os.replace, so a
+reader sees a whole shard or none. Resuming reads the id column of every shard and skips
+those rows; what a crash left behind (temporary files, shards that do not read back) is
+reported, set aside and redone. The fingerprint hashes everything that changes an output row,
+so a changed config writes beside the old results, never into them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+ID_COLUMN = "id"
+
+
+def fingerprint(identity: dict[str, Any]) -> str:
+    """A short stable hash of everything that changes an output row (canonical JSON)."""
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def row_seed(run_seed: int, row_id: str) -> int:
+    """The sampling seed of one row: a resumed row gets the seed a fresh run would have given it."""
+    digest = hashlib.sha256(f"{run_seed}:{row_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # a non-negative int64
+
+
+@dataclass
+class Scan:
+    """What a run folder holds: the ids already done, the good shards, and what was set aside."""
+
+    done_ids: set[str] = field(default_factory=set)
+    shards: list[Path] = field(default_factory=list)
+    rows: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+class CheckpointStore:
+    def __init__(self, output_dir: str | Path, run_name: str, identity: dict[str, Any]) -> None:
+        self.identity = identity
+        self.fingerprint = fingerprint(identity)
+        self.folder = Path(output_dir) / run_name / self.fingerprint
+        self.shards_dir = self.folder / "shards"
+
+    # ------------------------------------------------------------------ opening
+    def open(self) -> Scan:
+        """Create or reopen the run folder; returns what is already done there."""
+        siblings = (
+            [p.name for p in self.folder.parent.glob("*") if p.is_dir() and p != self.folder]
+            if self.folder.parent.is_dir()
+            else []
+        )
+        if siblings and not self.folder.exists():
+            logger.warning(
+                "config changed: writing to %s beside earlier results in %s",
+                self.folder.name,
+                ", ".join(sorted(siblings)),
+            )
+        self.shards_dir.mkdir(parents=True, exist_ok=True)
+        config = self.folder / "config.json"
+        if config.exists():
+            if json.loads(config.read_text()) != json.loads(json.dumps(self.identity, default=str)):
+                raise ValueError(
+                    f"{config} belongs to another config with the same fingerprint (hash collision?)"
+                )
+        else:
+            _atomic_write(
+                config, json.dumps(self.identity, indent=2, sort_keys=True, default=str).encode()
+            )
+        return self.scan()
+
+    def scan(self) -> Scan:
+        scan = Scan()
+        for path in sorted(self.shards_dir.iterdir()):
+            if path.name.startswith("."):
+                scan.problems.append(f"removed an unfinished shard left by a crash: {path.name}")
+                path.unlink()
+                continue
+            if path.suffix != ".parquet":
+                continue
+            try:
+                ids = pq.read_table(path, columns=[ID_COLUMN]).column(ID_COLUMN).to_pylist()
+            except Exception as e:  # an unreadable shard: set it aside, its rows are redone
+                aside = path.with_name(f"{path.name}.unreadable")
+                path.rename(aside)
+                scan.problems.append(
+                    f"set aside unreadable shard {path.name} ({e}); its rows will be redone"
+                )
+                continue
+            repeated = scan.done_ids.intersection(ids)
+            if repeated:
+                raise ValueError(
+                    f"shard {path.name} repeats {len(repeated)} id(s) already in other shards, e.g. {sorted(repeated)[:3]}"
+                )
+            scan.done_ids.update(ids)
+            scan.shards.append(path)
+            scan.rows += len(ids)
+        for problem in scan.problems:
+            logger.warning(problem)
+        return scan
+
+    # ------------------------------------------------------------------ writing
+    def write_shard(self, rows: list[dict[str, Any]]) -> Path:
+        """Write rows as one new shard, atomically; returns its path."""
+        if not rows:
+            raise ValueError("a shard needs at least one row")
+        if any(ID_COLUMN not in r for r in rows):
+            raise ValueError(f"every row needs an {ID_COLUMN!r} column")
+        name = f"shard-{uuid.uuid4().hex}.parquet"
+        buffer = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(rows), buffer)
+        path = self.shards_dir / name
+        _atomic_write(path, buffer.getvalue().to_pybytes())
+        return path
+
+    # ------------------------------------------------------------------ reading
+    def merge(self, expected_ids: set[str] | None = None) -> pa.Table:
+        """All rows in one table; checks ids are unique and, if given, exactly the expected ones."""
+        scan = self.scan()
+        if not scan.shards:
+            raise ValueError(f"no shards in {self.shards_dir}")
+        table = pa.concat_tables([pq.read_table(p) for p in scan.shards], promote_options="default")
+        ids = table.column(ID_COLUMN).to_pylist()
+        if len(ids) != len(set(ids)):
+            raise ValueError("duplicate ids across shards")
+        if expected_ids is not None and set(ids) != expected_ids:
+            missing, extra = expected_ids - set(ids), set(ids) - expected_ids
+            raise ValueError(
+                f"rows do not match the input: {len(missing)} missing, {len(extra)} unexpected"
+            )
+        return table
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write to a dot-prefixed temporary beside `path`, flush it to disk, then rename into place."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
