@@ -67,8 +67,21 @@ class ServerArgs:
         _check_choice("log_level", self.log_level.lower(), LOG_LEVELS)
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        # Accepted for SGLang compatibility but not built yet: refused rather than silently ignored.
+        # (cuda_graph_max_bs, disable_cuda_graph and disable_overlap_schedule only affect speed and
+        # have no effect until CUDA graphs and overlap scheduling exist.)
         if self.kv_cache_dtype != "auto":
-            _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *DTYPES))
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' (the model's dtype) in this version, got {self.kv_cache_dtype!r}."
+            )
+        if self.tokenizer_mode != "auto":
+            raise ValueError(
+                f"tokenizer_mode must be 'auto' in this version, got {self.tokenizer_mode!r}."
+            )
+        if self.revision is not None:
+            raise ValueError(
+                "revision is not supported: model_path is a local folder, not a hub repository."
+            )
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}."

@@ -106,6 +106,12 @@ def test_engine_arguments_are_checked():
         ValueError, match="max_total_tokens must be a positive integer or None, got 0"
     ):
         ServerArgs.from_kwargs(model_path="x", max_total_tokens=0)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto'"):
+        ServerArgs.from_kwargs(model_path="x", kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="tokenizer_mode must be 'auto'"):
+        ServerArgs.from_kwargs(model_path="x", tokenizer_mode="slow")
+    with pytest.raises(ValueError, match="revision is not supported"):
+        ServerArgs.from_kwargs(model_path="x", revision="main")
 
 
 @pytest.fixture(scope="module")
