@@ -29,7 +29,7 @@ SENTIMENT_INSTRUCTION = (
 
 PRODUCTS = (
     "blender", "toaster", "kettle", "backpack", "desk lamp", "coffee maker", "phone case",
-    "water bottle", "keyboard", "headphones", "umbrella", "frying pan", "office chair",
+    "water bottle", "keyboard", "headset", "umbrella", "frying pan", "office chair",
     "vacuum cleaner", "alarm clock", "yoga mat", "notebook", "rain jacket", "bike light", "tent",
     "hair dryer", "mouse", "suitcase", "electric toothbrush", "camera", "speaker", "wallet",
     "pillow", "microwave", "garden hose",
@@ -178,8 +178,9 @@ def review(rng: random.Random) -> Example:
     return Example("review", review_request(product, label), text, "")
 
 
-# Arithmetic needs the most steps to learn, so it gets half of the stream.
-TASK_WEIGHTS = {"arithmetic": 0.5, "sentiment": 0.25, "review": 0.25}
+# Arithmetic needs the most steps to learn (the other two are learned within a few hundred),
+# so it gets most of the stream.
+TASK_WEIGHTS = {"arithmetic": 0.6, "sentiment": 0.2, "review": 0.2}
 _MAKERS = {"arithmetic": arithmetic, "sentiment": sentiment, "review": review}
 
 
