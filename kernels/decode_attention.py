@@ -51,6 +51,9 @@ MAX_KV_SPLITS = 16
 # Each split should walk at least this many tokens: shorter splits spend more time on their
 # fixed cost (loading q, writing the partial result, the merge) than on K/V.
 _MIN_TOKENS_PER_SPLIT = 256
+# With mixed lengths, one program per whole sequence lets the longest sequences set the step
+# time; cutting every sequence into splits of about this many tokens lets the GPU balance them.
+_BALANCE_TOKENS = 512
 # Stage 1 launch settings (tokens per tile, pipeline depth, warps), measured on an H100 (bf16,
 # D=128, Hkv 8 or 32, CUDA graphs): 64-token tiles and 3 stages were best or within 2% of best
 # from B=1 to B=256, and at B=1, L=32768 took half the time of 32-token tiles and 2 stages.
@@ -279,12 +282,14 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_kv_splits(
     batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
-    """Splits so that stage 1 has a few programs per multiprocessor, but each split keeps at
-    least ``_MIN_TOKENS_PER_SPLIT`` tokens; in ``[1, MAX_KV_SPLITS]``. Pure host arithmetic."""
+    """Splits so that stage 1 has a few programs per multiprocessor and no split walks much
+    more than ``_BALANCE_TOKENS``, but each keeps at least ``_MIN_TOKENS_PER_SPLIT`` tokens;
+    in ``[1, MAX_KV_SPLITS]``. Pure host arithmetic."""
     target_programs = 4 * _num_sms(device)
     by_occupancy = triton.cdiv(target_programs, max(1, batch_size * num_kv_heads))
+    by_balance = triton.cdiv(max(1, max_seq_len), _BALANCE_TOKENS)
     by_length = triton.cdiv(max(1, max_seq_len), _MIN_TOKENS_PER_SPLIT)
-    return max(1, min(MAX_KV_SPLITS, by_occupancy, by_length))
+    return max(1, min(MAX_KV_SPLITS, max(by_occupancy, by_balance), by_length))
 
 
 def decode_attention(

@@ -190,7 +190,10 @@ def test_reference_matches_per_request_loop():
 def test_choose_num_kv_splits_bounds():
     dev = torch.device("cpu")
     assert choose_num_kv_splits(1, 1, 1, dev) == 1
-    assert choose_num_kv_splits(256, 8, 100_000, dev) == 1  # grid already full
+    assert choose_num_kv_splits(256, 8, 256, dev) == 1  # grid already full, short sequences
+    # a full grid still splits long sequences, so mixed lengths balance
+    assert choose_num_kv_splits(256, 8, 2048, dev) == 4
+    assert choose_num_kv_splits(256, 8, 100_000, dev) == MAX_KV_SPLITS
     assert choose_num_kv_splits(1, 8, 100_000, dev) == MAX_KV_SPLITS  # capped
     assert choose_num_kv_splits(1, 8, 1000, dev) == 4  # >= 256 tokens a split
 

@@ -1,0 +1,72 @@
+"""Decode attention with mixed sequence lengths: KV bandwidth against the number of splits.
+
+With one split per (request, kv head) a program walks its whole sequence, so when lengths
+differ the longest sequences set the step time. More splits cut every sequence into shorter
+pieces that the GPU can balance. Prints one table (effective TB/s of K/V read, CUDA graphs).
+
+    python scripts/bench_decode_splits.py
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.decode_attention import choose_num_kv_splits, decode_attention
+
+
+def case(batch: int, lo: int, hi: int, hq: int = 16, hkv: int = 8, d: int = 128):
+    gen = torch.Generator().manual_seed(batch * 7 + hi)
+    lens = torch.randint(lo, hi + 1, (batch,), generator=gen)
+    total = int(lens.sum())
+    slots = torch.randperm(total + 1, generator=gen)[1:]  # slot 0 is scratch
+    width = hi
+    table = torch.zeros((batch, width), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(lens.tolist()):
+        table[b, :n] = slots[start : start + n].int()
+        start += n
+    dev = "cuda"
+    k = torch.randn((total + 1, hkv, d), dtype=torch.bfloat16, device=dev)
+    v = torch.randn_like(k)
+    q = torch.randn((batch, hq, d), dtype=torch.bfloat16, device=dev)
+    return dict(
+        q=q,
+        k_buffer=k,
+        v_buffer=v,
+        req_to_token=table.to(dev),
+        req_pool_indices=torch.arange(batch, device=dev),
+        seq_lens=lens.to(dev),
+        scaling=d**-0.5,
+    ), total * hkv * d * 2 * 2
+
+
+def graph_time(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=25, rep=200, return_mode="median") * 1e-3
+
+
+def main() -> None:
+    rows = []
+    for batch, lo, hi in [(256, 100, 2048), (128, 100, 2048), (64, 500, 4096), (16, 100, 8192)]:
+        args, nbytes = case(batch, lo, hi)
+        auto = choose_num_kv_splits(batch, 8, hi, torch.device("cuda"))
+        graph_auto = choose_num_kv_splits(batch, 8, 40960, torch.device("cuda"))
+        cells = []
+        for splits in (1, 2, 4, 8, 16):
+            t = graph_time(lambda s=splits: decode_attention(**args, num_kv_splits=s))
+            cells.append(f"{nbytes / t / 1e12:.2f}")
+        rows.append((f"B={batch} L~U[{lo},{hi}]", *cells, str(auto), str(graph_auto)))
+    head = ("case", "1", "2", "4", "8", "16", "auto(max)", "auto(graph)")
+    print("| " + " | ".join(head) + " |")
+    print("|" + " --- |" * len(head))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()
