@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
 
     result = run_engine(model_path, work, engine_args)
     max_running = result["info"]["max_running_requests"]
+    state = result["info"]["internal_states"][0]
     decode_floor, prefill_floor = floor_seconds(cfg, work, max_running, bandwidth, flops)
     rows = [
         ("device", torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
@@ -252,6 +253,17 @@ def main(argv: list[str] | None = None) -> None:
         (
             "prefill tokens cached",
             f"{result['info']['internal_states'][0]['prefill_tokens_cached']}",
+        ),
+        ("steps: prefill | decode", "{prefill_steps} | {decode_steps}".format(**state)),
+        (
+            "scheduler busy: launch + wait + read (s)",
+            "{busy_seconds:.2f}: {launch_seconds:.2f} + {wait_seconds:.2f} + {collect_seconds:.2f}".format(
+                **state
+            ),
+        ),
+        (
+            "CUDA graphs up to | overlap",
+            "{cuda_graph_max_bs} | {overlap_schedule}".format(**state),
         ),
     ]
     if args.peer == "transformers":

@@ -22,18 +22,21 @@ class ForwardMode(Enum):
 class ForwardBatch:
     mode: ForwardMode
     # one entry per token of the batch (requests concatenated in batch order)
-    input_ids: torch.Tensor  # [T] int64
+    input_ids: torch.Tensor | None  # [T] int64; None in decode: the model runner gathers them
     positions: torch.Tensor  # [T] int64, position of each token in its sequence
     out_cache_loc: torch.Tensor  # [T] int64, pool slot receiving each token's K/V
     # one entry per request
     req_pool_indices: torch.Tensor  # [B] int64, the request's row in req_to_token
     seq_lens: torch.Tensor  # [B] int64, KV length once this step's tokens are stored
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int] | None  # None while a CUDA graph is captured (lengths vary per replay)
     extend_lens_cpu: list[int]  # new tokens per request (all 1 in decode)
     kv_pool: KVPool
     req_to_token: torch.Tensor  # [max_requests, max_context] int32
     attn_backend: AttentionBackend
+    # decode: [positions, out_cache_loc, req_pool_indices, seq_lens] as one [4, B] tensor,
+    # of which the four fields above are rows (CUDA-graph replay copies it in one go)
+    packed: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.seq_lens.shape[0]

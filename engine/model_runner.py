@@ -1,4 +1,13 @@
-"""Owns the model weights, the KV pool tensors and the attention backend; runs one forward."""
+"""Owns the model weights, the KV pool tensors and the attention backend; runs one forward.
+
+Start-up on a GPU, in order:
+  1. load the weights;
+  2. a warm-up forward of the largest prefill step (`max_prefill_tokens`) over a throw-away
+     pool measures the activation peak (and compiles the prefill kernels);
+  3. the KV pool takes what `mem_fraction_static` allows for weights + pool, and never more
+     than what is free minus that peak and the decode graphs' share;
+  4. decode CUDA graphs are captured over the real pool (unless disabled).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,8 @@ import os
 import torch
 
 from engine.attention import create_backend
-from engine.forward_batch import ForwardBatch
+from engine.cuda_graph import DecodeCudaGraphs
+from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.model_config import ModelConfig
@@ -20,6 +30,9 @@ logger = logging.getLogger(__name__)
 # CPU default pool: a tenth of the machine's memory, at most this many tokens.
 _CPU_MAX_DEFAULT_TOKENS = 65536
 _GPU_DEFAULT_MEM_FRACTION = 0.85
+_DEFAULT_MAX_RUNNING = 256
+_DEFAULT_CUDA_GRAPH_MAX_BS = 256
+_GPU_SLACK_BYTES = 512 * 2**20  # allocator fragmentation, library workspaces
 
 
 class ModelRunner:
@@ -29,36 +42,76 @@ class ModelRunner:
         self.device = device
         self.model = load_model(config, args.load_format, device)
         self.kv_dtype = config.dtype
-        self.max_total_tokens = self._pool_tokens()
-        self.max_running_requests = args.max_running_requests or min(256, self.max_total_tokens)
-        page = args.page_size
-        self.kv_pool = KVPool(
-            self.max_total_tokens // page,
-            page,
-            config.num_layers,
-            self.model.layers[0].self_attn.attn.num_kv_heads,
-            config.head_dim,
-            self.kv_dtype,
-            device,
-        )
-        self.req_to_token = ReqToTokenPool(self.max_running_requests, config.context_length, device)
+        self.num_kv_heads = self.model.layers[0].self_attn.attn.num_kv_heads
+        rows = args.max_running_requests or _DEFAULT_MAX_RUNNING
+        self.req_to_token = ReqToTokenPool(rows, config.context_length, device)
+        # the last token sampled for each request row: the input of its next decode step
+        self.next_token = torch.zeros(rows + 1, dtype=torch.int64, device=device)
         self.attn_backend = create_backend(args.attention_backend, device)
+        activation_peak = self._warm_up() if device.type == "cuda" else 0
+        self.max_total_tokens = self._pool_tokens(activation_peak)
+        self.max_running_requests = min(rows, self.max_total_tokens)
+        self.kv_pool = self._new_pool(self.max_total_tokens // args.page_size)
         logger.info(
             "KV pool: %d tokens in pages of %d (%.1f MiB), %d request rows",
             self.kv_pool.num_tokens,
-            page,
+            args.page_size,
             self.kv_pool.nbytes() / 2**20,
             self.max_running_requests,
         )
+        self.graphs: DecodeCudaGraphs | None = None
+        if self._use_cuda_graphs():
+            max_bs = min(
+                args.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests
+            )
+            self.graphs = DecodeCudaGraphs(self, max_bs)
 
-    def _pool_tokens(self) -> int:
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """Run the batch; logits [len(logit_rows), vocab] of the chosen token rows (all rows when
+        None), in the model's dtype: argmax needs no float32 copy, log-softmax makes one."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.replay(batch)
+        return self.forward_eager(batch, logit_rows)
+
+    def forward_eager(
+        self, batch: ForwardBatch, logit_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The forward itself (CUDA graphs capture this)."""
+        self.attn_backend.init_forward_metadata(batch)
+        input_ids = batch.input_ids
+        if input_ids is None:  # decode: each request's last sampled token, gathered on the device
+            input_ids = self.next_token[batch.req_pool_indices]
+        hidden = self.model(input_ids, batch.positions, batch)
+        if logit_rows is not None:
+            hidden = hidden[logit_rows]
+        return self.model.compute_logits(hidden)
+
+    # ------------------------------------------------------------------ memory
+    def _new_pool(self, num_pages: int) -> KVPool:
+        c = self.config
+        return KVPool(
+            num_pages, self.args.page_size, c.num_layers, self.num_kv_heads, c.head_dim,
+            self.kv_dtype, self.device,
+        )  # fmt: skip
+
+    def _pool_tokens(self, activation_peak: int) -> int:
         per_token = self.config.kv_bytes_per_token(self.kv_dtype)
         if self.args.max_total_tokens is not None:
             tokens = self.args.max_total_tokens
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             fraction = self.args.mem_fraction_static or _GPU_DEFAULT_MEM_FRACTION
-            tokens = int((total * fraction - (total - free)) // per_token)
+            static_budget = total * fraction - (total - free)  # weights + pool <= fraction
+            graphs = self._graph_bytes_estimate() if self._use_cuda_graphs() else 0
+            headroom = free - activation_peak - graphs - _GPU_SLACK_BYTES
+            tokens = int(min(static_budget, headroom) // per_token)
+            logger.info(
+                "GPU memory: %.1f GiB total, %.1f GiB free after weights; activation peak "
+                "%.2f GiB, decode graphs ~%.2f GiB; mem_fraction_static %.2f",
+                total / 2**30, free / 2**30, activation_peak / 2**30, graphs / 2**30, fraction,
+            )  # fmt: skip
         else:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             tokens = min(int(ram * 0.1 // per_token), _CPU_MAX_DEFAULT_TOKENS)
@@ -70,9 +123,67 @@ class ModelRunner:
             )
         return tokens
 
+    def _use_cuda_graphs(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.args.disable_cuda_graph
+            and self.attn_backend.supports_cuda_graph
+        )
+
+    def _graph_bytes_estimate(self) -> int:
+        """The decode graphs keep a logits buffer and share one pool sized by the largest batch."""
+        bs = self.args.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS
+        c = self.config
+        per_row = c.vocab_size * (2 + 4 + 4) + 16 * (c.hidden_size + c.intermediate_size) * 4
+        return bs * per_row
+
+    def _warm_up(self) -> int:
+        """Forwards over a throw-away pool: the largest prefill step, whose activation peak it
+        returns (bytes allocated during the forward beyond what was allocated before), then two
+        small odd-sized ones, so the kernels' size specialisations (one token; a count that is
+        no multiple of 16) compile now rather than inside the first real steps."""
+        tokens = self.args.max_prefill_tokens
+        width = self.config.context_length
+        lens = [min(width, tokens - start) for start in range(0, tokens, width)]
+        lens = lens[: self.req_to_token.padding_row]  # one table row each
+        pool = self._new_pool(-(-sum(lens) // self.args.page_size))
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warm_up_forward(pool, lens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        for small in ([1], [3, 14]):
+            self._warm_up_forward(pool, small)
+        del pool
+        torch.cuda.empty_cache()
+        logger.info(
+            "warm-up prefill of %d tokens: activation peak %.2f GiB", sum(lens), peak / 2**30
+        )
+        return peak
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
-        """Run the batch; return float32 logits [len(logit_rows), vocab] of the chosen token rows."""
-        self.attn_backend.init_forward_metadata(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        return self.model.compute_logits(hidden[logit_rows]).float()
+    def _warm_up_forward(self, pool: KVPool, lens: list[int]) -> None:
+        """An extend forward of random tokens, request r (table row r) with lens[r] tokens."""
+        dev, page = self.device, self.args.page_size
+        slots = torch.arange(page, page + sum(lens), device=dev)
+        rows = torch.cat([torch.full((n,), r, device=dev) for r, n in enumerate(lens)])
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        self.req_to_token.table[rows, positions] = slots.to(torch.int32)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.randint(
+                self.config.vocab_size, (sum(lens),), device=dev, generator=gen
+            ),
+            positions=positions,
+            out_cache_loc=slots,
+            req_pool_indices=torch.arange(len(lens), device=dev),
+            seq_lens=torch.tensor(lens, device=dev),
+            seq_lens_cpu=lens,
+            extend_lens_cpu=lens,
+            kv_pool=pool,
+            req_to_token=self.req_to_token.table,
+            attn_backend=self.attn_backend,
+        )
+        self.forward_eager(batch, torch.cumsum(batch.seq_lens, 0) - 1).float()

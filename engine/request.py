@@ -36,6 +36,12 @@ class Req:
     admitted_once: bool = False
     admit_order: int = -1  # retraction takes the newest first
     input_logprob_next: int = -1  # next prompt position whose logits still feed input logprobs
+    # NOTE: with overlap scheduling a sampled token reaches output_ids one step after it was
+    # drawn on the device; meanwhile it is pending (its value lives in ModelRunner.next_token).
+    drawn: int = 0  # output tokens drawn on the device, pending ones included
+    # drawn tokens that end the request by length whatever they are: min(max_new_tokens,
+    # context_length - prompt_len), set by the scheduler when the request arrives
+    draw_limit: int = 1 << 62
 
     # progress already sent to the caller (scheduler process)
     sent_len: int = 0
@@ -63,6 +69,11 @@ class Req:
         return self.return_logprob and self.input_logprob_next < self.prompt_len - 1
 
     @property
+    def pending(self) -> int:
+        """Drawn tokens whose values the host has not read yet."""
+        return self.drawn - len(self.output_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -77,19 +88,19 @@ class Req:
         self.finish_reason = reason
         self.finished_at = time.perf_counter()
 
-    def check_finished(self, token: int, context_length: int) -> None:
-        """Called after `token` was appended to output_ids."""
-        stop_string = None
+    def check_finished(self, token: int) -> None:
+        """Called after `token` was appended to output_ids (the per-token hot path: keep it lean)."""
+        n = len(self.output_ids)
         if self.stop_decoder is not None:
             new_text = self.stop_decoder.push([token])
             stop_string = find_stop(
                 self.stop_decoder.text, len(new_text), self.sampling.stop_strings
             )
-        if token in self.sampling.stop_ids and len(self.output_ids) >= self.sampling.min_new_tokens:
+        else:
+            stop_string = None
+        if token in self.sampling.stop_ids and n >= self.sampling.min_new_tokens:
             self.finish({"type": "stop", "matched": token})
         elif stop_string is not None:
             self.finish({"type": "stop", "matched": stop_string})
-        elif len(self.output_ids) >= self.sampling.max_new_tokens:
-            self.finish({"type": "length", "length": self.sampling.max_new_tokens})
-        elif self.prompt_len + len(self.output_ids) >= context_length:
-            self.finish({"type": "length", "length": len(self.output_ids)})
+        elif n >= self.draw_limit:
+            self.finish({"type": "length", "length": n})

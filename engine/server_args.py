@@ -68,8 +68,6 @@ class ServerArgs:
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         # Accepted for SGLang compatibility but not built yet: refused rather than silently ignored.
-        # (cuda_graph_max_bs, disable_cuda_graph and disable_overlap_schedule only affect speed and
-        # have no effect until CUDA graphs and overlap scheduling exist.)
         if self.kv_cache_dtype != "auto":
             raise ValueError(
                 f"kv_cache_dtype must be 'auto' (the model's dtype) in this version, got {self.kv_cache_dtype!r}."
@@ -86,7 +84,12 @@ class ServerArgs:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}."
             )
-        for name in ("max_total_tokens", "max_running_requests", "context_length"):
+        for name in (
+            "max_total_tokens",
+            "max_running_requests",
+            "context_length",
+            "cuda_graph_max_bs",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")

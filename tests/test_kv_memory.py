@@ -60,7 +60,9 @@ def _extend(kv: KVCache, req: Req, n: int) -> list[int]:
     """Grow a request by n tokens and record their slots in the table, as the batch builder does."""
     start = req.kv_len
     slots = kv.extend(req, n)
-    kv.write_table([req.pool_row] * n, list(range(start, start + n)), torch.tensor(slots))
+    kv.write_table(
+        torch.full((n,), req.pool_row), torch.arange(start, start + n), torch.tensor(slots)
+    )
     return slots
 
 
@@ -159,3 +161,28 @@ def test_pages_follow_page_size():
     assert len(req.kv_pages) == 2  # token 7 and 8 still fit the second page
     _extend(kv, req, 1)
     assert len(req.kv_pages) == 3
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 4])
+def test_decode_extension_equals_one_token_at_a_time(page_size):
+    """extend_by_one (a decode step's batched allocation) gives each request the slot and pages
+    that extend(req, 1) would have given it, for requests at every offset within a page."""
+
+    def setup():
+        pool = KVPool(64, page_size, 1, 1, 2, torch.float32, torch.device("cpu"))
+        kv = KVCache(pool, ReqToTokenPool(8, 64, torch.device("cpu")), enable_prefix_cache=False)
+        reqs = [_req(f"r{n}", range(n), 40) for n in (1, 2, 3, 5, 8)]
+        for req in reqs:
+            kv.admit(req, 0)
+            kv.extend(req, len(req.input_ids))
+        return kv, reqs
+
+    kv_a, batched = setup()
+    kv_b, single = setup()
+    for _ in range(7):
+        slots_a = kv_a.extend_by_one(batched)
+        slots_b = [kv_b.extend(req, 1)[0] for req in single]
+        assert slots_a == slots_b
+        assert [r.kv_pages for r in batched] == [r.kv_pages for r in single]
+        assert [r.kv_len for r in batched] == [r.kv_len for r in single]
+        assert kv_a.allocator.num_free == kv_b.allocator.num_free

@@ -288,7 +288,10 @@ def _varied_batch(n: int, seed: int) -> SamplingBatch:
 
 
 def _map(batch: SamplingBatch, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingBatch:
-    return SamplingBatch(*(fn(getattr(batch, f.name)) for f in dataclasses.fields(batch)))
+    tensors = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return dataclasses.replace(
+        batch, **{k: fn(v) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    )
 
 
 def test_draw_is_exponential_race_on_column_noise() -> None:

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
+    # whether decode launches depend only on tensor contents, so a CUDA graph can replay them
+    supports_cuda_graph = False
+
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
 

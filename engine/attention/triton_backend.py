@@ -13,6 +13,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.transfer import to_device
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention
 
@@ -21,12 +22,16 @@ if TYPE_CHECKING:
 
 
 class TritonAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        self.max_seq_len = max(batch.seq_lens_cpu)
+        # NOTE: a CUDA-graph capture has no lengths (seq_lens_cpu is None): the decode kernel then
+        # sizes its grid from the table's width, so one capture serves every length.
+        self.max_seq_len = None if batch.seq_lens_cpu is None else max(batch.seq_lens_cpu)
         if batch.mode is ForwardMode.EXTEND:
             lens = batch.extend_lens_cpu
             self.max_extend_len = max(lens)
-            self.extend_lens = torch.tensor(lens, dtype=torch.int64, device=batch.seq_lens.device)
+            self.extend_lens = to_device(lens, torch.int64, batch.seq_lens.device)
             self.qo_indptr = torch.zeros(
                 len(lens) + 1, dtype=torch.int64, device=batch.seq_lens.device
             )

@@ -17,6 +17,7 @@ from engine.memory.kv_pool import KVPool
 from engine.memory.page_allocator import PageAllocator
 from engine.memory.radix_cache import RadixCache
 from engine.memory.req_to_token import ReqToTokenPool
+from engine.transfer import to_device
 
 if TYPE_CHECKING:
     from engine.request import Req
@@ -29,6 +30,7 @@ class KVCache:
         self.pool = pool
         self.req_to_token = req_to_token
         self.page_size = pool.page_size
+        self.device = req_to_token.table.device
         self.allocator = PageAllocator(pool.num_pages)
         self.tree = RadixCache(self.allocator, self.page_size) if enable_prefix_cache else None
 
@@ -65,7 +67,7 @@ class KVCache:
         req.kv_pages = [s // self.page_size for s in slots[:: self.page_size]]
         req.prefix_len = req.kv_len = len(slots)
         if slots:
-            self.req_to_token.write(req.pool_row, 0, torch.tensor(slots, dtype=torch.int64))
+            self.req_to_token.write(req.pool_row, 0, to_device(slots, torch.int64, self.device))
         return len(slots)
 
     def extend(self, req: Req, num_tokens: int) -> list[int]:
@@ -82,11 +84,21 @@ class KVCache:
         req.kv_len = end
         return [pages[p // ps] * ps + p % ps for p in range(start, end)]
 
-    def write_table(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
-        """req_to_token[rows[i], cols[i]] = slots[i] for a whole batch (slots already on the device)."""
-        device = self.req_to_token.table.device
-        index = torch.tensor([rows, cols], dtype=torch.int64).to(device, non_blocking=True)
-        self.req_to_token.table[index[0], index[1]] = slots.to(torch.int32)
+    def extend_by_one(self, reqs: list[Req]) -> list[int]:
+        """A decode step's slots: one more token for each request, new pages in one allocation."""
+        ps = self.page_size
+        full = [r for r in reqs if len(r.kv_pages) * ps == r.kv_len]
+        for req, page in zip(full, self._alloc(len(full))):
+            req.kv_pages.append(page)
+        slots = []
+        for req in reqs:
+            slots.append(req.kv_pages[req.kv_len // ps] * ps + req.kv_len % ps)
+            req.kv_len += 1
+        return slots
+
+    def write_table(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], cols[i]] = slots[i] for a whole batch (int64 tensors on the device)."""
+        self.req_to_token.table[rows, cols] = slots.to(torch.int32)
 
     def cache_prefix(self, req: Req) -> None:
         """Share what a still-running request has computed: move its page-aligned KV into the cache
@@ -104,7 +116,7 @@ class KVCache:
         if (
             duplicates
         ):  # another request cached the same tokens meanwhile: read its pages, free ours
-            self.req_to_token.write(req.pool_row, 0, torch.tensor(cached, dtype=torch.int64))
+            self.req_to_token.write(req.pool_row, 0, to_device(cached, torch.int64, self.device))
             req.kv_pages[: aligned // ps] = [s // ps for s in cached[::ps]]
             self.allocator.free(duplicates)
         self.tree.lock(node)

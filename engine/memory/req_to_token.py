@@ -1,7 +1,9 @@
 """The request -> KV slot table that attention kernels read.
 
 Row r describes the request holding row r: column i is the pool slot of that request's token i.
-It lives on the model's device as int32 so kernels index it directly.
+It lives on the model's device as int32 so kernels index it directly. One extra row, never
+handed out and never written, maps every position to slot 0 (scratch): padded rows of a
+CUDA-graph batch point there.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import torch
 
 class ReqToTokenPool:
     def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
-        self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
+        self.table = torch.zeros((max_requests + 1, max_context), dtype=torch.int32, device=device)
+        self.padding_row = max_requests
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
     @property

@@ -6,7 +6,9 @@ never waits on I/O between forwards.
 
 from __future__ import annotations
 
+import cProfile
 import logging
+import os
 import threading
 
 import torch
@@ -29,6 +31,32 @@ from engine.runtime.messages import (
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class HostProfile:
+    """cProfile of the scheduler's busy steps, written whenever it goes idle, when the
+    GRISTMILL_PROFILE environment variable names a file (`python -m pstats FILE` reads it)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.profiler = cProfile.Profile() if path else None
+
+    @classmethod
+    def from_env(cls) -> HostProfile:
+        return cls(os.environ.get("GRISTMILL_PROFILE"))
+
+    def __enter__(self) -> None:
+        if self.profiler is not None:
+            self.profiler.enable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.profiler is not None:
+            self.profiler.disable()
+
+    def dump(self) -> None:
+        if self.profiler is not None:
+            self.profiler.dump_stats(self.path)
+
 
 _IDLE_POLL_MS = 1000
 
@@ -66,11 +94,19 @@ class SchedulerProcess:
         logger.info("scheduler ready on %s", device)
 
     def run(self) -> None:
+        profile = HostProfile.from_env()
+        was_busy = False
         while True:
-            for msg in recv_all(self.inbox, 0 if self.scheduler.has_work() else _IDLE_POLL_MS):
+            busy = self.scheduler.has_work()
+            for msg in recv_all(self.inbox, 0 if busy else _IDLE_POLL_MS):
                 self._handle(msg)
             if self.scheduler.has_work():
-                self._send(self.scheduler.step())
+                with profile:
+                    self._send(self.scheduler.step())
+                was_busy = True
+            elif was_busy:
+                profile.dump()
+                was_busy = False
 
     # ------------------------------------------------------------------ input
     def _handle(self, msg: object) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from engine.transfer import to_device
 
 # splitmix64 constants, as signed int64 (torch has no uint64 arithmetic).
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -24,11 +26,34 @@ class SamplingBatch:
     min_ps: torch.Tensor  # [B] float32 in [0, 1]; 0 disables
     seeds: torch.Tensor  # [B] int64, the request's sampling seed
     steps: torch.Tensor  # [B] int64, index of the output token being drawn
+    # Known on the host when the batch is built from request parameters; None means "look".
+    greedy_hint: bool | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_rows(
+        cls,
+        temperatures: list[float],
+        top_ks: list[int],
+        top_ps: list[float],
+        min_ps: list[float],
+        seeds: list[int],
+        steps: list[int],
+        device: torch.device,
+    ) -> SamplingBatch:
+        """Two host-to-device copies for the whole batch; greediness is decided on the host."""
+        floats = to_device([temperatures, top_ps, min_ps], torch.float32, device)
+        ints = to_device([top_ks, seeds, steps], torch.int64, device)
+        return cls(
+            floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
+            greedy_hint=all(t == 0 for t in temperatures),
+        )  # fmt: skip
 
     @property
     def all_greedy(self) -> bool:
-        """True when every row is greedy, so the random path can be skipped (one host sync)."""
-        return bool((self.temperatures == 0).all())
+        """True when every row is greedy, so the random path can be skipped."""
+        if self.greedy_hint is not None:
+            return self.greedy_hint
+        return bool((self.temperatures == 0).all())  # a host sync
 
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -3,6 +3,10 @@
 Besides the tensors, it plans which rows of the batch need logits: a request's last row when
 this step completes its input (it samples its next token), and the rows whose logits give
 prompt-token logprobs the request asked for.
+
+A decode step names no token ids: each request's input is the token sampled for it last,
+which the model runner gathers on the device (ModelRunner.next_token), so the host need not
+know it yet (overlap scheduling). The per-request columns travel to the device in one copy.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.request import Req
+from engine.transfer import to_device
 
 
 @dataclass
@@ -27,15 +32,52 @@ class ScheduledBatch:
 @dataclass
 class LogitPlan:
     """Which logits rows belong to whom: rows [start, start + n_input) are input-logprob rows, then
-    one sampling row if `samples`."""
+    one sampling row if `samples`. `rows` None means every batch row, in order (decode)."""
 
     starts: list[int] = field(default_factory=list)
     n_input: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)  # batch token rows to compute logits for
+    rows: list[int] | None = field(default_factory=list)  # batch token rows to compute logits for
 
 
 def build(
+    batch: ScheduledBatch, kv: KVCache, runner: ModelRunner, device: torch.device
+) -> tuple[ForwardBatch, LogitPlan]:
+    if batch.mode is ForwardMode.DECODE:
+        return _build_decode(batch.reqs, kv, runner, device)
+    return _build_extend(batch, kv, runner, device)
+
+
+def _build_decode(
+    reqs: list[Req], kv: KVCache, runner: ModelRunner, device: torch.device
+) -> tuple[ForwardBatch, LogitPlan]:
+    positions = [r.kv_len for r in reqs]
+    slots = kv.extend_by_one(reqs)
+    rows = [r.pool_row for r in reqs]
+    seq_lens = [p + 1 for p in positions]
+    # NOTE: the row order [positions, slots, rows, seq_lens] is what CUDA-graph replay copies
+    packed = to_device([positions, slots, rows, seq_lens], torch.int64, device)
+    kv.write_table(packed[2], packed[0], packed[1])
+    n = len(reqs)
+    plan = LogitPlan(list(range(n)), [0] * n, [True] * n, None)
+    forward = ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=None,
+        positions=packed[0],
+        out_cache_loc=packed[1],
+        req_pool_indices=packed[2],
+        seq_lens=packed[3],
+        seq_lens_cpu=seq_lens,
+        extend_lens_cpu=[1] * n,
+        kv_pool=runner.kv_pool,
+        req_to_token=runner.req_to_token.table,
+        attn_backend=runner.attn_backend,
+        packed=packed,
+    )
+    return forward, plan
+
+
+def _build_extend(
     batch: ScheduledBatch, kv: KVCache, runner: ModelRunner, device: torch.device
 ) -> tuple[ForwardBatch, LogitPlan]:
     ids: list[int] = []
@@ -63,18 +105,18 @@ def build(
         if samples:
             plan.rows.append(offset + end - 1)
         plan.samples.append(samples)
-    # one host-to-device copy for the per-token columns of the whole batch
-    host = torch.tensor([ids, positions, slots], dtype=torch.int64).to(device, non_blocking=True)
-    kv.write_table(rows, positions, host[2])
+    tokens = to_device([ids, positions, slots, rows], torch.int64, device)
+    per_req = to_device(
+        [[r.pool_row for r in batch.reqs], [r.kv_len for r in batch.reqs]], torch.int64, device
+    )
+    kv.write_table(tokens[3], tokens[1], tokens[2])
     forward = ForwardBatch(
-        mode=batch.mode,
-        input_ids=host[0],
-        positions=host[1],
-        out_cache_loc=host[2],
-        req_pool_indices=torch.tensor(
-            [r.pool_row for r in batch.reqs], dtype=torch.int64, device=device
-        ),
-        seq_lens=torch.tensor([r.kv_len for r in batch.reqs], dtype=torch.int64, device=device),
+        mode=ForwardMode.EXTEND,
+        input_ids=tokens[0],
+        positions=tokens[1],
+        out_cache_loc=tokens[2],
+        req_pool_indices=per_req[0],
+        seq_lens=per_req[1],
         seq_lens_cpu=[r.kv_len for r in batch.reqs],
         extend_lens_cpu=list(batch.extend_lens),
         kv_pool=runner.kv_pool,

@@ -13,6 +13,14 @@ pages that are free or evictable. The estimate (`new_token_ratio` of their remai
 max_new_tokens) is optimistic; when a decode step then finds too few pages, the newest
 requests are retracted: their KV goes to the prefix cache, and they wait at the head of the
 queue to recompute from there. Seeded sampling makes a resumed request's tokens the same.
+
+Overlap (unless `disable_overlap_schedule`): a step launches forward N+1 before it reads the
+tokens of forward N, so the host plans and builds while the device computes. This works
+because the host never needs a token's value to plan: a decode input is gathered on the
+device from the last sampled token of its request row, and a request whose pending token
+ends it by length is left out of the next decode. One that ends by EOS or a stop string is
+found a step late; the extra token it computed is dropped. All device work runs on one
+stream, so pages freed or reused by the host are touched only after the launched work.
 """
 
 from __future__ import annotations
@@ -22,19 +30,25 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from engine.forward_batch import ForwardMode
-from engine.logprobs import token_logprobs, top_logprobs
 from engine.memory.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.request import Req
-from engine.sampling import SamplingBatch, sample
-from engine.scheduler.batch import ScheduledBatch, build
+from engine.scheduler.batch import LogitPlan, ScheduledBatch, build
+from engine.scheduler.launch import (
+    LaunchedStep,
+    input_logprobs,
+    sample_tokens,
+    start_copy_to_host,
+    suppress_early_stops,
+)
+from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
+from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +64,6 @@ LPM_MAX_SORT = 128  # longest-prefix-match ordering looks at this many waiting r
 # A request sharing at least this many uncached tokens with one already in the prefill batch
 # waits a step: it then finds them cached instead of computing them a second time.
 IN_BATCH_PREFIX_TOKENS = 32
-
-
-@dataclass
-class SchedulerStats:
-    requests_finished: int = 0
-    prompt_tokens: int = 0
-    prefill_tokens_computed: int = 0
-    prefill_tokens_cached: int = 0
-    generated_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    retractions: int = 0
-    busy_seconds: float = 0.0
 
 
 class Scheduler:
@@ -84,6 +85,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._after_chunk = False
         self._admissions = itertools.count()
+        self.overlap = not args.disable_overlap_schedule
+        self._inflight: LaunchedStep | None = None  # launched, not yet read (overlap only)
+        self._finished_since_filter = False
 
     @property
     def max_total_tokens(self) -> int:
@@ -92,6 +96,9 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Req) -> None:
         """Queue a validated request (see engine.input_processor for validation)."""
+        req.draw_limit = min(
+            req.sampling.max_new_tokens, self.config.context_length - req.prompt_len
+        )
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> Req | None:
@@ -110,7 +117,7 @@ class Scheduler:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self._inflight)
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused while requests are queued or running."""
@@ -143,18 +150,35 @@ class Scheduler:
             "decode_steps": s.decode_steps,
             "retractions": s.retractions,
             "gen_throughput": s.generated_tokens / s.busy_seconds if s.busy_seconds else 0.0,
+            "busy_seconds": s.busy_seconds,
+            "launch_seconds": s.launch_seconds,
+            "wait_seconds": s.wait_seconds,
+            "collect_seconds": s.collect_seconds,
+            "overlap_schedule": self.overlap,
+            "cuda_graph_max_bs": self.runner.graphs.max_bs if self.runner.graphs else 0,
         }
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self) -> list[Req]:
-        """Run one forward; return the requests that advanced (finished ones have finish_reason set)."""
+        """Launch one forward and read one; return the requests that advanced (tokens added or
+        finished). With overlap the step read is the one launched before; else this one."""
         t0 = time.perf_counter()
         batch = self._schedule()
-        if batch is None:
-            return self._fail_unadmittable()
-        advanced = self._run(batch)
-        self.running = [r for r in self.running if not r.finished]
+        launched = self._launch(batch) if batch is not None else None
+        self.stats.launch_seconds += time.perf_counter() - t0
+        advanced: list[Req] = []
+        if self._inflight is not None:
+            advanced = self._collect(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.overlap:
+            advanced += self._collect(launched)
+            self._inflight = None
+        if self._finished_since_filter:
+            self.running = [r for r in self.running if r.finish_reason is None]
+            self._finished_since_filter = False
+        if batch is None and self._inflight is None and not advanced:
+            advanced = self._fail_unadmittable()
         self.stats.busy_seconds += time.perf_counter() - t0
         return advanced
 
@@ -165,7 +189,6 @@ class Scheduler:
                 self.stats.prefill_steps += 1
                 return batch
         if self.running:
-            self.stats.decode_steps += 1
             return self._plan_decode()
         return None
 
@@ -204,7 +227,12 @@ class Scheduler:
                     self.kv.release(req)
                     break
                 n = budget if self.chunk_size != math.inf else n
-            if reqs and self._shares_uncached_prefix(req, cached, reqs):
+            # (without a prefix cache, waiting would only serialise the batch)
+            if (
+                self.kv.tree is not None
+                and reqs
+                and self._shares_uncached_prefix(req, cached, reqs)
+            ):
                 self.kv.release(req)
                 break
             chunks = n < remaining
@@ -272,22 +300,29 @@ class Scheduler:
         self.waiting.extendleft(reversed(head))
 
     # ------------------------------------------------------------------ decode planning
-    def _plan_decode(self) -> ScheduledBatch:
+    def _plan_decode(self) -> ScheduledBatch | None:
         ps = self.kv.page_size
-        while sum(r.kv_len % ps == 0 for r in self.running) > self.kv.available_pages:
+        # a request whose pending token is its last by length needs no further forward
+        reqs = [r for r in self.running if r.drawn < r.draw_limit]
+        while sum(r.kv_len % ps == 0 for r in reqs) > self.kv.available_pages:
             victim = self.chunked or (
-                max(self.running, key=lambda r: r.admit_order) if len(self.running) > 1 else None
+                max(reqs, key=lambda r: r.admit_order) if len(reqs) > 1 else None
             )
             if victim is None:
                 raise RuntimeError(
                     "a single running request does not fit the KV pool (validation should prevent this)"
                 )
             self._retract(victim)
+            if victim in reqs:
+                reqs.remove(victim)
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
         self._after_chunk = False
-        return ScheduledBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running))
+        if not reqs:
+            return None
+        self.stats.decode_steps += 1
+        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs))
 
     def _retract(self, req: Req) -> None:
         """Put a running request back at the head of the queue; its KV stays in the prefix cache."""
@@ -319,86 +354,86 @@ class Scheduler:
         )
         return [req]
 
-    # ------------------------------------------------------------------ forward
-    def _run(self, batch: ScheduledBatch) -> list[Req]:
+    # ------------------------------------------------------------------ launch (device work)
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queue the forward, the sampling and the copies to the host; nothing here waits."""
         forward, plan = build(batch, self.kv, self.runner, self.device)
-        if batch.mode is ForwardMode.EXTEND:
+        rows = None if plan.rows is None else to_device(plan.rows, torch.int64, self.device)
+        logits = self.runner.forward(forward, rows)
+        step = LaunchedStep(batch.reqs)
+        if batch.mode is ForwardMode.DECODE:  # every request samples; nothing else to plan
+            step.sample_reqs = batch.reqs
+            sample_logits, pool_rows = logits, forward.req_pool_indices
+        else:
             self.stats.prefill_tokens_computed += sum(batch.extend_lens)
-        logits = self.runner.forward(
-            forward, torch.tensor(plan.rows, dtype=torch.int64, device=self.device)
-        )
-        if batch.mode is ForwardMode.EXTEND:
-            for req in batch.reqs:
-                self.kv.cache_prefix(req)
-        sample_rows, sample_reqs = [], []
-        for req, start, n_input, samples in zip(
-            batch.reqs, plan.starts, plan.n_input, plan.samples
-        ):
+            sample_rows = self._plan_extend_outputs(step, plan, logits)
+            sample_logits = logits[to_device(sample_rows, torch.int64, self.device)]
+            pool_rows = to_device([r.pool_row for r in step.sample_reqs], torch.int64, self.device)
+        if step.sample_reqs:
+            suppress_early_stops(step.sample_reqs, sample_logits)
+            sample_tokens(
+                step, sample_logits, self.config.vocab_size, self.runner.next_token, pool_rows
+            )
+            for req in step.sample_reqs:
+                req.drawn += 1
+        start_copy_to_host(step)
+        return step
+
+    def _plan_extend_outputs(
+        self, step: LaunchedStep, plan: LogitPlan, logits: torch.Tensor
+    ) -> list[int]:
+        """After a prefill: share the new prefixes, queue input logprobs; the rows that sample."""
+        sample_rows = []
+        for req, start, n_input, samples in zip(step.reqs, plan.starts, plan.n_input, plan.samples):
+            self.kv.cache_prefix(req)
             if n_input:
-                self._record_input_logprobs(req, logits[start : start + n_input])
+                step.input_logprobs.append(input_logprobs(req, logits[start : start + n_input]))
             if not samples:
                 continue
             if req.sampling.max_new_tokens == 0:
-                self._retire(req, {"type": "length", "length": 0})
+                step.zero_length.append(req)
             else:
                 sample_rows.append(start + n_input)
-                sample_reqs.append(req)
-        if sample_reqs:
-            self._sample_and_append(sample_reqs, logits[sample_rows])
-        return batch.reqs
+                step.sample_reqs.append(req)
+        return sample_rows
 
-    # ------------------------------------------------------------------ results
-    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        # min_new_tokens: the stop ids cannot win before enough tokens exist
-        for i, req in enumerate(reqs):
-            if len(req.output_ids) < req.sampling.min_new_tokens and req.sampling.stop_ids:
-                logits[i, list(req.sampling.stop_ids)] = float("-inf")
-        tokens = sample(logits, self._sampling_batch(reqs))
-        want_logprobs = [i for i, r in enumerate(reqs) if r.return_logprob]
-        if want_logprobs:
-            lp = torch.log_softmax(logits[want_logprobs], dim=-1)
-            chosen = token_logprobs(lp, tokens[want_logprobs])
-            tops = top_logprobs(lp, max(reqs[i].top_logprobs_num for i in want_logprobs))
-            for j, i in enumerate(want_logprobs):
-                k = reqs[i].top_logprobs_num
-                reqs[i].output_logprobs.append(chosen[j])
-                reqs[i].output_top_logprobs.append((tops[j][0][:k], tops[j][1][:k]))
-        for req, token in zip(reqs, tokens.tolist()):
+    # ------------------------------------------------------------------ collect (host work)
+    def _collect(self, step: LaunchedStep) -> list[Req]:
+        """Read a launched step: append its tokens and logprobs, finish and retire who is done."""
+        t0 = time.perf_counter()
+        tokens, chosen, top_values, top_ids = step.fetch()
+        t1 = time.perf_counter()
+        self.stats.wait_seconds += t1 - t0
+        advanced = [r for r in step.reqs if r.finish_reason is None]
+        for lp in step.input_logprobs:
+            if lp.req.finish_reason is None:
+                lp.req.input_logprobs += lp.chosen.tolist()
+                lp.req.input_top_logprobs += list(zip(lp.top_values.tolist(), lp.top_ids.tolist()))
+        for req in step.zero_length:
+            if req.finish_reason is None:
+                self._retire(req, {"type": "length", "length": 0})
+        logprob_of = dict(zip(step.logprob_rows, range(len(step.logprob_rows))))
+        for i, (req, token) in enumerate(zip(step.sample_reqs, tokens)):
+            if req.finish_reason is not None:  # aborted, or ended a step ago
+                continue
+            if logprob_of and i in logprob_of:
+                j, k = logprob_of[i], req.top_logprobs_num
+                req.output_logprobs.append(chosen[j])
+                req.output_top_logprobs.append((top_values[j][:k], top_ids[j][:k]))
             req.output_ids.append(token)
-            self.stats.generated_tokens += 1
-            req.check_finished(token, self.config.context_length)
-            if req.finished:
+            req.check_finished(token)
+            if req.finish_reason is not None:
                 self._retire(req, req.finish_reason)
-
-    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
-        vocab = self.config.vocab_size
-        sp = [r.sampling for r in reqs]
-
-        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        return SamplingBatch(
-            temperatures=t([0.0 if s.is_greedy else s.temperature for s in sp], torch.float32),
-            top_ks=t([vocab if s.top_k == -1 else s.top_k for s in sp], torch.int64),
-            top_ps=t([s.top_p for s in sp], torch.float32),
-            min_ps=t([s.min_p for s in sp], torch.float32),
-            seeds=t([r.seed for r in reqs], torch.int64),
-            steps=t([len(r.output_ids) for r in reqs], torch.int64),
-        )
-
-    def _record_input_logprobs(self, req: Req, logits: torch.Tensor) -> None:
-        """logits[j] is at prompt position input_logprob_next + j and gives the logprob of the token after it."""
-        first = req.input_logprob_next + 1
-        targets = torch.tensor(
-            req.input_ids[first : first + logits.shape[0]], dtype=torch.int64, device=logits.device
-        )
-        lp = torch.log_softmax(logits, dim=-1)
-        req.input_logprobs += token_logprobs(lp, targets)
-        req.input_top_logprobs += top_logprobs(lp, req.top_logprobs_num)
-        req.input_logprob_next += logits.shape[0]
+        self.stats.generated_tokens += len(tokens)
+        self.stats.collect_seconds += time.perf_counter() - t1
+        return advanced
 
     def _retire(self, req: Req, reason: dict) -> None:
         if not req.finished:
             req.finish(reason)
-        self.kv.release(req)
+        if req.pool_row < 0:  # retracted while its last token was pending: it holds nothing
+            self.waiting.remove(req)
+        else:
+            self.kv.release(req)
         self.stats.requests_finished += 1
+        self._finished_since_filter = True

@@ -1,0 +1,133 @@
+"""CUDA graphs for decode: one captured forward per batch size, replayed with the batch padded up.
+
+A decode step of a small model is hundreds of short kernels; launching them from Python costs
+more than running them. Each captured size replays all of them in one launch. The graphs read
+their inputs from static buffers:
+
+    static[0] positions   static[1] out_cache_loc   static[2] req_pool_indices   static[3] seq_lens
+
+A replay copies the batch's packed [4, B] columns into the first B columns and resets the
+padding columns [B, padded) to a harmless request: position 0, slot 0, the table's padding
+row (all slot 0) and length 1. Slot 0 is the pool's scratch page, owned by nobody, so padded
+rows read and write only there. The graphs write logits into one shared buffer; a replay's
+logits are valid until the next replay, so the caller reads them (samples) before then.
+
+Token ids are gathered inside the graph from ModelRunner.next_token by request row, so no
+host value enters the graph at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """Batch sizes to capture: dense where padding would waste a large fraction, sparser above."""
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
+    sizes += list(range(80, 257, 16)) + list(range(288, max(max_bs, 288) + 1, 32))
+    capped = [s for s in sizes if s < max_bs]
+    return capped + [max_bs]
+
+
+class DecodeCudaGraphs:
+    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
+        self.runner = runner
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = max_bs
+        device = runner.device
+        padding = torch.tensor(
+            [0, 0, runner.req_to_token.padding_row, 1], dtype=torch.int64, device=device
+        )
+        self.padding = padding[:, None].expand(4, max_bs).contiguous()
+        self.static = self.padding.clone()
+        vocab = runner.config.vocab_size
+        self.logits = torch.empty((max_bs, vocab), dtype=runner.config.dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._capture_all()
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        return batch.mode is ForwardMode.DECODE and batch.batch_size <= self.max_bs
+
+    def padded_size(self, bs: int) -> int:
+        return next(s for s in self.sizes if s >= bs)
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the decode batch; returns logits [B, vocab] in the model's dtype."""
+        bs = batch.batch_size
+        padded = self.padded_size(bs)
+        if padded > bs:
+            self.static[:, bs:padded].copy_(self.padding[:, bs:padded])
+        self.static[:, :bs].copy_(batch.packed)
+        self.graphs[padded].replay()
+        # NOTE: a view of the shared buffer: valid until the next replay (the scheduler samples
+        # from it first; device work runs in launch order)
+        return self.logits[:bs]
+
+    # ------------------------------------------------------------------ capture
+    def _capture_all(self) -> None:
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.runner.device)[0]
+        logger.info(
+            "capturing CUDA graphs for decode: %d batch sizes up to %d",
+            len(self.sizes),
+            self.max_bs,
+        )
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.runner.device)
+        # largest first: later, smaller graphs reuse the memory pool the first one grew
+        for i, bs in enumerate(reversed(self.sizes)):
+            self.graphs[bs] = self._capture(bs, pool, stream)
+            logger.debug("captured decode graph %d/%d (batch size %d)", i + 1, len(self.sizes), bs)
+        used = free_before - torch.cuda.mem_get_info(self.runner.device)[0]
+        logger.info(
+            "captured %d CUDA graphs in %.1fs (%.0f MiB)",
+            len(self.sizes),
+            time.perf_counter() - started,
+            used / 2**20,
+        )
+
+    def _capture(self, bs: int, pool: object, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        forward = self._forward_fn(bs)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the kernels and create library handles outside capture
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            forward()
+        return graph
+
+    def _forward_fn(self, bs: int) -> Callable[[], None]:
+        runner, static = self.runner, self.static
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=None,
+            positions=static[0, :bs],
+            out_cache_loc=static[1, :bs],
+            req_pool_indices=static[2, :bs],
+            seq_lens=static[3, :bs],
+            seq_lens_cpu=None,
+            extend_lens_cpu=[1] * bs,
+            kv_pool=runner.kv_pool,
+            req_to_token=runner.req_to_token.table,
+            attn_backend=runner.attn_backend,
+        )
+        out = self.logits[:bs]
+
+        def forward() -> None:
+            out.copy_(runner.forward_eager(batch))
+
+        return forward

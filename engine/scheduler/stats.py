@@ -1,0 +1,22 @@
+"""Counters of the scheduler, reported by get_server_info()["internal_states"]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerStats:
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    prefill_tokens_cached: int = 0
+    generated_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    retractions: int = 0
+    busy_seconds: float = 0.0
+    # where a step's time goes: planning and launching (host), waiting for the device, reading
+    launch_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    collect_seconds: float = 0.0
