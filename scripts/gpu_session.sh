@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the README's benchmark workloads. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [kernels|engine|w1|w2|w1-peer|prefix ...]
+# Usage there: bash scripts/gpu_session.sh [kernels|gpu|engine|splits|w1|w1-profile|w2|w1-peer|prefix ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -16,11 +16,18 @@ for step in "${@:-kernels engine w1 w2}"; do
     echo "=== $s ($(date -u +%H:%M:%S))"
     case $s in
       kernels) python3 -m pytest tests/test_kernel_*.py -q -p no:cacheprovider 2>&1 | tail -4 ;;
+      gpu) python3 -m pytest tests/test_gpu_path.py tests/test_generate_vs_transformers.py \
+                -q -p no:cacheprovider -n 8 -W ignore 2>&1 | grep -v "^Loading\|Writing" | tail -15 ;;
       engine) python3 -m pytest tests/test_generate_vs_transformers.py tests/test_runtime_api.py tests/test_prefix_cache_scheduling.py \
                 -q -p no:cacheprovider -n 8 -W ignore 2>&1 | grep -v "^Loading\|Writing" | tail -4 ;;
+      splits) PYTHONPATH=. python3 scripts/bench_decode_splits.py 2>&1 | tail -8 ;;
+      w1-profile) GRISTMILL_PROFILE=$OUT/w1.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 2>&1 | grep "^|"
+                  python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(22)" "$OUT/w1.prof" | tail -32 ;;
       w1) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --json "$OUT/w1.json" 2>&1 | grep "^|" ;;
       w1-peer) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --peer transformers --json "$OUT/w1-peer.json" 2>&1 | grep "^|" ;;
       w2) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 --json "$OUT/w2.json" 2>&1 | grep "^|" ;;
+      prefix-off) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
+                --engine-args '{"disable_radix_cache": true}' --json "$OUT/prefix-true.json" 2>&1 | grep "^|" ;;
       prefix) for flag in false true; do python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
                 --engine-args "{\"disable_radix_cache\": $flag}" --json "$OUT/prefix-$flag.json" 2>&1 | grep "^|"; done ;;
     esac
