@@ -2,6 +2,9 @@
 
     <output_dir>/<run_name>/<fingerprint>/config.json      what produced these rows
     <output_dir>/<run_name>/<fingerprint>/shards/*.parquet  the rows, in shards
+    <output_dir>/<run_name>/<fingerprint>/run.json         the run's settings and row count
+    <output_dir>/<run_name>/<fingerprint>/output.parquet   all rows merged, once complete
+    <output_dir>/<run_name>/<fingerprint>/summary.json     the merged run's numbers
 
 A shard is written to a dot-prefixed temporary name and moved into place with os.replace, so a
 reader sees a whole shard or none. Resuming reads the id column of every shard and skips
@@ -12,6 +15,7 @@ so a changed config writes beside the old results, never into them.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -57,6 +61,47 @@ class CheckpointStore:
         self.fingerprint = fingerprint(identity)
         self.folder = Path(output_dir) / run_name / self.fingerprint
         self.shards_dir = self.folder / "shards"
+        self._lock: int | None = None
+
+    @classmethod
+    def at(cls, folder: str | Path) -> CheckpointStore:
+        """An existing run folder, to look at: its identity is read back from its config.json."""
+        folder = Path(folder)
+        config = folder / "config.json"
+        if not config.is_file():
+            raise ValueError(f"{folder} is not a run folder (it has no config.json)")
+        store = cls(folder.parent.parent, folder.parent.name, json.loads(config.read_text()))
+        store.fingerprint, store.folder, store.shards_dir = folder.name, folder, folder / "shards"
+        return store
+
+    # ------------------------------------------------------------------ one writer at a time
+    def lock(self) -> None:
+        """Become the folder's only writer, or raise ValueError if another run is writing to it.
+
+        NOTE: two runs of one config would each write the rows the other has not finished,
+        so both would write them. The lock is a flock on a file beside the folder: the kernel
+        drops it when the holder exits, however it exits, so a crash never leaves it stuck.
+        """
+        if self._lock is not None:
+            return
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder.parent / f"{self.fingerprint}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ValueError(
+                f"another run (pid {holder}) is writing to {self.folder}; wait for it to end"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock = fd
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     # ------------------------------------------------------------------ opening
     def open(self) -> Scan:
@@ -85,22 +130,26 @@ class CheckpointStore:
             )
         return self.scan()
 
-    def scan(self) -> Scan:
+    def scan(self, repair: bool = True) -> Scan:
+        """The shards' ids; with repair=False (to look, not to run) leftovers are only reported."""
         scan = Scan()
         for path in sorted(self.shards_dir.iterdir()):
             if path.name.startswith("."):
-                scan.problems.append(f"removed an unfinished shard left by a crash: {path.name}")
-                path.unlink()
+                if repair:
+                    path.unlink()
+                verb = "removed" if repair else "found"
+                scan.problems.append(f"{verb} an unfinished shard left by a crash: {path.name}")
                 continue
             if path.suffix != ".parquet":
                 continue
             try:
                 ids = pq.read_table(path, columns=[ID_COLUMN]).column(ID_COLUMN).to_pylist()
             except Exception as e:  # an unreadable shard: set it aside, its rows are redone
-                aside = path.with_name(f"{path.name}.unreadable")
-                path.rename(aside)
+                if repair:
+                    path.rename(path.with_name(f"{path.name}.unreadable"))
+                verb = "set aside" if repair else "found"
                 scan.problems.append(
-                    f"set aside unreadable shard {path.name} ({e}); its rows will be redone"
+                    f"{verb} unreadable shard {path.name} ({e}); its rows will be redone"
                 )
                 continue
             repeated = scan.done_ids.intersection(ids)
@@ -111,22 +160,32 @@ class CheckpointStore:
             scan.done_ids.update(ids)
             scan.shards.append(path)
             scan.rows += len(ids)
-        for problem in scan.problems:
-            logger.warning(problem)
+        if repair:
+            for problem in scan.problems:
+                logger.warning(problem)
         return scan
 
     # ------------------------------------------------------------------ writing
-    def write_shard(self, rows: list[dict[str, Any]]) -> Path:
-        """Write rows as one new shard, atomically; returns its path."""
+    def write_shard(self, rows: list[dict[str, Any]], schema: pa.Schema | None = None) -> Path:
+        """Write rows as one new shard, atomically; returns its path.
+
+        With a schema every shard gets the same column types, even one whose values are all null.
+        """
         if not rows:
             raise ValueError("a shard needs at least one row")
         if any(ID_COLUMN not in r for r in rows):
             raise ValueError(f"every row needs an {ID_COLUMN!r} column")
-        name = f"shard-{uuid.uuid4().hex}.parquet"
-        buffer = pa.BufferOutputStream()
-        pq.write_table(pa.Table.from_pylist(rows), buffer)
-        path = self.shards_dir / name
-        _atomic_write(path, buffer.getvalue().to_pybytes())
+        path = self.shards_dir / f"shard-{uuid.uuid4().hex}.parquet"
+        write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
+        return path
+
+    @property
+    def output_path(self) -> Path:
+        return self.folder / "output.parquet"
+
+    def write_json(self, name: str, data: dict[str, Any]) -> Path:
+        path = self.folder / name
+        _atomic_write(path, json.dumps(data, indent=2, sort_keys=True, default=str).encode())
         return path
 
     # ------------------------------------------------------------------ reading
@@ -145,6 +204,13 @@ class CheckpointStore:
                 f"rows do not match the input: {len(missing)} missing, {len(extra)} unexpected"
             )
         return table
+
+
+def write_parquet(path: Path, table: pa.Table) -> None:
+    """A Parquet file that appears whole or not at all."""
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    _atomic_write(path, buffer.getvalue().to_pybytes())
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

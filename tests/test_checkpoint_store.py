@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -119,3 +120,51 @@ def test_sigkill_while_writing_leaves_only_whole_shards(tmp_path):
         assert pq.read_table(shard).num_rows == 200
     assert scan.rows == 200 * len(scan.shards) == len(scan.done_ids)
     assert not [p for p in store.shards_dir.iterdir() if p.name.startswith(".")]
+
+
+def test_looking_at_a_run_folder_repairs_nothing(tmp_path):
+    store = CheckpointStore(tmp_path, "run", IDENTITY)
+    store.open()
+    good = store.write_shard(_rows(range(3)))
+    torn = store.write_shard(_rows(range(3, 6)))
+    torn.write_bytes(torn.read_bytes()[:40])
+    temp = store.shards_dir / ".shard-abc.parquet.1234.tmp"
+    temp.write_bytes(b"half")
+    looked = CheckpointStore.at(store.folder)
+    assert looked.fingerprint == store.fingerprint and looked.shards_dir == store.shards_dir
+    scan = looked.scan(repair=False)
+    assert scan.shards == [good] and scan.done_ids == {"0", "1", "2"} and len(scan.problems) == 2
+    assert temp.exists() and torn.exists(), "a look leaves the leftovers for the next run to repair"
+    with pytest.raises(ValueError, match="not a run folder"):
+        CheckpointStore.at(tmp_path)
+
+
+def test_a_schema_gives_every_shard_the_same_column_types(tmp_path):
+    store = CheckpointStore(tmp_path, "run", IDENTITY)
+    store.open()
+    schema = pa.schema([("id", pa.string()), ("text", pa.string()), ("score", pa.float64())])
+    store.write_shard([{"id": "0", "text": "a", "score": None}], schema)
+    store.write_shard([{"id": "1", "text": None, "score": 0.5}], schema)
+    for shard in store.scan().shards:
+        assert pq.read_schema(shard).equals(schema, check_metadata=False)
+    assert store.merge({"0", "1"}).schema.equals(schema, check_metadata=False)
+
+
+def test_one_writer_at_a_time_and_a_dead_writer_holds_nothing(tmp_path):
+    first = CheckpointStore(tmp_path, "run", IDENTITY)
+    first.lock()
+    second = CheckpointStore(tmp_path, "run", IDENTITY)
+    with pytest.raises(ValueError, match=f"another run \\(pid {os.getpid()}\\) is writing"):
+        second.lock()
+    first.unlock()
+    second.lock()  # free once the first let go
+    second.unlock()
+    script = f"""
+import os, signal
+from flows.store import CheckpointStore
+CheckpointStore({str(tmp_path)!r}, "run", {IDENTITY!r}).lock()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    assert subprocess.run([sys.executable, "-c", script], env=env).returncode == -signal.SIGKILL
+    second.lock()  # a writer killed while holding the lock left nothing behind
