@@ -1,0 +1,33 @@
+"""The flows gristmill ships, by the name a config's `flow` field gives."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FlowEntry:
+    module: str
+    flow_name: str
+    config_name: str
+
+    @property
+    def entrypoint(self) -> str:
+        """As prefect.yaml names it: path/to/file.py:function."""
+        return f"{self.module.replace('.', '/')}.py:{self.flow_name}"
+
+    def flow(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.flow_name)
+
+    def config_class(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.config_name)
+
+
+FLOWS = {
+    "generate": FlowEntry("flows.pipeline", "generate_batch", "RunConfig"),
+    "annotate": FlowEntry("flows.annotate", "annotate", "AnnotateConfig"),
+    "synthesize": FlowEntry("flows.synthesize", "synthesize", "SynthesizeConfig"),
+    "evaluate": FlowEntry("flows.evaluate", "evaluate", "EvaluateConfig"),
+}

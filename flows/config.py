@@ -1,0 +1,237 @@
+"""Run configuration: one pydantic model, from a YAML file, `--set` overrides or Prefect parameters.
+
+    run_name: reviews-sentiment
+    output_dir: runs
+    engine: {model_path: /models/Qwen3-0.6B}
+    source: {path: data/reviews.jsonl, id_column: review_id}
+    prompt: {template: "Review: {{ text }}", chat: true, system: "You label reviews."}
+    sampling: {temperature: 0, max_new_tokens: 16}
+
+The models check the shape of a config (types, unknown fields, ranges, template syntax);
+`flows.preflight` checks it against the world (files, the model folder, the engine's argument
+and sampling rules, the input's columns). Both raise `ConfigError`, whose message names every
+bad field, so a config fails in one clear error before any engine starts.
+
+The three ready flows subclass `RunConfig` (flows/annotate.py, synthesize.py, evaluate.py); what
+a subclass changes in the generated rows goes through the hooks at the end of `RunConfig`, so
+the fingerprint picks it up without knowing the flow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Columns the flows write; an input column with one of these names is kept as `input_<name>`.
+OUTPUT_COLUMNS = (
+    "id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens",
+    "cached_tokens", "latency", "logprobs", "top_logprobs", "error",
+)  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; `problems` are (field path, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        lines = [f"{where}: {message}" if where else message for where, message in problems]
+        head = "invalid config" if len(lines) == 1 else f"invalid config ({len(lines)} problems)"
+        super().__init__(f"{head}: " + "; ".join(lines))
+
+
+class Section(BaseModel):
+    """A config section: unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Open(BaseModel):
+    """A section whose common fields are typed (they render as form fields in the Prefect UI)
+    while the engine's other arguments pass through, checked by the engine's own rules."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def arguments(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class EngineConfig(_Open):
+    """Arguments of `engine.Engine` (SGLang's names); unset fields keep the engine's defaults."""
+
+    model_path: str = Field(description="a local Hugging Face model folder")
+    dtype: str | None = None
+    context_length: int | None = None
+    max_running_requests: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    attention_backend: str | None = None
+
+
+class SamplingConfig(_Open):
+    """SGLang sampling parameters; unset fields keep the engine's defaults. Each row's
+    `sampling_seed` comes from the run's seed and the row's id, never from here."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+    stop: list[str] | None = None
+
+
+class SourceConfig(Section):
+    path: Path = Field(description="a JSONL, CSV or Parquet file, or a folder of Parquet files")
+    format: Literal["jsonl", "csv", "parquet"] | None = Field(
+        None, description="default: from the file suffix"
+    )
+    id_column: str | None = Field(
+        None, description="a column of unique row ids; default: the row's position in the input"
+    )
+
+
+class PromptConfig(Section):
+    template: str = Field(description="Jinja over the row's columns, e.g. 'Review: {{ text }}'")
+    chat: bool = Field(False, description="wrap the rendered text in the model's chat template")
+    system: str | None = Field(None, description="a system message (chat only)")
+
+    @field_validator("template")
+    @classmethod
+    def _parses(cls, template: str) -> str:
+        try:
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"not a valid Jinja template (line {e.lineno}: {e.message})") from None
+        return template
+
+    @model_validator(mode="after")
+    def _system_needs_chat(self) -> PromptConfig:
+        if self.system is not None and not self.chat:
+            raise ValueError("system needs chat: true (it is a chat message)")
+        return self
+
+
+class RunConfig(Section):
+    """A batch run: every row of `source` rendered by `prompt` and generated with `sampling`."""
+
+    flow: Literal["generate"] = "generate"
+    run_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    output_dir: Path = Path("runs")
+    engine: EngineConfig
+    source: SourceConfig
+    prompt: PromptConfig
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int = Field(0, description="with each row's id, gives the row's sampling seed")
+    shard_size: int = Field(1000, ge=1, description="rows per checkpoint shard")
+    max_in_flight: int = Field(256, ge=1, description="requests in the engine at once")
+    logprobs: bool = Field(False, description="keep the generated tokens' logprobs")
+    top_logprobs: int = Field(
+        0, ge=0, description="keep the top-k logprobs per token (needs logprobs)"
+    )
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> RunConfig:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    # ------------------------------------------------------------------ hooks for the ready flows
+    def template_variables(self) -> dict[str, Any]:
+        """Names the template may use besides the row's columns."""
+        return {}
+
+    @property
+    def samples_per_row(self) -> int:
+        return 1
+
+    def constraint(self) -> dict[str, Any]:
+        """Sampling parameters that constrain the output (regex / json_schema), if any."""
+        return {}
+
+    def added_columns(self) -> tuple[str, ...]:
+        """Columns the flow's finish step adds to the merged rows."""
+        return ()
+
+    def needed_columns(self) -> dict[str, str]:
+        """Input columns the flow needs besides the template's: {column: the field naming it}."""
+        return {}
+
+    def flow_problems(self) -> list[tuple[str, str]]:
+        """Cross-field checks of the flow's own section."""
+        return []
+
+    # ------------------------------------------------------------------ derived values
+    def sampling_params(self) -> dict[str, Any]:
+        return {**self.sampling.arguments(), **self.constraint()}
+
+
+# ---------------------------------------------------------------------- loading
+def load_config(
+    data: dict[str, Any] | str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    kind: type[RunConfig] | None = None,
+) -> RunConfig:
+    """A config from a mapping or a YAML file, with `key.sub=value` overrides (values read as YAML).
+
+    The `flow` key picks the config class among the registered flows unless `kind` is given.
+    """
+    if isinstance(data, (str, Path)):
+        path = Path(data)
+        if not path.is_file():
+            raise ConfigError([("", f"config file not found: {path}")])
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError([("", f"{path} is not valid YAML: {e}")]) from None
+        if not isinstance(data, dict):
+            raise ConfigError([("", f"{path} must hold a mapping of config fields")])
+    data = _with_overrides(data, overrides)
+    if kind is None:
+        kind = config_class(data.get("flow", "generate"))
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_problems(e)) from None
+
+
+def config_class(flow: object) -> type[RunConfig]:
+    from flows.catalog import FLOWS  # the catalog imports the flows, which import this module
+
+    if flow not in FLOWS:
+        raise ConfigError([("flow", f"must be one of {', '.join(FLOWS)}; got {flow!r}")])
+    return FLOWS[flow].config_class()
+
+
+def _with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    data = _deep_copy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError([("--set", f"expected key=value, got {item!r}")])
+        value = yaml.safe_load(raw) if raw else ""
+        node = data
+        *parents, leaf = key.split(".")
+        for i, part in enumerate(parents):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError([(".".join(parents[: i + 1]), "is not a section")])
+            node = child
+        node[leaf] = value
+    return data
+
+
+def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def _problems(error: ValidationError) -> list[tuple[str, str]]:
+    problems = []
+    for e in error.errors():
+        where = ".".join(str(part) for part in e["loc"])
+        message = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            message = "unknown field"
+        problems.append((where, message))
+    return problems

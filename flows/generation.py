@@ -1,0 +1,159 @@
+"""Stream work rows through the resident engine and write finished rows as checkpoint shards.
+
+Why asyncio: each row is one `engine.async_generate` call, and at most `max_in_flight` of them
+are awaited at once. The engine batches whatever is in flight, a slow row never holds back
+the others (a thread calling `generate` on chunks waits for each chunk's slowest row), and
+finished rows are buffered in the order they finish.
+
+Exactly once: a row enters the buffer only when its request has finished, and a shard is
+written from the buffer, whole, by the store's atomic write. Every id of the work is submitted
+once, and the work never holds an id that a shard already has (prepare_prompts skips them), so
+no id lands in two shards. A crash loses only the rows in flight and in the buffer; the next
+run redoes them. On an exception the finished rows in the buffer are written before the error
+propagates, so little is redone.
+
+A request the engine refuses (a prompt too long for the context, say) becomes a row with
+finish_reason "error" and the message in `error`: the row is done, the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from flows.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+WORK_ONLY_COLUMNS = ("seed",)  # in the work table, not in output rows
+
+
+@dataclass
+class Generated:
+    """What this run generated (not counting rows done by earlier runs)."""
+
+    rows: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    shards: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    sampling: dict[str, Any]  # without the per-row seed
+    logprobs: bool
+    top_logprobs: int
+
+
+async def request(engine: Any, row: dict[str, Any], options: RequestOptions) -> dict[str, Any]:
+    """One row through the engine: the output row (the work row's columns plus the results)."""
+    out = {k: v for k, v in row.items() if k not in WORK_ONLY_COLUMNS}
+    try:
+        result = await engine.async_generate(
+            prompt=row["prompt"],
+            sampling_params={**options.sampling, "sampling_seed": row["seed"]},
+            return_logprob=options.logprobs,
+            top_logprobs_num=options.top_logprobs or None,
+        )
+    except ValueError as e:  # refused before it was queued: this row fails, the run goes on
+        return {**out, "finish_reason": "error", "error": str(e)}
+    meta = result["meta_info"]
+    out.update(
+        text=result["text"],
+        finish_reason=(meta.get("finish_reason") or {}).get("type"),
+        prompt_tokens=meta["prompt_tokens"],
+        completion_tokens=meta["completion_tokens"],
+        cached_tokens=meta["cached_tokens"],
+        latency=meta["e2e_latency"],
+    )
+    if options.logprobs:
+        out["logprobs"] = [lp for lp, _, _ in meta["output_token_logprobs"]]
+    if options.top_logprobs:
+        out["top_logprobs"] = [
+            [{"token_id": t, "logprob": lp} for lp, t, _ in top]
+            for top in meta["output_top_logprobs"]
+        ]
+    return out
+
+
+async def generate_rows(
+    engine: Any,
+    work: pa.Table,
+    options: RequestOptions,
+    *,
+    max_in_flight: int,
+    shard_size: int,
+    write_shard: Callable[[list[dict[str, Any]]], Any],
+    progress: Progress,
+) -> Generated:
+    stats = Generated()
+    started = time.perf_counter()
+    buffer: list[dict[str, Any]] = []
+    pending: set[asyncio.Task] = set()
+
+    async def flush(rows: list[dict[str, Any]]) -> None:
+        await asyncio.to_thread(write_shard, rows)  # the loop keeps collecting meanwhile
+        stats.shards += 1
+
+    async def absorb(done: set[asyncio.Task]) -> None:
+        failure: BaseException | None = None
+        for task in done:
+            if task.cancelled() or task.exception() is not None:
+                failure = failure or (task.exception() or asyncio.CancelledError())
+                continue
+            row = task.result()
+            buffer.append(row)
+            stats.rows += 1
+            stats.errors += row.get("error") is not None
+            stats.prompt_tokens += row.get("prompt_tokens") or 0
+            stats.completion_tokens += row.get("completion_tokens") or 0
+            await progress.advance(1, row.get("completion_tokens") or 0)
+        if failure is not None:
+            raise failure
+        while len(buffer) >= shard_size:
+            rows = buffer[:shard_size]
+            del buffer[:shard_size]
+            await flush(rows)
+
+    try:
+        for row in _rows(work):
+            while len(pending) >= max_in_flight:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                await absorb(done)
+            pending.add(asyncio.create_task(request(engine, row, options)))
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            await absorb(done)
+        if buffer:
+            await flush(buffer)
+            buffer.clear()
+    except BaseException:
+        for task in pending:
+            task.cancel()  # the engine aborts a cancelled request and frees its KV pages
+        await asyncio.gather(*pending, return_exceptions=True)
+        if buffer:  # finished rows are good rows: keep them so a rerun need not redo them
+            try:
+                await flush(buffer)
+            except Exception as e:  # the error that stopped the run is the one to report
+                logger.warning("could not save %d finished rows: %s", len(buffer), e)
+        raise
+    finally:
+        stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def _rows(work: pa.Table) -> Iterator[dict[str, Any]]:
+    for batch in work.to_batches(max_chunksize=1024):
+        yield from batch.to_pylist()

@@ -1,0 +1,73 @@
+"""What makes a run's rows what they are: the identity its fingerprint hashes.
+
+Everything that can change an output row is in: the model (its config and tokenizer files,
+and a sampled hash of each weight file), the engine arguments that change numerics, the
+input's content, the prompt, the flow's prompt variables, the sampling parameters, the seed.
+What only changes speed or memory (max_running_requests, max_in_flight, shard_size, ...) and
+where results go (output_dir, run_name) are out, so tuning them resumes the same run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from flows.config import RunConfig
+from flows.preflight import Checked
+from flows.sources import content_digest
+
+# Engine arguments that change speed or memory, never a row's tokens.
+PERFORMANCE_ARGS = frozenset({
+    "mem_fraction_static", "max_total_tokens", "max_running_requests", "max_prefill_tokens",
+    "chunked_prefill_size", "schedule_policy", "page_size", "disable_radix_cache",
+    "cuda_graph_max_bs", "disable_cuda_graph", "disable_overlap_schedule", "log_level",
+    "stream_interval", "base_gpu_id", "random_seed", "model_path", "tokenizer_path",
+})  # fmt: skip
+
+_SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                "chat_template.json")  # fmt: skip
+_SAMPLE_BYTES = 1 << 20
+
+
+def run_identity(config: RunConfig, checked: Checked) -> dict[str, Any]:
+    engine_args = config.engine.arguments()
+    return {
+        "model": model_identity(engine_args["model_path"], checked.tokenizer_path),
+        "engine": {k: v for k, v in engine_args.items() if k not in PERFORMANCE_ARGS},
+        "source": {
+            "sha256": content_digest(config.source),
+            "format": checked.source_format,
+            "id_column": config.source.id_column,
+        },
+        "prompt": config.prompt.model_dump(),
+        "template_variables": config.template_variables(),
+        "samples_per_row": config.samples_per_row,
+        "sampling": config.sampling_params(),
+        "seed": config.seed,
+        "logprobs": [config.logprobs, config.top_logprobs],
+    }
+
+
+def model_identity(model_path: str, tokenizer_path: str) -> dict[str, Any]:
+    """Hashes of the small files; of each weight file its size and a hash of its first and last
+    MiB, which tells retrained weights apart without reading gigabytes."""
+    files: dict[str, str] = {}
+    for folder in dict.fromkeys((Path(model_path), Path(tokenizer_path))):
+        for name in _SMALL_FILES:
+            path = folder / name
+            if path.is_file():
+                files[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    weights = {p.name: _sampled_hash(p) for p in sorted(Path(model_path).glob("*.safetensors"))}
+    return {"files": files, "weights": weights}
+
+
+def _sampled_hash(path: Path) -> str:
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(_SAMPLE_BYTES))
+        f.seek(max(0, size - _SAMPLE_BYTES))
+        digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()

@@ -1,0 +1,334 @@
+"""The six steps of every gristmill flow, as Prefect tasks, and the plain batch-generation flow.
+
+    configure ─► init_engine ─► prepare_prompts ─► generate ─► collect ─► shutdown
+
+One engine per flow run stays resident from init_engine to shutdown, and shutdown runs whether
+or not a step failed. Rows land in the checkpoint store (flows/store.py) as they finish, so a
+rerun of the same config after a crash, a failure or a cancel does only the rows still missing.
+The ready flows (annotate, synthesize, evaluate) are this same flow with their own config
+class and a `finish` step that adds their columns (labels, scores) to the merged rows.
+
+Tasks take unhashable things (an Engine, Arrow tables), so none caches (NO_CACHE); none
+retries on its own either: the retry of a batch run is a rerun, which resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.config import OUTPUT_COLUMNS, RunConfig
+from flows.generation import Generated, RequestOptions, generate_rows
+from flows.identity import run_identity
+from flows.preflight import Checked, preflight
+from flows.progress import Progress, artifact_key
+from flows.prompts import PromptRenderer
+from flows.sources import read_rows, row_ids
+from flows.store import CheckpointStore, row_seed, write_parquet
+
+# A flow's last word on the merged rows: (config, rows in input order) -> (rows, extra summary).
+Finish = Callable[[Any, pa.Table], tuple[pa.Table, dict[str, Any]]]
+
+
+@dataclass
+class RunPlan:
+    config: RunConfig
+    checked: Checked
+    store: CheckpointStore
+
+
+@dataclass
+class Work:
+    ids: pa.Array  # every request id of the run, in input order
+    todo: pa.Table  # the requests still to make: id, input columns, prompt, seed
+    schema: pa.Schema  # of an output row, as the shards hold it
+    done_before: int
+
+    @property
+    def total(self) -> int:
+        return len(self.ids)
+
+
+# ---------------------------------------------------------------------- the steps
+@task(cache_policy=NO_CACHE)
+def configure(config: RunConfig) -> RunPlan:
+    """Check the config against the world and fix the run's folder by its fingerprint."""
+    logger = get_run_logger()
+    checked = preflight(config)
+    store = CheckpointStore(config.output_dir, config.run_name, run_identity(config, checked))
+    logger.info("run %s, fingerprint %s, in %s", config.run_name, store.fingerprint, store.folder)
+    return RunPlan(config, checked, store)
+
+
+@task(cache_policy=NO_CACHE)
+def init_engine(plan: RunPlan) -> Any:
+    """Start the engine that stays resident for the whole run."""
+    from engine import Engine
+
+    engine = Engine(**plan.config.engine.arguments())
+    info = engine.get_server_info()
+    get_run_logger().info(
+        "engine ready in %.1fs on %s (scheduler and detokenizer pids %s)",
+        engine.startup_seconds,
+        info["device"],
+        sorted(info["pids"].values()),
+    )
+    return engine
+
+
+@task(cache_policy=NO_CACHE)
+def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
+    """Read the input, skip rows already in shards, render the prompts of the rest."""
+    logger = get_run_logger()
+    config, store = plan.config, plan.store
+    store.lock()  # held until the flow ends: a second run of this config stops here
+    if fresh and store.folder.exists():
+        logger.warning("--fresh: deleting the earlier results in %s", store.folder)
+        shutil.rmtree(store.folder)
+    with _relay_to(logger, "flows.store"):  # crash leftovers and a changed config, in the run log
+        scan = store.open()
+    table = read_rows(config.source)
+    ids = row_ids(table, config.source.id_column)
+    renderer = PromptRenderer(
+        config.prompt, config.template_variables(), engine.tokenizer_manager.tokenizer
+    )
+    work = _plan_requests(config, table, ids, scan.done_ids, renderer)
+    store.write_json(
+        "run.json", {"config": config.model_dump(mode="json"), "total_rows": work.total}
+    )
+    logger.info(
+        "%d rows: %d done by earlier runs, %d to generate",
+        work.total,
+        work.done_before,
+        work.todo.num_rows,
+    )
+    return work
+
+
+@task(cache_policy=NO_CACHE)
+def generate(plan: RunPlan, engine: Any, work: Work) -> Generated:
+    """Stream the remaining rows through the engine, writing a shard per shard_size rows."""
+    logger = get_run_logger()
+    config, store = plan.config, plan.store
+    if work.todo.num_rows == 0:
+        logger.info("nothing to generate: every row is already in a shard")
+        return Generated()
+    options = RequestOptions(config.sampling_params(), config.logprobs, config.top_logprobs)
+    progress = Progress(work.total, work.done_before, config.run_name, logger)
+
+    async def run() -> Generated:
+        await progress.open()
+        try:
+            return await generate_rows(
+                engine,
+                work.todo,
+                options,
+                max_in_flight=config.max_in_flight,
+                shard_size=config.shard_size,
+                write_shard=lambda rows: store.write_shard(rows, work.schema),
+                progress=progress,
+            )
+        finally:
+            await progress.close()
+
+    generated = asyncio.run(run())
+    if generated.errors:
+        logger.warning(
+            "%d row(s) were refused by the engine: see their error column", generated.errors
+        )
+    return generated
+
+
+@task(cache_policy=NO_CACHE)
+def collect(
+    plan: RunPlan, work: Work, generated: Generated, finish: Finish | None
+) -> dict[str, Any]:
+    """Merge the shards into one Parquet file in input order, check every row is there exactly
+    once, and publish the run's summary."""
+    logger = get_run_logger()
+    config, store = plan.config, plan.store
+    merged = store.merge(expected_ids=set(work.ids.to_pylist()))
+    merged = merged.take(pc.sort_indices(pc.index_in(merged.column("id"), value_set=work.ids)))
+    extra: dict[str, Any] = {}
+    if finish is not None:
+        merged, extra = finish(config, merged)
+    write_parquet(store.output_path, merged)
+    summary = _summary(config, store, merged, generated) | extra
+    store.write_json("summary.json", summary)
+    logger.info(
+        "summary: %s", ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if k != "output")
+    )
+    logger.info("output: %s", store.output_path)
+    create_table_artifact(
+        key=artifact_key(config.run_name, "summary"),
+        table=[{"metric": k, "value": _fmt(v)} for k, v in summary.items()],
+        description=f"gristmill run {config.run_name} ({store.fingerprint})",
+    )
+    return summary
+
+
+@task(cache_policy=NO_CACHE)
+def shutdown(engine: Any) -> None:
+    """Stop the engine's processes; runs also when an earlier step failed."""
+    if engine is None:
+        get_run_logger().info("no engine to stop")
+        return
+    engine.shutdown()
+    get_run_logger().info("engine stopped")
+
+
+def run_steps(
+    config: RunConfig, fresh: bool = False, finish: Finish | None = None
+) -> dict[str, Any]:
+    """The six steps in order; the body of every gristmill flow."""
+    plan, engine = None, None
+    try:
+        plan = configure(config)
+        engine = init_engine(plan)
+        work = prepare_prompts(plan, engine, fresh)
+        generated = generate(plan, engine, work)
+        return collect(plan, work, generated, finish)
+    finally:
+        shutdown(engine)
+        if plan is not None:
+            plan.store.unlock()
+
+
+@flow(name="generate-batch", flow_run_name="{config.run_name}")
+def generate_batch(config: RunConfig, fresh: bool = False) -> dict[str, Any]:
+    """Generate a completion for every row of an input file: resumable, each row written once."""
+    return run_steps(config, fresh)
+
+
+# ---------------------------------------------------------------------- helpers
+def _plan_requests(
+    config: RunConfig,
+    table: pa.Table,
+    ids: pa.Array,
+    done: set[str],
+    renderer: PromptRenderer,
+) -> Work:
+    samples = config.samples_per_row
+    inputs = table.rename_columns([output_column(config, c) for c in table.column_names])
+    take, request_ids, source_ids, sample_nos, prompts, seeds = [], [], [], [], [], []
+    all_ids: list[str] = []
+    for index, (row_id, row) in enumerate(zip(ids.to_pylist(), _pylist(table))):
+        prompt = None
+        for sample in range(samples):
+            rid = row_id if samples == 1 else f"{row_id}/{sample}"
+            all_ids.append(rid)
+            if rid in done:
+                continue
+            prompt = prompt if prompt is not None else renderer.render(row)
+            take.append(index)
+            request_ids.append(rid)
+            source_ids.append(row_id)
+            sample_nos.append(sample)
+            prompts.append(prompt)
+            seeds.append(row_seed(config.seed, rid))
+    todo = inputs.take(pa.array(take, pa.int64()))
+    head = [("id", pa.array(request_ids, pa.string()))]
+    if samples > 1:
+        head += [("source_id", pa.array(source_ids, pa.string())),
+                 ("sample", pa.array(sample_nos, pa.int64()))]  # fmt: skip
+    tail = [("prompt", pa.array(prompts, pa.string())), ("seed", pa.array(seeds, pa.int64()))]
+    todo = pa.Table.from_arrays(
+        [a for _, a in head] + todo.columns + [a for _, a in tail],
+        names=[n for n, _ in head] + todo.column_names + [n for n, _ in tail],
+    )
+    schema = pa.schema(
+        [todo.schema.field(n) for n in todo.column_names if n != "seed"] + _result_fields(config)
+    )
+    all_array = pa.array(all_ids, pa.string())
+    return Work(all_array, todo, schema, done_before=len(all_ids) - len(request_ids))
+
+
+def output_column(config: RunConfig, column: str) -> str:
+    """An input column keeps its name in the output unless the flow writes a column of that name."""
+    reserved = {*OUTPUT_COLUMNS, *config.added_columns()}
+    if config.samples_per_row > 1:
+        reserved |= {"source_id", "sample"}
+    return f"input_{column}" if column in reserved else column
+
+
+def _result_fields(config: RunConfig) -> list[pa.Field]:
+    fields = [
+        pa.field("text", pa.string()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("prompt_tokens", pa.int64()),
+        pa.field("completion_tokens", pa.int64()),
+        pa.field("cached_tokens", pa.int64()),
+        pa.field("latency", pa.float64()),
+    ]
+    if config.logprobs:
+        fields.append(pa.field("logprobs", pa.list_(pa.float64())))
+    if config.top_logprobs:
+        entry = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
+        fields.append(pa.field("top_logprobs", pa.list_(pa.list_(entry))))
+    fields.append(pa.field("error", pa.string()))
+    return fields
+
+
+def _pylist(table: pa.Table) -> Iterator[dict[str, Any]]:
+    for batch in table.to_batches(max_chunksize=4096):
+        yield from batch.to_pylist()
+
+
+def _summary(
+    config: RunConfig, store: CheckpointStore, merged: pa.Table, generated: Generated
+) -> dict[str, Any]:
+    def total(column: str) -> int:
+        return int(pc.sum(merged.column(column)).as_py() or 0)
+
+    return {
+        "run_name": config.run_name,
+        "fingerprint": store.fingerprint,
+        "rows": merged.num_rows,
+        "rows_generated_now": generated.rows,
+        "rows_from_earlier_runs": merged.num_rows - generated.rows,
+        "error_rows": int(pc.sum(pc.is_valid(merged.column("error"))).as_py() or 0),
+        "prompt_tokens": total("prompt_tokens"),
+        "completion_tokens": total("completion_tokens"),
+        "cached_tokens": total("cached_tokens"),
+        "generate_seconds": round(generated.seconds, 3),
+        "rows_per_second": round(generated.rows / generated.seconds, 2)
+        if generated.seconds
+        else 0.0,
+        "tokens_per_second": round(generated.tokens_per_second, 1),
+        "shards": len(store.scan(repair=False).shards),
+        "output": str(store.output_path),
+    }
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:,.3f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
+
+
+@contextmanager
+def _relay_to(target: logging.Logger | logging.LoggerAdapter, name: str) -> Iterator[None]:
+    """Send a library logger's records to the run logger (and so to the Prefect UI) for a while."""
+
+    class Relay(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            target.log(record.levelno, record.getMessage())
+
+    source = logging.getLogger(name)
+    handler, propagate = Relay(), source.propagate
+    source.addHandler(handler)
+    source.propagate = False  # printed once, by the run logger
+    try:
+        yield
+    finally:
+        source.removeHandler(handler)
+        source.propagate = propagate

@@ -1,0 +1,128 @@
+"""Check a config against the world before any engine starts: files, model folder, engine and
+sampling rules, the input's columns. Every problem is collected and raised as one ConfigError
+that names each field, so a user fixes a config in one round, not one error at a time.
+
+The engine's own validators are the judges (ServerArgs, ModelConfig, SamplingParams): they run
+here without starting a process, so the flows never drift from what the engine accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from flows.config import ConfigError, RunConfig
+from flows.prompts import has_chat_template, template_names
+from flows.sources import read_schema, source_format
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the checks learned that later steps use."""
+
+    columns: list[str]
+    source_format: str
+    tokenizer_path: str
+
+
+def preflight(config: RunConfig) -> Checked:
+    problems: list[tuple[str, str]] = []
+    tokenizer_path = _check_engine(config, problems)
+    _check_sampling(config, problems)
+    schema, fmt = _check_source(config, problems)
+    columns = schema.names if schema is not None else []
+    if schema is not None:
+        _check_columns(config, columns, problems)
+    if config.prompt.chat and tokenizer_path and not has_chat_template(tokenizer_path):
+        problems.append(("prompt.chat", f"the tokenizer in {tokenizer_path} has no chat template"))
+    problems += config.flow_problems()
+    if problems:
+        raise ConfigError(problems)
+    return Checked(columns, fmt, tokenizer_path)
+
+
+def _check_engine(config: RunConfig, problems: list[tuple[str, str]]) -> str:
+    from engine.model_config import ModelConfig
+    from engine.server_args import ServerArgs
+
+    args = config.engine.arguments()
+    model_path = args.pop("model_path")
+    # one argument at a time first, so each message is pinned on the field that caused it
+    bad = [
+        (f"engine.{name}", str(e))
+        for name, value in args.items()
+        if (e := _refusal(ServerArgs.from_kwargs, model_path=model_path, **{name: value}))
+    ]
+    if bad:
+        problems += bad
+        return ""
+    try:
+        server_args = ServerArgs.from_kwargs(model_path=model_path, **args)
+    except ValueError as e:
+        problems.append(("engine", str(e)))
+        return ""
+    if e := _refusal(
+        ModelConfig.from_folder, model_path, server_args.dtype, server_args.context_length
+    ):
+        problems.append(("engine.model_path", str(e)))
+        return ""
+    return str(server_args.tokenizer_path)
+
+
+def _refusal(check: Any, *args: Any, **kwargs: Any) -> ValueError | None:
+    try:
+        check(*args, **kwargs)
+    except ValueError as e:
+        return e
+    return None
+
+
+def _check_sampling(config: RunConfig, problems: list[tuple[str, str]]) -> None:
+    from engine.sampling_params import SamplingParams
+
+    params = config.sampling.arguments()
+    if "sampling_seed" in params:
+        problems.append(
+            ("sampling.sampling_seed", "set by the flow from seed and each row's id; set seed")
+        )
+        return
+    for where, sampling in (("sampling", params), (config.flow, config.sampling_params())):
+        try:
+            SamplingParams.from_dict(sampling)
+        except ValueError as e:
+            problems.append((where, str(e)))
+            return
+
+
+def _check_source(
+    config: RunConfig, problems: list[tuple[str, str]]
+) -> tuple[pa.Schema | None, str]:
+    try:
+        fmt = source_format(config.source)
+    except ValueError as e:
+        problems.append(("source.path", str(e)))
+        return None, ""
+    try:
+        return read_schema(config.source), fmt
+    except (OSError, pa.ArrowException) as e:
+        problems.append(("source.path", f"cannot read {config.source.path} as {fmt}: {e}"))
+        return None, fmt
+
+
+def _check_columns(config: RunConfig, columns: list[str], problems: list[tuple[str, str]]) -> None:
+    have = set(columns)
+    id_column = config.source.id_column
+    if id_column is not None and id_column not in have:
+        problems.append(("source.id_column", _missing(id_column, columns)))
+    extras = set(config.template_variables()) | {"row"}
+    for name in sorted(template_names(config.prompt.template) - have - extras):
+        problems.append(("prompt.template", _missing(name, columns)))
+    for column, where in config.needed_columns().items():
+        if column not in have:
+            problems.append((where, _missing(column, columns)))
+
+
+def _missing(column: str, columns: list[str]) -> str:
+    return f"names column {column!r}, which the input does not have (columns: {', '.join(columns)})"

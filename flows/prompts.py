@@ -1,0 +1,56 @@
+"""Prompts: a Jinja template over a row's columns, optionally wrapped in the model's chat template.
+
+The template sees each column by name, the whole row as `row` (for names that are not Python
+identifiers: `{{ row["star rating"] }}`) and the flow's extra variables (annotate's `choices`).
+Undefined names are errors, never empty strings, so a typo cannot silently empty a prompt.
+
+With `chat: true` the rendered text becomes the user message, after an optional system message,
+and the tokenizer's chat template renders the conversation with the assistant turn opened. The
+engine then tokenizes that text as SGLang's engine does (with the tokenizer's special tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.meta
+
+from flows.config import PromptConfig
+
+_ENV = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+
+def template_names(template: str) -> set[str]:
+    """The variables a template reads (jinja's undeclared names)."""
+    return jinja2.meta.find_undeclared_variables(_ENV.parse(template))
+
+
+def has_chat_template(tokenizer_path: str | Path) -> bool:
+    """Whether a tokenizer folder ships a chat template (checked without loading the tokenizer)."""
+    folder = Path(tokenizer_path)
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
+class PromptRenderer:
+    def __init__(self, prompt: PromptConfig, variables: dict[str, Any], tokenizer: Any) -> None:
+        self.template = _ENV.from_string(prompt.template)
+        self.chat = prompt.chat
+        self.system = prompt.system
+        self.variables = variables
+        self.tokenizer = tokenizer
+
+    def render(self, row: dict[str, Any]) -> str:
+        text = self.template.render({**row, "row": row, **self.variables})
+        if not self.chat:
+            return text
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages.append({"role": "user", "content": text})
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )

@@ -1,0 +1,138 @@
+"""Fixtures and helpers for the flow tests: one real Prefect server per test session, input files,
+configs on the tiny models of tests/conftest.py, and checks on processes and run folders.
+
+Test modules import the fixtures they use (`from tests.flow_fixtures import prefect_api_fixture`,
+which pytest knows as `prefect_api`).
+pytest registers an imported fixture once per importing module, so the Prefect server behind
+`prefect_api` is a process-wide singleton: it starts once (~15 s) however many modules use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.tiny_models import _WORDS
+
+_SERVER: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="session", name="prefect_api")
+def prefect_api_fixture() -> Iterator[str]:
+    """The URL of a temporary Prefect server (SQLite) that every flow in the session reports to."""
+    if "url" not in _SERVER:
+        # the server's telemetry write races its own start-up on SQLite ("database is locked")
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        from prefect.settings import PREFECT_API_URL
+        from prefect.testing.utilities import prefect_test_harness
+
+        stack = ExitStack()
+        stack.enter_context(prefect_test_harness(server_startup_timeout=120))
+        _SERVER.update(url=PREFECT_API_URL.value(), stack=stack)
+    yield _SERVER["url"]
+    if stack := _SERVER.pop("stack", None):  # once, at the session's end
+        stack.close()
+
+
+def flow_env(api_url: str, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess that reports to the session's Prefect server."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return {
+        **os.environ,
+        "PREFECT_API_URL": api_url,
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+        **extra,
+    }
+
+
+# ---------------------------------------------------------------------- inputs
+def question_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [
+        {
+            "qid": f"q{i:04d}",
+            "question": " ".join(rng.choices(_WORDS, k=rng.randint(3, 12))),
+            "n": i,
+        }
+        for i in range(n)
+    ]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def base_config(model_dir: Path, source: Path, output_dir: Path, **fields: Any) -> dict[str, Any]:
+    """A plain generate config over question rows: greedy, short, shards of 50.
+
+    Rows are few tokens long: on 2 shared cores an engine step can take a tenth of a second."""
+    config: dict[str, Any] = {
+        "run_name": "questions",
+        "output_dir": str(output_dir),
+        "engine": {"model_path": str(model_dir), "max_total_tokens": 8192},
+        "source": {"path": str(source), "id_column": "qid"},
+        "prompt": {"template": "Question {{ qid }}: {{ question }}"},
+        "sampling": {"temperature": 0, "max_new_tokens": 8},
+        "shard_size": 50,
+        "max_in_flight": 64,
+    }
+    for key, value in fields.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    return config
+
+
+def expected_prompt(row: dict[str, Any]) -> str:
+    """The base config's template, rendered by plain Python (the reference for Jinja's output)."""
+    return f"Question {row['qid']}: {row['question']}"
+
+
+# ---------------------------------------------------------------------- run folders and processes
+def run_folder(output_dir: Path, run_name: str = "questions") -> Path:
+    folders = [p for p in (Path(output_dir) / run_name).glob("*") if p.is_dir()]
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
+def leftover_temp_files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob(".*") if p.is_file()]
+
+
+def engine_children(pid: int) -> list[int]:
+    """The engine processes (scheduler, detokenizer) started by process `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"engine.runtime.child" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie (an exited child nobody has reaped yet counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_until(condition: Any, timeout: float, what: str, every: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
