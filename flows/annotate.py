@@ -1,0 +1,123 @@
+"""Annotate: label every row with one of a fixed set of choices.
+
+The template sees the choices as `choices`:
+
+    prompt:
+      template: "Is this review positive, negative or neutral?\n{{ text }}\nAnswer with one of: {{ choices | join(', ') }}."
+    annotate:
+      choices: [positive, negative, neutral]
+
+Until the engine has constrained decoding (issue 7) the model answers freely and `match_choice`
+maps its text to a choice (the earliest choice named in it, else a close spelling), keeping
+the raw answer in `text` and leaving `label` empty when nothing matches. `constraint_params` is
+the hook where the constraint goes to the engine: `constrained: true` sends the choices as a
+regex, and `json_schema` (labels as JSON objects) sends the schema; today's engine refuses
+both, and preflight reports that as a config error before the engine starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections import Counter
+from typing import Any, Literal
+
+import pyarrow as pa
+from prefect import flow
+from pydantic import Field, model_validator
+
+from flows.config import RunConfig, Section
+from flows.pipeline import run_steps
+
+
+class AnnotateSpec(Section):
+    choices: list[str] | None = Field(None, description="the labels to choose from")
+    json_schema: dict[str, Any] | None = Field(
+        None, description="label as JSON of this schema (needs constrained output in the engine)"
+    )
+    constrained: bool = Field(
+        False, description="make the engine emit only a choice (needs constrained output)"
+    )
+    label_column: str = Field("label", pattern=r"^\w+$")
+
+    @model_validator(mode="after")
+    def _one_kind_of_label(self) -> AnnotateSpec:
+        if (self.choices is None) == (self.json_schema is None):
+            raise ValueError("give either choices or json_schema")
+        if self.choices is not None:
+            if len(self.choices) < 2 or any(not c.strip() for c in self.choices):
+                raise ValueError("choices needs at least two non-empty labels")
+            if len({c.lower() for c in self.choices}) != len(self.choices):
+                raise ValueError("choices must differ (ignoring case)")
+        return self
+
+
+class AnnotateConfig(RunConfig):
+    flow: Literal["annotate"] = "annotate"
+    annotate: AnnotateSpec
+
+    def template_variables(self) -> dict[str, Any]:
+        spec = self.annotate
+        return {"choices": spec.choices} if spec.choices else {"json_schema": spec.json_schema}
+
+    def constraint(self) -> dict[str, Any]:
+        return constraint_params(self.annotate)
+
+    def added_columns(self) -> tuple[str, ...]:
+        return (self.annotate.label_column,)
+
+
+def constraint_params(spec: AnnotateSpec) -> dict[str, Any]:
+    """HOOK (issue 7): the sampling parameters that make the engine emit a valid label."""
+    if spec.json_schema is not None:
+        return {"json_schema": json.dumps(spec.json_schema)}
+    if spec.constrained and spec.choices:
+        return {"regex": "|".join(re.escape(c) for c in spec.choices)}
+    return {}
+
+
+def match_choice(text: str | None, choices: list[str]) -> str | None:
+    """The choice a free-text answer names: the earliest whole-word mention (case-insensitive;
+    the longer choice when two start together), else a close spelling of the whole answer."""
+    if not text:
+        return None
+    found = []
+    for choice in choices:
+        hit = re.search(rf"(?<!\w){re.escape(choice)}(?!\w)", text, re.IGNORECASE)
+        if hit:
+            found.append((hit.start(), -len(choice), choice))
+    if found:
+        return min(found)[2]
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(text.strip().lower(), list(by_lower), n=1, cutoff=0.8)
+    return by_lower[close[0]] if close else None
+
+
+def add_labels(config: AnnotateConfig, rows: pa.Table) -> tuple[pa.Table, dict[str, Any]]:
+    spec = config.annotate
+    texts = rows.column("text").to_pylist()
+    if spec.choices is not None:
+        labels = [match_choice(t, spec.choices) for t in texts]
+    else:
+        labels = [t if _is_json(t) else None for t in texts]
+    counts = Counter(label for label in labels if label is not None)
+    rows = rows.append_column(spec.label_column, pa.array(labels, pa.string()))
+    summary = {"labelled": sum(counts.values()), "unlabelled": labels.count(None)}
+    if spec.choices is not None:
+        summary["label_counts"] = {c: counts.get(c, 0) for c in spec.choices}
+    return rows, summary
+
+
+def _is_json(text: str | None) -> bool:
+    try:
+        json.loads(text or "")
+    except ValueError:
+        return False
+    return True
+
+
+@flow(name="annotate", flow_run_name="{config.run_name}")
+def annotate(config: AnnotateConfig, fresh: bool = False) -> dict[str, Any]:
+    """Label every row of an input file with one of the given choices."""
+    return run_steps(config, fresh, finish=add_labels)

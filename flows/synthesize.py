@@ -1,0 +1,53 @@
+"""Synthesize: N generations per seed row, each with its own seed, for synthetic data.
+
+    synthesize: {n: 4}
+    sampling: {temperature: 0.9, max_new_tokens: 256}
+
+Sample k of row r has id `r/k`, `source_id` r and `sample` k, and samples with the seed derived
+from (seed, its id): rerunning, resuming or adding rows never changes a sample already made.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from prefect import flow
+from pydantic import Field
+
+from flows.config import RunConfig, Section
+from flows.pipeline import run_steps
+
+
+class SynthesizeSpec(Section):
+    n: int = Field(ge=1, le=10_000, description="generations per input row")
+
+
+class SynthesizeConfig(RunConfig):
+    flow: Literal["synthesize"] = "synthesize"
+    synthesize: SynthesizeSpec
+
+    @property
+    def samples_per_row(self) -> int:
+        return self.synthesize.n
+
+    def flow_problems(self) -> list[tuple[str, str]]:
+        params = self.sampling.arguments()
+        greedy = params.get("temperature", 1.0) < 1e-6 or params.get("top_k") == 1
+        if self.synthesize.n > 1 and greedy:
+            return [("synthesize.n", "n > 1 with greedy sampling gives n identical generations; "
+                                     "set sampling.temperature above 0")]  # fmt: skip
+        return []
+
+
+def count_distinct(config: SynthesizeConfig, rows: pa.Table) -> tuple[pa.Table, dict[str, Any]]:
+    """How varied the generations are: distinct texts among all samples."""
+    distinct = len(pc.unique(rows.column("text").drop_null()))
+    return rows, {"seed_rows": rows.num_rows // config.synthesize.n, "distinct_texts": distinct}
+
+
+@flow(name="synthesize", flow_run_name="{config.run_name}")
+def synthesize(config: SynthesizeConfig, fresh: bool = False) -> dict[str, Any]:
+    """Generate n samples for every row of an input file."""
+    return run_steps(config, fresh, finish=count_distinct)
