@@ -1,0 +1,115 @@
+"""deployments/: prefect.yaml loads (as `prefect deploy` reads it, and as serve.py does), and a
+run triggered through the Prefect API, as the UI's "Run" button does, completes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from prefect.cli.deploy._models import PrefectYamlModel
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.utilities.callables import parameter_schema
+from prefect.utilities.templating import apply_values
+
+from deployments.serve import PREFECT_FILE, ROOT, load_deployments
+from flows.catalog import FLOWS
+from tests.flow_fixtures import (
+    flow_env,
+    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
+    question_rows,
+    wait_until,
+    write_jsonl,
+)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return yaml.safe_load(PREFECT_FILE.read_text())
+
+
+def test_prefect_yaml_is_valid_for_prefect_deploy_and_leaves_templates_alone(spec):
+    PrefectYamlModel.model_validate(spec)  # the schema `prefect deploy` checks the file with
+    for entry in spec["deployments"]:
+        # `prefect deploy` fills {{ placeholders }} in the file: none may touch a prompt template
+        assert apply_values(entry["parameters"], {}) == entry["parameters"], entry["name"]
+
+
+def test_each_deployment_runs_its_flow_with_the_config_of_the_same_name(spec):
+    by_name = {d.name: d for d in load_deployments()}
+    assert set(by_name) == {"annotate-nightly", "evaluate", "synthesize"}
+    for entry in spec["deployments"]:
+        deployment = by_name[entry["name"]]
+        config = entry["parameters"]["config"]
+        flow = FLOWS[config["flow"]]
+        assert entry["entrypoint"] == flow.entrypoint
+        assert config == yaml.safe_load((ROOT / "configs" / f"{config['flow']}.yaml").read_text())
+        flow.flow().validate_parameters(entry["parameters"])
+        assert deployment.parameters == entry["parameters"]
+        assert deployment.flow_name == flow.flow().name
+        # the UI renders this schema as a form: the config's fields, typed, with defaults
+        schema = parameter_schema(flow.flow()).model_dump()
+        form = schema["definitions"][flow.config_class().__name__]
+        assert {"run_name", "engine", "source", "prompt", "sampling", "shard_size"} <= set(
+            form["properties"]
+        )
+        assert form["properties"]["shard_size"]["type"] == "integer"
+    (nightly,) = by_name["annotate-nightly"].schedules
+    assert nightly.schedule.cron == "0 2 * * *" and nightly.schedule.timezone == "UTC"
+    assert not by_name["evaluate"].schedules and not by_name["synthesize"].schedules
+
+
+def test_a_run_triggered_through_the_api_completes(prefect_api, llama_dir, tmp_path, spec):
+    serve = subprocess.Popen(
+        [sys.executable, str(ROOT / "deployments" / "serve.py")],
+        env=flow_env(prefect_api, PREFECT_RUNNER_POLL_FREQUENCY="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with get_client(sync_client=True) as client:
+
+            def registered() -> bool:
+                assert serve.poll() is None, "serve.py exited"
+                try:
+                    client.read_deployment_by_name("evaluate/evaluate")
+                except Exception:
+                    return False
+                return True
+
+            wait_until(
+                registered, timeout=120, what="serve.py to register the deployments", every=0.5
+            )
+        rows = question_rows(12, 4)
+        source = write_jsonl(
+            tmp_path / "data.jsonl",
+            [{"id": r["qid"], "question": r["question"], "answer": "x"} for r in rows],
+        )
+        (evaluate,) = [d for d in spec["deployments"] if d["name"] == "evaluate"]
+        config = evaluate["parameters"]["config"] | {
+            "engine": {"model_path": str(llama_dir), "max_total_tokens": 8192},
+            "source": {"path": str(source), "id_column": "id"},
+            "sampling": {"temperature": 0, "max_new_tokens": 4},
+            "output_dir": str(tmp_path / "runs"),
+        }
+        started = time.monotonic()
+        flow_run = run_deployment("evaluate/evaluate", parameters={"config": config}, timeout=300)
+        assert flow_run.state.is_completed(), (flow_run.state, time.monotonic() - started)
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+    (summary_file,) = (tmp_path / "runs" / "arithmetic-eval").glob("*/summary.json")
+    summary = json.loads(summary_file.read_text())
+    table = pq.read_table(summary["output"])
+    assert table.column("id").to_pylist() == [r["qid"] for r in rows]
+    assert summary["metric"] == "exact_match" and summary["accuracy"] == 0.0
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run.id)
+    assert run.parameters["config"]["run_name"] == "arithmetic-eval"
+    assert Path(summary["output"]).is_file()
