@@ -220,7 +220,10 @@ def _plan_requests(
     renderer: PromptRenderer,
 ) -> Work:
     samples = config.samples_per_row
-    inputs = table.rename_columns([output_column(config, c) for c in table.column_names])
+    inputs = table
+    if config.source.id_column == "id":  # it becomes the output's id column, not a copy of it
+        inputs = inputs.drop_columns(["id"])
+    inputs = inputs.rename_columns([output_column(config, c) for c in inputs.column_names])
     take, request_ids, source_ids, sample_nos, prompts, seeds = [], [], [], [], [], []
     all_ids: list[str] = []
     for index, (row_id, row) in enumerate(zip(ids.to_pylist(), _pylist(table))):

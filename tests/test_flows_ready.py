@@ -177,6 +177,8 @@ def test_evaluate_scores_extracted_answers_against_the_reference_column(
     ]
     assert table.column("predicted").to_pylist() == [f or None for f in firsts]
     assert table.column("answer").to_pylist() == answers
+    assert table.column("id").to_pylist() == [str(i) for i in range(30)]
+    assert "input_id" not in table.column_names, "an id column named id is the output's id"
 
 
 def test_the_three_metrics():
