@@ -6,6 +6,7 @@ so a bad input raises in its caller and leaves nothing half-submitted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import uuid
@@ -73,12 +74,33 @@ class InputProcessor:
                 req = self._make_req(
                     token_lists[i], params[i], logprob[i], starts[i], tops[i], rids[i], stream
                 )
-                reqs.append(req)
             except ValueError as e:
                 raise ValueError(f"{where}{e}") from None
-        if len({r.rid for r in reqs}) != n:
+            reqs.extend(self._parallel_samples(req) if req.sampling.n > 1 else [req])
+        if len({r.rid for r in reqs}) != len(reqs):
             raise ValueError("rid values must be unique within a call")
+        # n > 1: a list of results, each prompt's samples together, in input order
+        is_batch = is_batch or len(reqs) > n
         return GenerateCall(reqs, is_batch, return_text_in_logprobs)
+
+    def _parallel_samples(self, req: Req) -> list[Req]:
+        """`n` copies of a request, rids suffixed -0..-(n-1). Each draws with its own seed (copy 0
+        keeps a given sampling_seed, copy j derives one from it); the copies share the prompt's
+        KV through the prefix cache."""
+        copies = []
+        for j in range(req.sampling.n):
+            copy = dataclasses.replace(req, rid=f"{req.rid}-{j}", seed=req.seed)
+            copy.output_ids, copy.kv_pages = [], []
+            copy.input_logprobs, copy.input_top_logprobs = [], []
+            copy.output_logprobs, copy.output_top_logprobs = [], []
+            if j:
+                copy.seed = (
+                    _derived_seed(req.seed, j)
+                    if req.sampling.sampling_seed is not None
+                    else self._seeds.getrandbits(63)
+                )
+            copies.append(copy)
+        return copies
 
     def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
         if (prompt is None) == (input_ids is None):
@@ -211,3 +233,11 @@ def _per_request(name: str, value: Any, n: int, item_type: type) -> list[Any]:
             f"{name} must be {item_type.__name__} or a list of them, got {type(value).__name__}."
         )
     return [value] * n
+
+
+def _derived_seed(seed: int, j: int) -> int:
+    """The seed of parallel sample j of a request seeded with `seed` (a splitmix64 step)."""
+    z = (seed + j * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 1

@@ -105,15 +105,10 @@ class SamplingParams:
     def _refuse_unbuilt(self) -> None:
         """Refuse, by name, what this version does not do yet, rather than silently ignore it."""
         unbuilt = {
-            "frequency_penalty": self.frequency_penalty != 0.0,
-            "presence_penalty": self.presence_penalty != 0.0,
-            "repetition_penalty": self.repetition_penalty != 1.0,
-            "logit_bias": bool(self.logit_bias),
             "json_schema": self.json_schema is not None,
             "regex": self.regex is not None,
             "ebnf": self.ebnf is not None,
             "structural_tag": self.structural_tag is not None,
-            "n": self.n != 1,
         }
         used = [name for name, on in unbuilt.items() if on]
         if used:
@@ -122,6 +117,20 @@ class SamplingParams:
             )
 
     def verify_vocab(self, vocab_size: int) -> None:
+        for key, bias in (self.logit_bias or {}).items():
+            token = _token_id(key)
+            if token is None or not 0 <= token < vocab_size:
+                raise ValueError(
+                    f"logit_bias keys must be token ids in [0, {vocab_size}) (as str or int), got {key!r}."
+                )
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, (int, float))
+                or not math.isfinite(bias)
+            ):
+                raise ValueError(
+                    f"logit_bias values must be finite numbers, got {bias!r} for {key!r}."
+                )
         if self.stop_token_ids is not None and any(t >= vocab_size for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be < vocab size {vocab_size}, got {self.stop_token_ids}."
@@ -173,6 +182,15 @@ _USER_FIELDS: dict[str, tuple[type, ...]] = {
     "custom_params": (dict, type(None)),
     "stream_interval": (int, type(None)),
 }
+
+
+def _token_id(key: Any) -> int | None:
+    """A logit_bias key: a token id as int or decimal str (SGLang's JSON form)."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return None
 
 
 def _check_type(key: str, value: Any, types: tuple[type, ...]) -> None:

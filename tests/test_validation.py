@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -88,8 +89,25 @@ def test_wrong_types_name_the_key(params, fragment):
 
 
 def test_unbuilt_features_are_refused_by_name():
-    with pytest.raises(ValueError, match="frequency_penalty are not supported"):
-        SamplingParams.from_dict({"frequency_penalty": 0.5})
+    with pytest.raises(ValueError, match="structural_tag are not supported"):
+        SamplingParams.from_dict({"structural_tag": "{}"})
+
+
+@pytest.mark.parametrize(
+    "bias, fragment",
+    [
+        ({"abc": 1.0}, "logit_bias keys must be token ids in [0, 100) (as str or int), got 'abc'."),
+        ({"100": 1.0}, "logit_bias keys must be token ids in [0, 100) (as str or int), got '100'."),
+        ({"-1": 1.0}, "logit_bias keys must be token ids in [0, 100) (as str or int), got '-1'."),
+        ({"5": float("nan")}, "logit_bias values must be finite numbers, got nan for '5'."),
+        ({"5": "high"}, "logit_bias values must be finite numbers, got 'high' for '5'."),
+    ],
+)
+def test_logit_bias_is_checked(bias, fragment):
+    sp = SamplingParams.from_dict({"logit_bias": bias})
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        sp.verify_vocab(100)
+    SamplingParams.from_dict({"logit_bias": {"5": -3.5, 7: 2}}).verify_vocab(100)
 
 
 def test_engine_arguments_are_checked():

@@ -38,6 +38,7 @@ from engine.memory.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.request import Req
+from engine.sampling.penalties import PenaltyState
 from engine.scheduler.batch import LogitPlan, ScheduledBatch, build
 from engine.scheduler.launch import (
     LaunchedStep,
@@ -88,6 +89,9 @@ class Scheduler:
         self.overlap = not args.disable_overlap_schedule
         self._inflight: LaunchedStep | None = None  # launched, not yet read (overlap only)
         self._finished_since_filter = False
+        self.penalties = PenaltyState(
+            self.runner.req_to_token.table.shape[0], config.vocab_size, device
+        )
 
     @property
     def max_total_tokens(self) -> int:
@@ -370,10 +374,12 @@ class Scheduler:
             sample_logits = logits[to_device(sample_rows, torch.int64, self.device)]
             pool_rows = to_device([r.pool_row for r in step.sample_reqs], torch.int64, self.device)
         if step.sample_reqs:
+            self.penalties.apply(step.sample_reqs, sample_logits)
             suppress_early_stops(step.sample_reqs, sample_logits)
             sample_tokens(
                 step, sample_logits, self.config.vocab_size, self.runner.next_token, pool_rows
             )
+            self.penalties.record(step.sample_reqs, step.tokens)
             for req in step.sample_reqs:
                 req.drawn += 1
         start_copy_to_host(step)
