@@ -34,7 +34,8 @@ def test_run_status_show_and_fresh(prefect_api, llama_dir, tmp_path, capsys):
     config_file.write_text(
         yaml.safe_dump(base_config(llama_dir, source, tmp_path / "runs", shard_size=10))
     )
-    run = ["run", str(config_file), "--set", "sampling.max_new_tokens=3", "--set", "seed=5"]
+    run = ["run", str(config_file), "--set", "sampling.max_new_tokens=3", "--set", "seed=5",
+           "--set", "logprobs=true", "--set", "top_logprobs=2"]  # fmt: skip
 
     assert main(run) == 0
     summary = summary_lines(capsys.readouterr().out)
@@ -42,6 +43,10 @@ def test_run_status_show_and_fresh(prefect_api, llama_dir, tmp_path, capsys):
     folder = run_folder(tmp_path / "runs")
     table = pq.read_table(folder / "output.parquet")
     assert pc.max(table.column("completion_tokens")).as_py() <= 3  # the --set reached the engine
+    for row in table.to_pylist():  # greedy: each token is its step's most likely one
+        assert len(row["logprobs"]) == len(row["top_logprobs"]) == row["completion_tokens"]
+        for logprob, top in zip(row["logprobs"], row["top_logprobs"]):
+            assert len(top) == 2 and logprob == top[0]["logprob"] >= top[1]["logprob"]
     assert load_config(config_file, ["seed=5"]).seed == 5
 
     # a run that lost its last shard and its merged output, as `gristmill status` sees it

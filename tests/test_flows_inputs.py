@@ -1,0 +1,138 @@
+"""Inputs of a run without an engine: sources, row ids, prompts, fingerprints, the progress bar."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from flows.config import PromptConfig, SourceConfig, load_config
+from flows.identity import run_identity
+from flows.preflight import preflight
+from flows.progress import Progress
+from flows.prompts import PromptRenderer, template_names
+from flows.sources import content_digest, read_rows, row_ids
+from tests.flow_fixtures import base_config, question_rows, write_jsonl
+
+ROWS = [{"qid": "a", "text": "x", "n": 1}, {"qid": "b", "text": "y", "n": 2}]
+
+
+def write_all_formats(folder):
+    table = pa.Table.from_pylist(ROWS)
+    write_jsonl(folder / "rows.jsonl", ROWS)
+    (folder / "rows.csv").write_text("qid,text,n\na,x,1\nb,y,2\n")
+    pq.write_table(table, folder / "rows.parquet")
+    parts = folder / "parts"
+    parts.mkdir()
+    pq.write_table(table.slice(0, 1), parts / "part-0.parquet")
+    pq.write_table(table.slice(1, 1), parts / "part-1.parquet")
+    (parts / "_SUCCESS").write_text("")
+    (parts / ".part-2.parquet.crc").write_text("not data")
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.csv", "rows.parquet", "parts"])
+def test_every_source_format_reads_the_same_rows_in_order(tmp_path, name):
+    write_all_formats(tmp_path)
+    table = read_rows(SourceConfig(path=tmp_path / name))
+    assert table.to_pylist() == ROWS
+    assert row_ids(table, "qid").to_pylist() == ["a", "b"]
+    assert row_ids(table, None).to_pylist() == ["0", "1"]  # positions, as strings
+    assert row_ids(table, "n").to_pylist() == ["1", "2"]  # any column, as strings
+
+
+def test_ids_must_be_present_and_unique(tmp_path):
+    source = SourceConfig(
+        path=write_jsonl(tmp_path / "r.jsonl", [{"k": "a"}, {"k": "a"}, {"k": None}])
+    )
+    table = read_rows(source)
+    with pytest.raises(ValueError, match="1 row\\(s\\) have no value in id column 'k'"):
+        row_ids(table, "k")
+    with pytest.raises(ValueError, match="must be unique: 1 repeat, e.g. 'a' appears 2 times"):
+        row_ids(table.slice(0, 2), "k")
+
+
+def test_the_content_digest_follows_the_bytes_not_the_path(tmp_path):
+    first = write_jsonl(tmp_path / "a" / "r.jsonl", ROWS)
+    moved = write_jsonl(tmp_path / "b" / "r.jsonl", ROWS)
+    assert content_digest(SourceConfig(path=first)) == content_digest(SourceConfig(path=moved))
+    write_jsonl(moved, ROWS[:1])
+    assert content_digest(SourceConfig(path=first)) != content_digest(SourceConfig(path=moved))
+
+
+def test_prompts_render_columns_the_row_and_the_chat_template(llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    row = {"text": "hi", "star rating": 5}
+    plain = PromptRenderer(
+        PromptConfig(template='{{ text }} {{ row["star rating"] }} {{ choices[0] }}'),
+        {"choices": ["c"]},
+        tokenizer,
+    )
+    assert plain.render(row) == "hi 5 c"
+    chat = PromptRenderer(
+        PromptConfig(template="{{ text }}", chat=True, system="Be brief."), {}, tokenizer
+    )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert chat.render(row) == tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    with pytest.raises(Exception, match="'missing' is undefined"):
+        PromptRenderer(PromptConfig(template="{{ missing }}"), {}, tokenizer).render(row)
+    assert template_names("{{ a }}{% for x in b %}{{ x }}{% endfor %}") == {"a", "b"}
+
+
+def test_the_fingerprint_changes_with_what_changes_rows_and_only_that(llama_dir, tmp_path):
+    source = write_jsonl(tmp_path / "q.jsonl", question_rows(5))
+
+    def identity_of(output_dir=tmp_path / "runs", **fields):
+        config = load_config(base_config(llama_dir, source, output_dir, **fields))
+        return run_identity(config, preflight(config))
+
+    base = identity_of()
+    same = [
+        identity_of(max_in_flight=3, shard_size=7, output_dir=tmp_path / "elsewhere"),
+        identity_of(engine={"max_running_requests": 8, "max_total_tokens": 4096}),
+        identity_of(run_name="renamed"),
+    ]
+    assert all(identity == base for identity in same)
+    changed = [
+        identity_of(seed=1),
+        identity_of(sampling={"temperature": 0.5}),
+        identity_of(prompt={"template": "Q: {{ question }}"}),
+        identity_of(engine={"dtype": "bfloat16"}),
+        identity_of(logprobs=True),
+    ]
+    assert all(identity != base for identity in changed)
+    write_jsonl(source, question_rows(6))
+    assert identity_of() != base, "the input's content is part of the identity"
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_draws_a_bar_on_a_terminal_and_logs_lines_elsewhere(caplog):
+    logger = logging.getLogger("test.progress")
+    bar = Progress(100, 40, "r", logger, stream=Terminal(), log_every=0.0)
+    lines = Progress(100, 40, "r", logger, stream=io.StringIO(), log_every=0.0)
+    bar._drawn = lines._logged = 0.0  # draw and log at the first advance
+
+    async def advance() -> None:
+        for progress in (bar, lines):
+            await progress.advance(10, 80)
+
+    with caplog.at_level(logging.INFO, logger="test.progress"):
+        asyncio.run(advance())
+    drawn = bar.stream.getvalue()
+    assert (
+        drawn.startswith("\r")
+        and "50/100 rows (50%)" in drawn
+        and "rows/s" in drawn
+        and "tok/s" in drawn
+    )
+    assert lines.stream is None and "50/100 rows (50%)" in caplog.text and "tok/s" in caplog.text
