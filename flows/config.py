@@ -42,6 +42,9 @@ class ConfigError(ValueError):
         head = "invalid config" if len(lines) == 1 else f"invalid config ({len(lines)} problems)"
         super().__init__(f"{head}: " + "; ".join(lines))
 
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[list[tuple[str, str]]]]:
+        return ConfigError, (self.problems,)  # picklable, for Prefect's states and subprocesses
+
 
 class Section(BaseModel):
     """A config section: unknown fields are errors."""

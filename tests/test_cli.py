@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import shutil
 import subprocess
 import sys
@@ -140,5 +141,7 @@ def test_set_overrides_reach_nested_fields_as_yaml_values(tmp_path):
         load_config(config_file, ["seed"])
     with pytest.raises(ConfigError, match="run_name: String should match pattern"):
         load_config(config_file, ["run_name=../escape"])
-    with pytest.raises(ConfigError, match="flow: must be one of generate, annotate"):
+    with pytest.raises(ConfigError, match="flow: must be one of generate, annotate") as refused:
         load_config(config_file, ["flow=translate"])
+    again = pickle.loads(pickle.dumps(refused.value))  # as Prefect moves errors between processes
+    assert again.problems == refused.value.problems and str(again) == str(refused.value)
