@@ -29,7 +29,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import OUTPUT_COLUMNS, RunConfig
-from flows.generation import Generated, RequestOptions, generate_rows
+from flows.generation import WORK_ONLY_COLUMNS, Generated, RequestOptions, generate_rows
 from flows.identity import run_identity
 from flows.preflight import Checked, preflight
 from flows.progress import Progress, artifact_key
@@ -251,7 +251,8 @@ def _plan_requests(
         names=[n for n, _ in head] + todo.column_names + [n for n, _ in tail],
     )
     schema = pa.schema(
-        [todo.schema.field(n) for n in todo.column_names if n != "seed"] + _result_fields(config)
+        [todo.schema.field(n) for n in todo.column_names if n not in WORK_ONLY_COLUMNS]
+        + _result_fields(config)
     )
     all_array = pa.array(all_ids, pa.string())
     return Work(all_array, todo, schema, done_before=len(all_ids) - len(request_ids))
@@ -259,7 +260,7 @@ def _plan_requests(
 
 def output_column(config: RunConfig, column: str) -> str:
     """An input column keeps its name in the output unless the flow writes a column of that name."""
-    reserved = {*OUTPUT_COLUMNS, *config.added_columns()}
+    reserved = {*OUTPUT_COLUMNS, *WORK_ONLY_COLUMNS, *config.added_columns()}
     if config.samples_per_row > 1:
         reserved |= {"source_id", "sample"}
     return f"input_{column}" if column in reserved else column

@@ -2,7 +2,8 @@
 
 The template sees each column by name, the whole row as `row` (for names that are not Python
 identifiers: `{{ row["star rating"] }}`) and the flow's extra variables (annotate's `choices`).
-Undefined names are errors, never empty strings, so a typo cannot silently empty a prompt.
+Undefined names are errors, never empty strings, so a typo cannot silently empty a prompt; a
+column that is null in a row renders as an empty string (not as "None").
 
 With `chat: true` the rendered text becomes the user message, after an optional system message,
 and the tokenizer's chat template renders the conversation with the assistant turn opened. The
@@ -20,7 +21,11 @@ import jinja2.meta
 
 from flows.config import PromptConfig
 
-_ENV = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+_ENV = jinja2.Environment(
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    finalize=lambda value: "" if value is None else value,
+)
 
 
 def template_names(template: str) -> set[str]:

@@ -73,6 +73,7 @@ def test_prompts_render_columns_the_row_and_the_chat_template(llama_dir):
         tokenizer,
     )
     assert plain.render(row) == "hi 5 c"
+    assert plain.render({**row, "text": None}) == " 5 c", "a null column renders empty"
     chat = PromptRenderer(
         PromptConfig(template="{{ text }}", chat=True, system="Be brief."), {}, tokenizer
     )
@@ -136,3 +137,16 @@ def test_progress_draws_a_bar_on_a_terminal_and_logs_lines_elsewhere(caplog):
         and "tok/s" in drawn
     )
     assert lines.stream is None and "50/100 rows (50%)" in caplog.text and "tok/s" in caplog.text
+
+
+def test_input_columns_named_like_the_flows_columns_are_kept_as_input_name(llama_dir, tmp_path):
+    from flows.pipeline import output_column
+    from flows.synthesize import SynthesizeConfig
+
+    config = load_config(base_config(llama_dir, tmp_path / "q.jsonl", tmp_path))
+    assert [output_column(config, c) for c in ("question", "text", "prompt", "seed", "sample")] == [
+        "question", "input_text", "input_prompt", "input_seed", "sample"
+    ]  # fmt: skip
+    synthesize = SynthesizeConfig.model_validate({**config.model_dump(), "flow": "synthesize",
+                                                  "synthesize": {"n": 2}})  # fmt: skip
+    assert output_column(synthesize, "sample") == "input_sample"
