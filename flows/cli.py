@@ -114,6 +114,8 @@ def describe(folder: Path, newest: bool = True) -> list[str]:
         f"  shards   {len(scan.shards)}",
         f"  output   {store.output_path if store.output_path.is_file() else 'not merged yet'}",
     ]
+    if writer := store.writer():
+        lines.append(f"  writer   pid {writer} is writing to it now")
     lines += [f"  problem  {problem}" for problem in scan.problems]
     return lines
 
@@ -141,7 +143,9 @@ def _show(args: argparse.Namespace) -> int:
         rows, where = first_shard_rows(store, args.n), "shards, in the order rows finished"
     print(f"{folder}: {rows.num_rows} row(s) from the {where}")
     for i, row in enumerate(rows.to_pylist()):
-        print(f"\n[{i}] " + "  ".join(f"{k}={_clip(v, 40)}" for k, v in row.items() if k not in _LONG))
+        print(
+            f"\n[{i}] " + "  ".join(f"{k}={_clip(v, 40)}" for k, v in row.items() if k not in _LONG)
+        )
         for key in _LONG:
             if key in row:
                 print(f"  {key}: {_clip(row[key], 300)}")

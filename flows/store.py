@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,18 +86,35 @@ class CheckpointStore:
         if self._lock is not None:
             return
         self.folder.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder.parent / f"{self.fingerprint}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise ValueError(
-                f"another run (pid {holder}) is writing to {self.folder}; wait for it to end"
-            ) from None
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + 2.0  # a look (writer()) holds it for an instant
+        while not _try_flock(fd, fcntl.LOCK_EX):
+            if time.monotonic() > deadline:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise ValueError(
+                    f"another run (pid {holder}) is writing to {self.folder}; wait for it to end"
+                )
+            time.sleep(0.05)
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock = fd
+
+    def writer(self) -> str | None:
+        """The pid of the run writing to the folder now, or None (a look: it takes no lock)."""
+        if not self._lock_path.exists():
+            return None
+        fd = os.open(self._lock_path, os.O_RDONLY)
+        try:
+            if _try_flock(fd, fcntl.LOCK_SH):
+                return None  # closing the descriptor lets go at once
+            return os.read(fd, 64).decode(errors="replace").strip() or "?"
+        finally:
+            os.close(fd)
+
+    @property
+    def _lock_path(self) -> Path:
+        return self.folder.parent / f"{self.fingerprint}.lock"
 
     def unlock(self) -> None:
         if self._lock is not None:
@@ -137,8 +155,11 @@ class CheckpointStore:
             if path.name.startswith("."):
                 if repair:
                     path.unlink()
-                verb = "removed" if repair else "found"
-                scan.problems.append(f"{verb} an unfinished shard left by a crash: {path.name}")
+                scan.problems.append(
+                    f"removed an unfinished shard left by a crash: {path.name}"
+                    if repair
+                    else f"found an unfinished shard (being written, or left by a crash): {path.name}"
+                )
                 continue
             if path.suffix != ".parquet":
                 continue
@@ -204,6 +225,14 @@ class CheckpointStore:
                 f"rows do not match the input: {len(missing)} missing, {len(extra)} unexpected"
             )
         return table
+
+
+def _try_flock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def write_parquet(path: Path, table: pa.Table) -> None:

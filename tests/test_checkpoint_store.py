@@ -152,8 +152,10 @@ def test_a_schema_gives_every_shard_the_same_column_types(tmp_path):
 
 def test_one_writer_at_a_time_and_a_dead_writer_holds_nothing(tmp_path):
     first = CheckpointStore(tmp_path, "run", IDENTITY)
+    assert first.writer() is None
     first.lock()
     second = CheckpointStore(tmp_path, "run", IDENTITY)
+    assert second.writer() == str(os.getpid())
     with pytest.raises(ValueError, match=f"another run \\(pid {os.getpid()}\\) is writing"):
         second.lock()
     first.unlock()
@@ -167,4 +169,5 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     assert subprocess.run([sys.executable, "-c", script], env=env).returncode == -signal.SIGKILL
+    assert second.writer() is None
     second.lock()  # a writer killed while holding the lock left nothing behind

@@ -25,6 +25,7 @@ from prefect.client.schemas.filters import (
 
 import flows.generation
 from engine import Engine
+from flows.cli import describe
 from flows.config import ConfigError, load_config
 from flows.pipeline import generate_batch
 from flows.store import CheckpointStore, row_seed
@@ -210,6 +211,7 @@ def test_sigkill_mid_generate_then_rerun_gives_the_uninterrupted_rows(
         children = engine_children(proc.pid)
         with pytest.raises(ValueError, match=f"another run \\(pid {proc.pid}\\) is writing"):
             CheckpointStore.at(run_folder(out)).lock()  # a second run of this config would stop
+        assert f"writer   pid {proc.pid} is writing to it now" in describe(run_folder(out))
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
