@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.model_config import ModelConfig
 from engine.request import Req
+from engine.sampling.grammar import check_grammar
 from engine.sampling_params import SamplingParams
 from engine.server_args import ServerArgs
 
@@ -139,6 +140,7 @@ class InputProcessor:
     ) -> Req:
         sampling = SamplingParams.from_dict(params)
         sampling.verify_vocab(self.config.vocab_size)
+        check_grammar(sampling, has_tokenizer=self.tokenizer is not None)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]

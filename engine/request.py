@@ -48,6 +48,9 @@ class Req:
     sent_first: bool = False
     # the text so far, kept only for requests with stop strings (scheduler process)
     stop_decoder: IncrementalDecoder | None = field(default=None, repr=False)
+    # xgrammar GrammarMatcher of a json_schema / regex / ebnf request, attached by the scheduler
+    # (never before pickling: the Req crosses processes without one); None when free or finished
+    grammar: Any = field(default=None, repr=False)
 
     # logprobs: value, and top-k (values, ids) per position; None where SGLang gives None
     input_logprobs: list[float | None] = field(default_factory=list)

@@ -105,9 +105,6 @@ class SamplingParams:
     def _refuse_unbuilt(self) -> None:
         """Refuse, by name, what this version does not do yet, rather than silently ignore it."""
         unbuilt = {
-            "json_schema": self.json_schema is not None,
-            "regex": self.regex is not None,
-            "ebnf": self.ebnf is not None,
             "structural_tag": self.structural_tag is not None,
         }
         used = [name for name, on in unbuilt.items() if on]

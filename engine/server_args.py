@@ -55,6 +55,8 @@ class ServerArgs:
     log_level: str = "error"
     allow_auto_truncate: bool = False
     stream_interval: int = 1
+    # structured output: json_schema allows any whitespace between JSON tokens unless this is set
+    constrained_json_disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:

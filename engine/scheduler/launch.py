@@ -42,6 +42,7 @@ class LaunchedStep:
     top_ids: torch.Tensor | None = None
     input_logprobs: list[InputLogprobs] = field(default_factory=list)
     zero_length: list[Req] = field(default_factory=list)  # max_new_tokens == 0: retire at read
+    constrained: bool = False  # a grammar request drew here: read this before planning the next
     ready: torch.cuda.Event | None = None
 
     def fetch(self) -> tuple[list[int], list[float], list[list[float]], list[list[int]]]:

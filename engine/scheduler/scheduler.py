@@ -38,6 +38,7 @@ from engine.memory.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.request import Req
+from engine.sampling.grammar import GrammarBackend, grammar_key
 from engine.sampling.penalties import PenaltyState
 from engine.scheduler.batch import LogitPlan, ScheduledBatch, build
 from engine.scheduler.launch import (
@@ -89,6 +90,8 @@ class Scheduler:
         self.overlap = not args.disable_overlap_schedule
         self._inflight: LaunchedStep | None = None  # launched, not yet read (overlap only)
         self._finished_since_filter = False
+        self.grammar = GrammarBackend(args, config.vocab_size, device)
+        self._refused: list[Req] = []  # finished on arrival, reported by the next step
         self.penalties = PenaltyState(
             self.runner.req_to_token.table.shape[0], config.vocab_size, device
         )
@@ -103,6 +106,13 @@ class Scheduler:
         req.draw_limit = min(
             req.sampling.max_new_tokens, self.config.context_length - req.prompt_len
         )
+        if grammar_key(req.sampling) is not None:
+            try:
+                self.grammar.attach(req)
+            except Exception as e:  # the caller validated it; never let one request kill the loop
+                req.finish({"type": "abort", "message": f"cannot compile the grammar: {e}"})
+                self._refused.append(req)
+                return
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> Req | None:
@@ -112,6 +122,7 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 req.finish(reason)
+                req.grammar = None
                 return req
         for req in [*self.running, *([self.chunked] if self.chunked else [])]:
             if req.rid == rid:
@@ -121,7 +132,7 @@ class Scheduler:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._inflight)
+        return bool(self.waiting or self.running or self.chunked or self._inflight or self._refused)
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused while requests are queued or running."""
@@ -168,23 +179,33 @@ class Scheduler:
         """Launch one forward and read one; return the requests that advanced (tokens added or
         finished). With overlap the step read is the one launched before; else this one."""
         t0 = time.perf_counter()
+        advanced, self._refused = self._refused, []
+        if self._inflight is not None and self._inflight.constrained:
+            # NOTE: a grammar mask needs its matcher to have accepted every drawn token, so a
+            # step that drew for a constrained request is read before the next is planned
+            advanced += self._collect(self._inflight)
+            self._inflight = None
+            self._filter_finished()
+        t_launch = time.perf_counter()
         batch = self._schedule()
         launched = self._launch(batch) if batch is not None else None
-        self.stats.launch_seconds += time.perf_counter() - t0
-        advanced: list[Req] = []
+        self.stats.launch_seconds += time.perf_counter() - t_launch
         if self._inflight is not None:
-            advanced = self._collect(self._inflight)
+            advanced += self._collect(self._inflight)
         self._inflight = launched
         if launched is not None and not self.overlap:
             advanced += self._collect(launched)
             self._inflight = None
-        if self._finished_since_filter:
-            self.running = [r for r in self.running if r.finish_reason is None]
-            self._finished_since_filter = False
+        self._filter_finished()
         if batch is None and self._inflight is None and not advanced:
             advanced = self._fail_unadmittable()
         self.stats.busy_seconds += time.perf_counter() - t0
         return advanced
+
+    def _filter_finished(self) -> None:
+        if self._finished_since_filter:
+            self.running = [r for r in self.running if r.finish_reason is None]
+            self._finished_since_filter = False
 
     def _schedule(self) -> ScheduledBatch | None:
         if not (self._after_chunk and self.running):
@@ -375,6 +396,7 @@ class Scheduler:
             pool_rows = to_device([r.pool_row for r in step.sample_reqs], torch.int64, self.device)
         if step.sample_reqs:
             self.penalties.apply(step.sample_reqs, sample_logits)
+            step.constrained = self.grammar.apply_masks(step.sample_reqs, sample_logits)
             suppress_early_stops(step.sample_reqs, sample_logits)
             sample_tokens(
                 step, sample_logits, self.config.vocab_size, self.runner.next_token, pool_rows
@@ -427,7 +449,8 @@ class Scheduler:
                 req.output_logprobs.append(chosen[j])
                 req.output_top_logprobs.append((top_values[j][:k], top_ids[j][:k]))
             req.output_ids.append(token)
-            req.check_finished(token)
+            if req.grammar is None or not self.grammar.accept(req, token):
+                req.check_finished(token)
             if req.finish_reason is not None:
                 self._retire(req, req.finish_reason)
         self.stats.generated_tokens += len(tokens)
@@ -437,6 +460,7 @@ class Scheduler:
     def _retire(self, req: Req, reason: dict) -> None:
         if not req.finished:
             req.finish(reason)
+        req.grammar = None
         if req.pool_row < 0:  # retracted while its last token was pending: it holds nothing
             self.waiting.remove(req)
         else:
