@@ -22,7 +22,10 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from engine.encoding import make_encode_call
 from engine.model_config import ModelConfig
+from engine.models import is_encoder
+from engine.scoring import ScoreResult, make_score_call, score_result
 from engine.server_args import ServerArgs
 from engine.tokenizer_manager import Channel, TokenizerManager
 
@@ -46,6 +49,11 @@ class Engine:
         self.model_config = ModelConfig.from_folder(
             args.model_path, args.dtype, args.context_length
         )
+        if is_encoder(self.model_config) and not args.is_embedding:
+            raise ValueError(
+                f"is_embedding must be True for {self.model_config.architecture}: an encoder "
+                "model only embeds (encode()), it cannot generate."
+            )
         self.tokenizer_manager = TokenizerManager(args, self.model_config)
         # NOTE: children go away at shutdown(), when the engine is collected, and at interpreter exit
         self._finalizer = weakref.finalize(self, self.tokenizer_manager.shutdown)
@@ -108,6 +116,11 @@ class Engine:
 
     def _make_call(self, arguments: dict[str, Any], unsupported: dict[str, Any]):
         _refuse(unsupported)
+        if self.server_args.is_embedding:
+            raise ValueError(
+                "generate() is not available: this engine was started with is_embedding=True "
+                "(an embedding engine); use encode()."
+            )
         tm = self.tokenizer_manager
         tm._check_usable()
         return tm.inputs.make_call(
@@ -115,6 +128,100 @@ class Engine:
             arguments["return_logprob"], arguments["logprob_start_len"], arguments["top_logprobs_num"],
             arguments["rid"], arguments["return_text_in_logprobs"], arguments["stream"],
         )  # fmt: skip
+
+    # ------------------------------------------------------------------ embeddings and scores
+    def encode(
+        self,
+        prompt: str | list[str],
+        image_data: Any = None,
+        audio_data: Any = None,
+        video_data: Any = None,
+        dimensions: int | None = None,
+        lora_path: Any = None,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict]:
+        """Embed text (is_embedding=True engines): one {"embedding", "meta_info"} per prompt, a
+        dict for a str and a list for a list; `dimensions` truncates (then renormalizes)."""
+        tm = self.tokenizer_manager
+        call = self._encode_call(
+            prompt, dimensions, rid, image_data, audio_data, video_data, lora_path
+        )
+        channel = Channel()
+        results = tm.wait_all(tm.submit(call, channel), channel)
+        return results if call.is_batch else results[0]
+
+    async def async_encode(
+        self,
+        prompt: str | list[str],
+        image_data: Any = None,
+        audio_data: Any = None,
+        video_data: Any = None,
+        dimensions: int | None = None,
+        lora_path: Any = None,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict]:
+        """As encode(), awaited on the caller's event loop."""
+        tm = self.tokenizer_manager
+        call = self._encode_call(
+            prompt, dimensions, rid, image_data, audio_data, video_data, lora_path
+        )
+        channel = Channel(asyncio.get_running_loop())
+        results = await tm.async_wait_all(tm.submit(call, channel), channel)
+        return results if call.is_batch else results[0]
+
+    def _encode_call(self, prompt, dimensions, rid, *unsupported: Any):
+        names = ("image_data", "audio_data", "video_data", "lora_path")
+        used = [name for name, value in zip(names, unsupported) if value is not None]
+        if used:
+            raise ValueError(
+                f"encode() argument(s) {', '.join(used)} are not supported by this engine."
+            )
+        if not self.server_args.is_embedding:
+            raise ValueError("encode() needs an embedding engine: start it with is_embedding=True.")
+        self.tokenizer_manager._check_usable()
+        return make_encode_call(self.tokenizer_manager.inputs, prompt, dimensions, rid)
+
+    def score(
+        self,
+        query: str | list[int] | None = None,
+        items: str | list[str] | list[list[int]] | None = None,
+        label_token_ids: list[int] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> ScoreResult:
+        """The probabilities of `label_token_ids` as the next token after query + item (item +
+        query if item_first), per item: `.scores` [items][labels], `.prompt_tokens`. Softmax over
+        the label tokens if apply_softmax, else their probabilities over the whole vocabulary."""
+        tm = self.tokenizer_manager
+        call = self._score_call(query, items, label_token_ids, item_first)
+        channel = Channel()
+        return score_result(tm.wait_all(tm.submit(call, channel), channel), apply_softmax)
+
+    async def async_score(
+        self,
+        query: str | list[int] | None = None,
+        items: str | list[str] | list[list[int]] | None = None,
+        label_token_ids: list[int] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> ScoreResult:
+        """As score(), awaited on the caller's event loop."""
+        tm = self.tokenizer_manager
+        call = self._score_call(query, items, label_token_ids, item_first)
+        channel = Channel(asyncio.get_running_loop())
+        results = await tm.async_wait_all(tm.submit(call, channel), channel)
+        return score_result(results, apply_softmax)
+
+    def _score_call(self, query, items, label_token_ids, item_first):
+        if self.server_args.is_embedding:
+            raise ValueError(
+                "score() needs a generation engine (its next-token logits); this one was started "
+                "with is_embedding=True."
+            )
+        self.tokenizer_manager._check_usable()
+        return make_score_call(
+            self.tokenizer_manager.inputs, query, items, label_token_ids, item_first
+        )
 
     # ------------------------------------------------------------------ management
     def flush_cache(self) -> bool:

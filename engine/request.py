@@ -52,6 +52,13 @@ class Req:
     # (never before pickling: the Req crosses processes without one); None when free or finished
     grammar: Any = field(default=None, repr=False)
 
+    # encode(): a prefill-only request whose result is its pooled hidden state (is_embedding)
+    embed_dimensions: int | None = None  # keep this many leading values (None: all)
+    embedding: list[float] | None = None
+    # score(): log-probabilities of these token ids at the position after the prompt
+    label_token_ids: list[int] | None = None
+    label_logprobs: list[float] | None = None
+
     # logprobs: value, and top-k (values, ids) per position; None where SGLang gives None
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[tuple[list[float], list[int]] | None] = field(default_factory=list)

@@ -109,10 +109,6 @@ class ServerArgs:
             raise ValueError(
                 f"dp_size must be 1 (scale out with the data-parallel flows instead), got {self.dp_size}."
             )
-        if self.is_embedding:
-            raise ValueError(
-                "is_embedding=True is not supported yet: this engine serves generation models."
-            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

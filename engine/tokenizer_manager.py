@@ -298,6 +298,10 @@ class TokenizerManager:
                 "output_ids": state.output_ids,
                 "meta_info": self._meta(state),
             }
+            if out.embedding is not None:  # encode(): the embedding instead of text
+                result = {"embedding": out.embedding, "meta_info": result["meta_info"]}
+            if out.label_logprobs is not None:  # score(): read by engine.scoring
+                result["label_logprobs"] = out.label_logprobs
             state.channel.put((state.index, "final", result))
 
     def _fail(self, error: Exception) -> None:

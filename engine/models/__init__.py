@@ -5,16 +5,23 @@ from __future__ import annotations
 from torch import nn
 
 from engine.model_config import ModelConfig
+from engine.models.bert import BertModel
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "BertModel": BertModel,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
+
+
+def is_encoder(config: ModelConfig) -> bool:
+    """An encoder (BERT) only embeds: it has no LM head and no KV cache."""
+    return bool(getattr(ARCHITECTURES.get(config.architecture), "is_encoder", False))
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:

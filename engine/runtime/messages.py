@@ -36,6 +36,8 @@ class ReqOutput:
     input_logprobs: list[float | None] | None = None  # once, with the first output
     input_top_logprobs: list[tuple[list[float], list[int]] | None] | None = None
     decode: DecodeSpec | None = None  # first output only
+    embedding: list[float] | None = None  # encode(): the result, with the final output
+    label_logprobs: list[float] | None = None  # score(): with the final output
     text: str = ""  # filled by the detokenizer: new text since the previous output
 
 

@@ -29,6 +29,7 @@ from engine.runtime.messages import (
     ReqOutput,
 )
 from engine.scheduler import Scheduler
+from engine.scheduler.embedding import EmbeddingScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,8 @@ class SchedulerProcess:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda":
             torch.cuda.set_device(device.index if device.index is not None else args.base_gpu_id)
-        self.scheduler = Scheduler(args, model_config, device)
+        scheduler_cls = EmbeddingScheduler if args.is_embedding else Scheduler
+        self.scheduler = scheduler_cls(args, model_config, device)
         # the scheduler decodes only to find stop strings
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args)
         self._reply(
@@ -155,6 +157,8 @@ class SchedulerProcess:
             cached_tokens=req.cached_tokens,
             output_logprobs=req.output_logprobs[start:],
             output_top_logprobs=req.output_top_logprobs[start:],
+            embedding=req.embedding,
+            label_logprobs=req.label_logprobs,
         )
         if first:
             out.decode = DecodeSpec(

@@ -42,6 +42,8 @@ class LaunchedStep:
     top_ids: torch.Tensor | None = None
     input_logprobs: list[InputLogprobs] = field(default_factory=list)
     zero_length: list[Req] = field(default_factory=list)  # max_new_tokens == 0: retire at read
+    # score(): each request's label-token logprobs at the position after its prompt (device)
+    label_logprobs: list[tuple[Req, torch.Tensor]] = field(default_factory=list)
     constrained: bool = False  # a grammar request drew here: read this before planning the next
     ready: torch.cuda.Event | None = None
 

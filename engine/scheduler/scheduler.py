@@ -49,6 +49,7 @@ from engine.scheduler.launch import (
     suppress_early_stops,
 )
 from engine.scheduler.stats import SchedulerStats
+from engine.scoring import label_logprobs
 from engine.server_args import ServerArgs
 from engine.transfer import to_device
 
@@ -418,6 +419,9 @@ class Scheduler:
                 step.input_logprobs.append(input_logprobs(req, logits[start : start + n_input]))
             if not samples:
                 continue
+            if req.label_token_ids is not None:
+                row = logits[start + n_input]
+                step.label_logprobs.append((req, label_logprobs(row, req.label_token_ids)))
             if req.sampling.max_new_tokens == 0:
                 step.zero_length.append(req)
             else:
@@ -437,6 +441,8 @@ class Scheduler:
             if lp.req.finish_reason is None:
                 lp.req.input_logprobs += lp.chosen.tolist()
                 lp.req.input_top_logprobs += list(zip(lp.top_values.tolist(), lp.top_ids.tolist()))
+        for req, values in step.label_logprobs:
+            req.label_logprobs = values.tolist()
         for req in step.zero_length:
             if req.finish_reason is None:
                 self._retire(req, {"type": "length", "length": 0})
