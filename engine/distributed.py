@@ -44,6 +44,15 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def agree_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's value (ranks size their KV pools alike from it)."""
+    if _TP_SIZE == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by tp_size ({denominator})")

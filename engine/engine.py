@@ -49,6 +49,8 @@ class Engine:
         self.model_config = ModelConfig.from_folder(
             args.model_path, args.dtype, args.context_length
         )
+        if args.tp_size > 1:
+            self.model_config.check_tensor_parallel(args.tp_size)
         if is_encoder(self.model_config) and not args.is_embedding:
             raise ValueError(
                 f"is_embedding must be True for {self.model_config.architecture}: an encoder "

@@ -162,15 +162,24 @@ class ModelConfig:
         return scaling
 
     # ------------------------------------------------------------------ memory
-    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
-        return (
-            2
-            * self.num_layers
-            * self.num_kv_heads
-            * self.head_dim
-            * torch.finfo(kv_dtype).bits
-            // 8
-        )
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype, kv_heads: int | None = None) -> int:
+        """K and V of one token over all layers; `kv_heads`: those one rank holds (default all)."""
+        heads = self.num_kv_heads if kv_heads is None else kv_heads
+        return 2 * self.num_layers * heads * self.head_dim * torch.finfo(kv_dtype).bits // 8
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """The shapes a tp_size split needs, checked before any process starts."""
+        for name, value in (
+            ("num_attention_heads", self.num_heads),
+            ("intermediate_size", self.intermediate_size),
+        ):
+            if value % tp_size:
+                raise ValueError(f"{name} ({value}) is not divisible by tp_size ({tp_size})")
+        kv = self.num_kv_heads
+        if kv % tp_size and tp_size % kv:
+            raise ValueError(
+                f"num_key_value_heads ({kv}) must divide or be divisible by tp_size ({tp_size})"
+            )
 
 
 def _as_ids(value: Any) -> set[int]:

@@ -18,6 +18,7 @@ import torch
 
 from engine.attention import create_backend
 from engine.cuda_graph import DecodeCudaGraphs
+from engine.distributed import agree_min
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
@@ -97,7 +98,7 @@ class ModelRunner:
         )  # fmt: skip
 
     def _pool_tokens(self, activation_peak: int) -> int:
-        per_token = self.config.kv_bytes_per_token(self.kv_dtype)
+        per_token = self.config.kv_bytes_per_token(self.kv_dtype, self.num_kv_heads)
         if self.args.max_total_tokens is not None:
             tokens = self.args.max_total_tokens
         elif self.device.type == "cuda":
@@ -115,6 +116,7 @@ class ModelRunner:
         else:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             tokens = min(int(ram * 0.1 // per_token), _CPU_MAX_DEFAULT_TOKENS)
+        tokens = agree_min(tokens, self.device)  # tensor-parallel ranks must hold the same pool
         tokens -= tokens % self.args.page_size
         if tokens < self.args.page_size:
             raise ValueError(

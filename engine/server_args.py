@@ -101,10 +101,15 @@ class ServerArgs:
             )
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}.")
-        if self.tp_size != 1:
+        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}.")
+        if self.tp_size > 1 and self.device not in (None, "cpu", "cuda"):
             raise ValueError(
-                f"tp_size must be 1 in this version (tensor parallelism is not built yet), got {self.tp_size}."
+                f"device={self.device!r} names one device; with tp_size={self.tp_size} use "
+                "device='cuda' and base_gpu_id"
             )
+        if not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be a non-negative integer, got {self.base_gpu_id!r}.")
         if self.dp_size != 1:
             raise ValueError(
                 f"dp_size must be 1 (scale out with the data-parallel flows instead), got {self.dp_size}."

@@ -32,7 +32,7 @@ def main(role: str, config_path: str) -> int:
     root.handlers[:] = [ForwardingLogHandler(to_tokenizer, send_lock)]
     root.setLevel(config.args.log_level.upper())
     try:
-        if role == "scheduler":
+        if role.startswith("scheduler"):
             from engine.runtime.scheduler_process import SchedulerProcess
 
             SchedulerProcess(config, ctx, to_tokenizer, send_lock).run()

@@ -12,7 +12,11 @@ import engine
 from engine.runtime.ipc import ChildConfig, Endpoints
 from engine.server_args import ServerArgs
 
-ROLES = ("scheduler", "detokenizer")
+
+def roles(tp_size: int) -> list[tuple[str, int]]:
+    """(role, tensor-parallel rank): a scheduler process per rank, then the detokenizer."""
+    ranks = [("scheduler", 0)] + [(f"scheduler-{r}", r) for r in range(1, tp_size)]
+    return [*ranks, ("detokenizer", 0)]
 
 
 class ChildProcesses:
@@ -26,10 +30,10 @@ class ChildProcesses:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         self.procs: dict[str, subprocess.Popen] = {}
         try:
-            for role in ROLES:
+            for role, rank in roles(args.tp_size):
                 config_path = Path(endpoints.folder) / f"{role}.config"
                 config_path.write_bytes(
-                    pickle.dumps(ChildConfig(role, args, endpoints, read_fd, os.getpid()))
+                    pickle.dumps(ChildConfig(role, args, endpoints, read_fd, os.getpid(), rank))
                 )
                 self.procs[role] = subprocess.Popen(
                     [sys.executable, "-m", "engine.runtime.child", role, str(config_path)],

@@ -48,6 +48,7 @@ class ChildConfig:
     endpoints: Endpoints
     lifeline_fd: int
     parent_pid: int
+    tp_rank: int = 0  # scheduler processes: the tensor-parallel rank
 
 
 def pull_socket(ctx: zmq.Context, address: str) -> zmq.Socket:

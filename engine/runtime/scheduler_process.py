@@ -28,8 +28,10 @@ from engine.runtime.messages import (
     Ready,
     ReqOutput,
 )
+from engine.runtime.tp_group import TPGroup
 from engine.scheduler import Scheduler
 from engine.scheduler.embedding import EmbeddingScheduler
+from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -71,18 +73,20 @@ class SchedulerProcess:
         send_lock: threading.Lock,
     ) -> None:
         args = config.args
-        self.inbox = pull_socket(ctx, config.endpoints.scheduler)
-        self.to_detokenizer = push_socket(ctx, config.endpoints.detokenizer)
+        model_config = ModelConfig.from_folder(args.model_path, args.dtype, args.context_length)
+        device = _rank_device(args, config.tp_rank)
+        self.tp = TPGroup.start(config, device)
+        # NOTE: only rank 0 talks to the other processes (see engine.runtime.tp_group)
+        leader = self.tp.is_leader
+        self.inbox = pull_socket(ctx, config.endpoints.scheduler) if leader else None
+        self.to_detokenizer = push_socket(ctx, config.endpoints.detokenizer) if leader else None
         self.to_tokenizer = to_tokenizer
         self.send_lock = send_lock
-        model_config = ModelConfig.from_folder(args.model_path, args.dtype, args.context_length)
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda":
-            torch.cuda.set_device(device.index if device.index is not None else args.base_gpu_id)
         scheduler_cls = EmbeddingScheduler if args.is_embedding else Scheduler
         self.scheduler = scheduler_cls(args, model_config, device)
         # the scheduler decodes only to find stop strings
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args)
+        self.tp.barrier()  # every rank loaded before the engine is ready
         self._reply(
             Ready(
                 "scheduler",
@@ -100,7 +104,8 @@ class SchedulerProcess:
         was_busy = False
         while True:
             busy = self.scheduler.has_work()
-            for msg in recv_all(self.inbox, 0 if busy else _IDLE_POLL_MS):
+            inbox = recv_all(self.inbox, 0 if busy else _IDLE_POLL_MS) if self.inbox else []
+            for msg in self.tp.share(inbox):
                 self._handle(msg)
             if self.scheduler.has_work():
                 with profile:
@@ -138,7 +143,7 @@ class SchedulerProcess:
     # ------------------------------------------------------------------ output
     def _send(self, reqs: list[Req]) -> None:
         outputs = [self._output(r) for r in reqs if r.finished or (r.stream and self._due(r))]
-        if outputs:
+        if outputs and self.tp.is_leader:
             self.to_detokenizer.send_pyobj(BatchOut(outputs))
 
     def _due(self, req: Req) -> bool:
@@ -176,5 +181,25 @@ class SchedulerProcess:
         return out
 
     def _reply(self, msg: object) -> None:
+        if not self.tp.is_leader:
+            return
         with self.send_lock:
             self.to_tokenizer.send_pyobj(msg)
+
+def _rank_device(args: ServerArgs, rank: int) -> torch.device:
+    """The device of a tensor-parallel rank: GPU base_gpu_id + rank, or the CPU."""
+    if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if args.device not in (None, "cuda"):  # one explicit device (ServerArgs: only with tp_size 1)
+        device = torch.device(args.device)
+        torch.cuda.set_device(device)
+        return device
+    count = torch.cuda.device_count()
+    if args.base_gpu_id + args.tp_size > count:
+        raise ValueError(
+            f"tp_size={args.tp_size} from base_gpu_id={args.base_gpu_id} needs GPUs "
+            f"{args.base_gpu_id}..{args.base_gpu_id + args.tp_size - 1}, but {count} are visible."
+        )
+    device = torch.device("cuda", args.base_gpu_id + rank)
+    torch.cuda.set_device(device)
+    return device
