@@ -109,7 +109,9 @@ class ServerArgs:
                 "device='cuda' and base_gpu_id"
             )
         if not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0:
-            raise ValueError(f"base_gpu_id must be a non-negative integer, got {self.base_gpu_id!r}.")
+            raise ValueError(
+                f"base_gpu_id must be a non-negative integer, got {self.base_gpu_id!r}."
+            )
         if self.dp_size != 1:
             raise ValueError(
                 f"dp_size must be 1 (scale out with the data-parallel flows instead), got {self.dp_size}."

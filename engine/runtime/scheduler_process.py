@@ -186,6 +186,7 @@ class SchedulerProcess:
         with self.send_lock:
             self.to_tokenizer.send_pyobj(msg)
 
+
 def _rank_device(args: ServerArgs, rank: int) -> torch.device:
     """The device of a tensor-parallel rank: GPU base_gpu_id + rank, or the CPU."""
     if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
