@@ -83,7 +83,10 @@ def pool(
     if method == "last":
         return hidden[starts + lengths - 1].float()
     # mean: a segment sum via index_add over each row's sequence index
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), lengths)
+    # NOTE: output_size given, so the device need not tell the host the total (no sync)
+    seq = torch.repeat_interleave(
+        torch.arange(len(lengths), device=hidden.device), lengths, output_size=hidden.shape[0]
+    )
     sums = torch.zeros(len(lengths), hidden.shape[1], dtype=torch.float32, device=hidden.device)
     sums.index_add_(0, seq, hidden.float())
     return sums / lengths[:, None].float()

