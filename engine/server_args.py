@@ -116,6 +116,11 @@ class ServerArgs:
             raise ValueError(
                 f"dp_size must be 1 (scale out with the data-parallel flows instead), got {self.dp_size}."
             )
+        if self.is_embedding and self.tp_size != 1:
+            raise ValueError(
+                f"tp_size must be 1 with is_embedding=True (embedding engines run on one device "
+                f"in this version), got {self.tp_size}."
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

@@ -173,3 +173,10 @@ def test_decoder_embeddings_match_transformers(pooling, llama_dir, mean_pooled_d
         got = torch.tensor(out["embedding"])
         assert out["meta_info"]["prompt_tokens"] == len(seq)
         assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_embedding_engine_refuses_tensor_parallelism():
+    from engine.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="tp_size"):
+        ServerArgs(model_path=str(MINILM.get_model_path()), is_embedding=True, tp_size=2)
