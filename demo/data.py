@@ -109,8 +109,13 @@ def arithmetic_question(a: int, op: str, b: int) -> str:
     return f"What is {a} {op} {b}?"
 
 
+def _operand(rng: random.Random) -> int:
+    # uniform over 0..99 would make one-digit operands 1 in 10 and "What is 1 + 2?" a weak spot
+    return rng.randint(0, 9) if rng.random() < 0.3 else rng.randint(10, 99)
+
+
 def arithmetic(rng: random.Random) -> Example:
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    a, b = _operand(rng), _operand(rng)
     op = rng.choice("+-")
     if op == "-" and a < b:
         a, b = b, a  # keep answers non-negative

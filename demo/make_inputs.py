@@ -3,7 +3,8 @@
     python -m demo.make_inputs
 
 * arithmetic_eval.jsonl — {"id", "question", "answer"}: questions training never saw;
-* reviews.jsonl         — {"id", "review", "label"}: reviews training never saw, with their label;
+* reviews.jsonl         — {"id", "review", "sentiment"}: reviews training never saw, with their
+  label (not called "label": the annotate flow writes its own `label` column);
 * products.csv          — id, product, sentiment: seeds for synthesizing reviews.
 """
 
@@ -32,7 +33,7 @@ def arithmetic_rows(n: int = N_ARITHMETIC) -> list[dict[str, str]]:
 def review_rows(n: int = N_REVIEWS) -> list[dict[str, str]]:
     examples = islice(data.task_stream("sentiment", REVIEWS_SEED, held_out=True), n)
     return [
-        {"id": f"review-{i:03d}", "review": ex.key, "label": ex.answer}
+        {"id": f"review-{i:03d}", "review": ex.key, "sentiment": ex.answer}
         for i, ex in enumerate(examples)
     ]
 
