@@ -350,23 +350,40 @@ def test_constrained_output_needs_the_tokenizer(core):
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
-    with Engine(model_path=str(llama_dir), max_total_tokens=8192, **CORE_ARGS) as e:
+    # on the CPU, where the in-process core ran the same requests
+    with Engine(model_path=str(llama_dir), device="cpu", max_total_tokens=8192, **CORE_ARGS) as e:
         yield e
 
 
-def test_engine_mixes_constrained_and_free_requests(engine, core, mixed):
-    prompts, params, refs, reqs, _ = mixed
+def _engine_run(engine, core, mixed):
+    """Every ninth request of the mixed run, through the Engine; constrained outputs checked."""
+    prompts, params, refs, _, _ = mixed
     picks = list(range(0, len(prompts), 9))  # every kind, interleaved
+    assert {refs[i][0] for i in picks} == {"json", "regex", "ebnf", "free"}
     texts = [core.inputs.tokenizer.decode(prompts[i]) for i in picks]
     outs = engine.generate(texts, [params[i] for i in picks])
-    kinds = {refs[i][0] for i in picks}
-    assert kinds == {"json", "regex", "ebnf", "free"}
     for i, out in zip(picks, outs):
         kind, ref = refs[i]
-        assert out["output_ids"] == reqs[i].output_ids, refs[i]
         if kind != "free":
-            assert out["meta_info"]["finish_reason"]["type"] == "stop"
+            assert out["meta_info"]["finish_reason"]["type"] == "stop", refs[i]
             _check(kind, ref, out["text"])
+    return picks, outs
+
+
+def test_engine_mixes_constrained_and_free_requests(engine, core, mixed):
+    picks, outs = _engine_run(engine, core, mixed)
+    reqs, refs = mixed[3], mixed[2]
+    for i, out in zip(picks, outs):
+        assert out["output_ids"] == reqs[i].output_ids, refs[i]
+
+
+@pytest.mark.gpu
+def test_engine_masks_on_the_gpu(llama_dir, core, mixed):
+    """The CUDA path: bitmasks copied to the device, CUDA graphs and overlap scheduling on."""
+    with Engine(model_path=str(llama_dir), max_total_tokens=8192, **CORE_ARGS) as gpu_engine:
+        info = gpu_engine.get_server_info()
+        assert info["device"].startswith("cuda") and info["internal_states"][0]["overlap_schedule"]
+        _engine_run(gpu_engine, core, mixed)
 
 
 def test_engine_refuses_an_invalid_grammar_before_queueing_anything(engine):

@@ -21,6 +21,8 @@ device from the last sampled token of its request row, and a request whose pendi
 ends it by length is left out of the next decode. One that ends by EOS or a stop string is
 found a step late; the extra token it computed is dropped. All device work runs on one
 stream, so pages freed or reused by the host are touched only after the launched work.
+The exception is structured output: a grammar mask needs the token drawn before it, so a
+step that drew for a constrained request is read before the next one is planned.
 """
 
 from __future__ import annotations
