@@ -70,6 +70,11 @@ def test_eval_inputs_are_held_out_and_correct():
         assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
     for row in _jsonl("reviews.jsonl"):
         assert data.is_held_out(row["review"])
+    # and the training stream never produces them (the first 5000 examples, as a sample)
+    eval_users = {r["question"] for r in _jsonl("arithmetic_eval.jsonl")}
+    eval_users |= {data.SENTIMENT_INSTRUCTION + r["review"] for r in _jsonl("reviews.jsonl")}
+    seed = _record()["config"]["seed"]
+    assert not any(ex.user in eval_users for ex, _ in zip(data.stream(seed), range(5000)))
 
 
 def test_model_size_and_stop_tokens():
