@@ -1,6 +1,7 @@
 """The `gristmill` command.
 
-    gristmill run CONFIG.yaml [--fresh] [--set key=value ...]   run (or resume) a config
+    gristmill run [CONFIG.yaml] [--fresh] [--set key=value ...] run (or resume) a config;
+                                                                without one, the evaluate demo
     gristmill status RUN_DIR                                    rows done, tokens, shards
     gristmill show RUN_DIR [-n N]                               the first rows
 
@@ -24,6 +25,9 @@ import pyarrow.parquet as pq
 
 from flows.store import CheckpointStore
 
+# `gristmill run` with no config: the built-in demo model on its held-out arithmetic questions
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo-evaluate.yaml"
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -31,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a config; a rerun resumes where it stopped")
-    run.add_argument("config", type=Path, help="a YAML run config")
+    run.add_argument(
+        "config",
+        type=Path,
+        nargs="?",
+        default=DEMO_CONFIG,
+        help="a YAML run config (default: the evaluate demo, configs/demo-evaluate.yaml)",
+    )
     run.add_argument("--fresh", action="store_true", help="delete this config's results first")
     run.add_argument(
         "--set",
