@@ -58,7 +58,7 @@ def main() -> None:
         graph_auto = choose_num_kv_splits(batch, 8, 40960, torch.device("cuda"))
         cells = []
         for splits in (1, 2, 4, 8, 16):
-            t = graph_time(lambda s=splits: decode_attention(**args, num_kv_splits=s))
+            t = graph_time(lambda s=splits, a=args: decode_attention(**a, num_kv_splits=s))
             cells.append(f"{nbytes / t / 1e12:.2f}")
         rows.append((f"B={batch} L~U[{lo},{hi}]", *cells, str(auto), str(graph_auto)))
     head = ("case", "1", "2", "4", "8", "16", "auto(max)", "auto(graph)")
