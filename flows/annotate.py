@@ -1,4 +1,4 @@
-"""Annotate: label every row with one of a fixed set of choices.
+"""Annotate: label every row with one of a fixed set of choices, or as JSON of a schema.
 
 The template sees the choices as `choices`:
 
@@ -7,12 +7,12 @@ The template sees the choices as `choices`:
     annotate:
       choices: [positive, negative, neutral]
 
-Until the engine has constrained decoding (issue 7) the model answers freely and `match_choice`
-maps its text to a choice (the earliest choice named in it, else a close spelling), keeping
-the raw answer in `text` and leaving `label` empty when nothing matches. `constraint_params` is
-the hook where the constraint goes to the engine: `constrained: true` sends the choices as a
-regex, and `json_schema` (labels as JSON objects) sends the schema; today's engine refuses
-both, and preflight reports that as a config error before the engine starts.
+By default the model answers freely and `match_choice` maps its text to a choice (the earliest
+choice named in it, else a close spelling), keeping the raw answer in `text` and leaving `label`
+empty when nothing matches. `constraint_params` is where the constraint goes to the engine:
+with `constrained: true` the choices go as a regex, so the engine emits exactly one of them;
+`json_schema` (instead of choices) makes every answer JSON of that schema, kept as `label` when
+it is complete.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class AnnotateConfig(RunConfig):
 
 
 def constraint_params(spec: AnnotateSpec) -> dict[str, Any]:
-    """HOOK (issue 7): the sampling parameters that make the engine emit a valid label."""
+    """The sampling parameters that make the engine emit only a valid label (none by default)."""
     if spec.json_schema is not None:
         return {"json_schema": json.dumps(spec.json_schema)}
     if spec.constrained and spec.choices:

@@ -213,7 +213,7 @@ def _with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError([("--set", f"expected key=value, got {item!r}")])
-        value = yaml.safe_load(raw) if raw else ""
+        value = _yaml_or_text(raw)
         node = data
         *parents, leaf = key.split(".")
         for i, part in enumerate(parents):
@@ -223,6 +223,14 @@ def _with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
             node = child
         node[leaf] = value
     return data
+
+
+def _yaml_or_text(raw: str) -> Any:
+    """A --set value read as YAML (numbers, booleans, lists), else taken as the text it is."""
+    try:
+        return yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return raw
 
 
 def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:

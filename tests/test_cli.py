@@ -137,6 +137,8 @@ def test_set_overrides_reach_nested_fields_as_yaml_values(tmp_path):
     )
     assert config.sampling.temperature == 0.5 and config.sampling.stop == ["\n"]
     assert config.prompt.chat is True and config.engine.dtype == "bfloat16"
+    text = "Review: {{ text }}: good?"  # not YAML: taken as the text it is
+    assert load_config(config_file, [f"prompt.template={text}"]).prompt.template == text
     with pytest.raises(ConfigError, match="--set: expected key=value"):
         load_config(config_file, ["seed"])
     with pytest.raises(ConfigError, match="run_name: String should match pattern"):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -194,3 +195,36 @@ def test_the_three_metrics():
     assert extract_answer("  whole  ", None) == "whole"
     with pytest.raises(ValueError, match="metric choice needs choices"):
         EvaluateSpec(reference_column="a", metric="choice")
+
+
+def test_constrained_annotate_answers_only_with_a_choice_or_schema_json(
+    prefect_api, llama_dir, engine, chat, tmp_path
+):
+    rows = [{"review_id": f"r-{r['n']}", "text": r["question"]} for r in question_rows(12, 6)]
+    source = write_jsonl(tmp_path / "reviews.jsonl", rows)
+    config, summary, table = run_config(
+        "annotate", llama_dir, source, tmp_path, "annotate.constrained=true"
+    )
+    choices = config.annotate.choices
+    prompts = table.column("prompt").to_pylist()
+    want = engine.generate(
+        prompts, {"temperature": 0, "max_new_tokens": 8, "regex": "|".join(choices)}
+    )
+    assert table.column("text").to_pylist() == [w["text"] for w in want]
+    assert all(text in choices for text in table.column("text").to_pylist())
+    assert table.column("label").to_pylist() == table.column("text").to_pylist()
+    assert summary["labelled"] == len(rows)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    _, summary, table = run_config(
+        "annotate", llama_dir, source, tmp_path / "json", "annotate.choices=null",
+        f"annotate.json_schema={json.dumps(schema)}", "sampling.max_new_tokens=16",
+        "prompt.template=Review: {{ text | trim }} Is it good? Answer {{ json_schema | tojson }}",
+    )  # fmt: skip
+    texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
+    assert all(t.lstrip().startswith("{") for t in texts), "the schema reached the engine"
+    for text, label, finish in zip(texts, labels, table.column("finish_reason").to_pylist()):
+        if finish == "stop":  # a finished answer is JSON of the schema, and it is the label
+            assert label == text and set(json.loads(text)) == {"ok"}
+        else:  # cut off by max_new_tokens (a random model likes JSON's free whitespace)
+            assert label is None
+    assert summary["labelled"] == len(rows) - labels.count(None)
