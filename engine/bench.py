@@ -227,9 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     result = run_engine(model_path, work, engine_args)
     max_running = result["info"]["max_running_requests"]
     state = result["info"]["internal_states"][0]
-    decode_floor, prefill_floor = floor_seconds(cfg, work, max_running, bandwidth, flops)
+    # NOTE: tp ranks each read 1/tp of the weights and KV and do 1/tp of the FLOPs, so the
+    # floor of a tensor-parallel group is the one-device floor over tp (all-reduces cost extra)
+    tp = int(engine_args.get("tp_size", 1))
+    decode_floor, prefill_floor = floor_seconds(cfg, work, max_running, tp * bandwidth, tp * flops)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows = [
-        ("device", torch.cuda.get_device_name() if device.type == "cuda" else "cpu"),
+        ("device", device_name if tp == 1 else f"{tp} x {device_name} (tp_size={tp})"),
         (
             "model",
             f"{args.model_config or args.model} ({cfg.dtype}, {weight_bytes(cfg) / 2**30:.2f} GiB weights)",
@@ -244,7 +248,10 @@ def main(argv: list[str] | None = None) -> None:
         ("wall time (s)", f"{result['wall']:.2f}"),
         ("output tok/s", f"{result['output_tokens'] / result['wall']:.0f}"),
         ("total tok/s", f"{(result['output_tokens'] + work.input_tokens) / result['wall']:.0f}"),
-        ("measured copy GB/s | matmul TFLOP/s", f"{bandwidth / 1e9:.0f} | {flops / 1e12:.0f}"),
+        (
+            "measured copy GB/s | matmul TFLOP/s" + (" (one device)" if tp > 1 else ""),
+            f"{bandwidth / 1e9:.0f} | {flops / 1e12:.0f}",
+        ),
         (
             "floor: decode + prefill (s)",
             f"{decode_floor:.2f} + {prefill_floor:.2f} = {decode_floor + prefill_floor:.2f}",

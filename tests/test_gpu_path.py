@@ -80,3 +80,44 @@ def test_bf16_logprobs_close_to_transformers(qwen3_dir, workload):
     diffs = torch.tensor(diffs)
     # bf16 rounds logits to ~3 significant digits; different kernels round differently
     assert diffs.max() < 0.15 and diffs.mean() < 0.03, (diffs.max(), diffs.mean())
+
+
+@pytest.fixture(scope="module")
+def tiny_bert_dir(tmp_path_factory):
+    """A random BERT saved as a sentence-transformers model: mean pooling, then Normalize."""
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    out = tmp_path_factory.mktemp("tiny_bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ","] + sorted(set(WORDS))
+    (out / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(out / "vocab.txt")).save_pretrained(out)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=128)  # fmt: skip
+    torch.manual_seed(0)
+    BertModel(config, add_pooling_layer=False).save_pretrained(out)
+    modules = [models.Transformer(str(out)), models.Pooling(64, "mean"), models.Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(out / "st"))
+    return out / "st"
+
+
+WORDS = "seven curious otters build bridges across cold mountain streams at dawn".split()
+
+
+@pytest.mark.gpu
+def test_bert_embeddings_on_the_gpu_match_sentence_transformers(tiny_bert_dir):
+    import random
+
+    from sentence_transformers import SentenceTransformer
+
+    rng = random.Random(0)
+    sentences = [" ".join(rng.choices(WORDS, k=rng.randint(1, 60))) + "." for _ in range(40)]
+    ref = SentenceTransformer(str(tiny_bert_dir), device="cpu").encode(
+        sentences, convert_to_tensor=True
+    )
+    with Engine(model_path=str(tiny_bert_dir), is_embedding=True, dtype="float32") as engine:
+        assert engine.get_server_info()["device"].startswith("cuda")
+        outs = engine.encode(sentences[:7]) + engine.encode(sentences[7:])
+    got = torch.tensor([o["embedding"] for o in outs], dtype=torch.float64)
+    cos = torch.nn.functional.cosine_similarity(got, ref.double(), dim=-1)
+    assert cos.min() >= 0.9999, (cos.argmin().item(), cos.min().item())

@@ -10,6 +10,7 @@ has fewer KV heads than ranks, so its single KV head is replicated on both.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import Engine
 from tests.core import InProcessCore
@@ -65,3 +66,59 @@ def test_tp_errors_name_the_field(llama_dir):
         ValueError, match=r"num_attention_heads \(4\) is not divisible by tp_size \(3\)"
     ):
         Engine(model_path=str(llama_dir), dtype="float32", tp_size=3, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen3_bf16_dir(tmp_path_factory):
+    """Wide enough that the all-reduces add many terms: 8 query and 2 KV heads, 4 layers."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("qwen3_bf16"),
+        "qwen3",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        dtype=torch.bfloat16,
+        seed=13,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_on_two_gpus_is_as_accurate_as_tp1_in_bf16(qwen3_bf16_dir):
+    """NCCL, CUDA graphs and overlap on. Teacher-forced prompt logprobs of tp_size 1 and 2 are
+    both compared with transformers in float32: splitting the model must not add error beyond
+    bf16's own (the ranks add partial sums in another order, so the two differ by rounding)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = random_prompts(400, [3, 20, 64, 150, 300, 511] * 4, seed=3,
+                             avoid_ids=special_token_ids())  # fmt: skip
+    params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    runs = []
+    for tp in (1, 2):
+        with Engine(model_path=str(qwen3_bf16_dir), dtype="bfloat16", tp_size=tp,
+                    max_total_tokens=32768) as engine:  # fmt: skip
+            info = engine.get_server_info()
+            assert info["device"].startswith("cuda")
+            assert len([r for r in info["pids"] if r.startswith("scheduler")]) == tp
+            runs.append(engine.generate(input_ids=prompts, sampling_params=params,
+                                        return_logprob=True, logprob_start_len=0))  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(qwen3_bf16_dir, dtype=torch.float32)
+    model = model.cuda().eval()
+    errors: list[list[float]] = [[], []]
+    for prompt, *outs in zip(prompts, *runs):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt], device="cuda")).logits[0], -1)
+        for tp, out in enumerate(outs):
+            got = out["meta_info"]["input_token_logprobs"]
+            assert [t for _, t, _ in got] == prompt
+            errors[tp] += [abs(lp - ref[i - 1, t].item()) for i, (lp, t, _) in enumerate(got) if i]
+    one, two = torch.tensor(errors[0]), torch.tensor(errors[1])
+    print(f"|logprob - float32 transformers| over {len(one)} prompt tokens: "
+          f"tp1 mean {one.mean():.4f} max {one.max():.4f}, "
+          f"tp2 mean {two.mean():.4f} max {two.max():.4f}")  # fmt: skip
+    assert two.mean() <= 1.2 * one.mean() + 0.005 and two.max() <= 2 * one.max() + 0.05
+    # and bf16 itself is close: a prompt token's logprob is about -20 here
+    assert one.mean() < 0.2 and two.mean() < 0.2
