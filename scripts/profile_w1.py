@@ -1,0 +1,142 @@
+"""Where W1's GPU time goes: each step's device time against that step's own floor, and a
+kernel table of a window of decode steps.
+
+The scheduler runs in this process (no ZMQ), on the bench's W1 workload with dummy weights.
+CUDA events around every launch give each step's device time and the device's idle gap before
+it; a step's floor is its bytes (weights once + every live sequence's KV) at the measured copy
+bandwidth. Decode steps are binned by batch size, so a per-step constant cost (launch gaps,
+small kernels) shows up as the small-batch bins' ratio and attention speed as the large ones'.
+
+    PYTHONPATH=. python scripts/profile_w1.py [--model-config qwen3-0.6b] [--kernels 300:320]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+from engine.bench import dummy_folder, make_workload, measure_ceilings, weight_bytes
+from engine.forward_batch import ForwardMode
+from engine.input_processor import InputProcessor
+from engine.model_config import ModelConfig
+from engine.scheduler import Scheduler
+from engine.server_args import ServerArgs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-config", default="qwen3-0.6b")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--len", default="100:1024", help="input and output lengths")
+    ap.add_argument("--kernels", default="300:320", help="decode steps to profile kernel by kernel")
+    ap.add_argument("--engine-args", default="{}")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+
+    device = torch.device(a.device)
+    path = dummy_folder(a.model_config)
+    args = ServerArgs.from_kwargs(
+        model_path=path, load_format="dummy", skip_tokenizer_init=True, **json.loads(a.engine_args)
+    )
+    config = ModelConfig.from_folder(path, args.dtype, args.context_length)
+    sched = Scheduler(args, config, device)
+    inputs = InputProcessor(args, config, None, sched.max_total_tokens)
+    work = make_workload(a.num_prompts, a.len, a.len, config.vocab_size, 0, 0)
+    bandwidth, flops = measure_ceilings(device)
+    w_bytes, kv_tok = weight_bytes(config), config.kv_bytes_per_token(config.dtype)
+
+    steps: list[dict] = []
+    launch = sched._launch
+
+    def timed_launch(batch):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        ctx = sum(len(r.input_ids) + r.drawn for r in batch.reqs)
+        out = launch(batch)
+        end.record()
+        steps.append(dict(mode=batch.mode, bs=len(batch.reqs), ctx=ctx, start=start, end=end,
+                          new=sum(batch.extend_lens)))  # fmt: skip
+        return out
+
+    sched._launch = timed_launch
+
+    def run(window: tuple[int, int] | None = None) -> tuple[float, torch.profiler.profile | None]:
+        """Generate the workload; profile kernels while the decode step count is in `window`."""
+        params = [{"temperature": 0.0, "max_new_tokens": o, "ignore_eos": True}
+                  for o in work.output_lens]  # fmt: skip
+        reqs = inputs.make_call(None, work.input_ids, params, False, None, None, None).reqs
+        for r in reqs:
+            sched.add_request(r)
+        prof, state = None, "before"
+        t0 = time.perf_counter()
+        while sched.has_work():
+            decodes = sum(s["mode"] is ForwardMode.DECODE for s in steps)
+            if window and state == "before" and decodes >= window[0]:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
+                state = "on"
+            elif state == "on" and decodes >= window[1]:
+                torch.cuda.synchronize()
+                prof.__exit__(None, None, None)
+                state = "done"
+            sched.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, prof if state == "done" else None
+
+    run()  # warm-up: Triton compiles every kernel variant the workload needs
+    sched.flush_cache()
+    steps.clear()
+    lo, hi = (int(x) for x in a.kernels.split(":"))
+    wall, prof = run((lo, hi))
+
+    # ------------------------------------------------------------------ per-step table
+    bins: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    idle = 0.0
+    for prev, s in zip([None, *steps], steps):
+        ms = s["start"].elapsed_time(s["end"])
+        if prev is not None:
+            idle += max(0.0, prev["end"].elapsed_time(s["start"]))
+        if s["mode"] is ForwardMode.DECODE:
+            lo_bs = 1 << (s["bs"].bit_length() - 1)
+            key = f"decode bs {lo_bs}-{2 * lo_bs - 1}"
+            floor = (w_bytes + kv_tok * s["ctx"]) / bandwidth * 1e3
+        else:
+            key = "prefill"
+            floor = 2 * w_bytes / config.dtype.itemsize * s["new"] / flops * 1e3
+        b = bins[key]
+        b[0] += 1
+        b[1] += ms
+        b[2] += floor
+        b[3] += s["bs"]
+    print(f"W1 in-process: wall {wall:.2f} s, {len(steps)} steps, device idle between steps "
+          f"{idle / 1e3:.2f} s, copy {bandwidth / 1e9:.0f} GB/s")  # fmt: skip
+    print("| steps | count | device s | floor s | floor/device | ms/step |")
+    print("| --- | --- | --- | --- | --- | --- |")
+
+    def order(key: str) -> int:
+        return 0 if key == "prefill" else int(key.split()[-1].split("-")[0])
+
+    for key in sorted(bins, key=order):
+        n, ms, floor, _ = bins[key]
+        print(
+            f"| {key} | {n} | {ms / 1e3:.3f} | {floor / 1e3:.3f} | {floor / ms:.2f} | {ms / n:.3f} |"
+        )
+
+    # ------------------------------------------------------------------ kernel table
+    if prof is not None:
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.device_time_total for e in events)
+        print(f"\nkernels of decode steps {lo}-{hi} ({total / 1e3:.2f} ms of device time)")
+        print("| kernel | calls | device ms | share |")
+        print("| --- | --- | --- | --- |")
+        for e in sorted(events, key=lambda e: -e.device_time_total)[:25]:
+            print(f"| {e.key[:70]} | {e.count} | {e.device_time_total / 1e3:.3f} | "
+                  f"{e.device_time_total / total:.1%} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
