@@ -3,8 +3,10 @@
 Everything that can change an output row is in: the model (its config and tokenizer files,
 and a sampled hash of each weight file), the engine arguments that change numerics, the
 input's content, the prompt, the flow's prompt variables, the sampling parameters, the seed.
-What only changes speed or memory (max_running_requests, max_in_flight, shard_size, ...) and
-where results go (output_dir, run_name) are out, so tuning them resumes the same run.
+What only changes speed or memory (max_running_requests, max_in_flight, shard_size, ...), how
+many engines share the work (the `parallel` section, base_gpu_id) and where results go
+(output_dir, run_name) are out, so tuning them resumes the same run, whatever the worker count
+was before. tp_size is in: a tensor-parallel engine sums its partial products in another order.
 """
 
 from __future__ import annotations

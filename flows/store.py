@@ -64,6 +64,11 @@ class CheckpointStore:
         self.shards_dir = self.folder / "shards"
         self._lock: int | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # NOTE: a lock is a descriptor of this process: a copy sent to another process (a Dask
+        # worker writing shards) holds none, so it can never close a stranger's descriptor.
+        return {**self.__dict__, "_lock": None}
+
     @classmethod
     def at(cls, folder: str | Path) -> CheckpointStore:
         """An existing run folder, to look at: its identity is read back from its config.json."""

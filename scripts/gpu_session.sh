@@ -27,8 +27,8 @@ for step in "${@:-kernels engine w1 w2}"; do
                 | grep -v "^Loading\|Writing" | tail -15 ;;
       w2-tp2) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \
                 --engine-args '{"tp_size": 2}' --json "$OUT/w2-tp2.json" 2>&1 | grep "^|\|Error\|error" ;;
-      w1-steps) PYTHONPATH=. python3 scripts/profile_w1.py 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -60 ;;
-      splits) PYTHONPATH=. python3 scripts/bench_decode_splits.py 2>&1 | tail -8 ;;
+      w1-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -60 ;;
+      splits) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_decode_splits.py 2>&1 | tail -8 ;;
       w1-profile) GRISTMILL_PROFILE=$OUT/w1.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 2>&1 | grep "^|"
                   python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(22)" "$OUT/w1.prof" | tail -32 ;;
       w1) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --json "$OUT/w1.json" 2>&1 | grep "^|" ;;
