@@ -54,6 +54,11 @@ _MIN_TOKENS_PER_SPLIT = 256
 # With mixed lengths, one program per whole sequence lets the longest sequences set the step
 # time; cutting every sequence into splits of about this many tokens lets the GPU balance them.
 _BALANCE_TOKENS = 512
+# The launch a CUDA graph replays cannot see the lengths, so its grid has MAX_KV_SPLITS splits
+# and a split walks at least this many tokens: a 1000-token request uses 2 splits, an 8000-token
+# one 16, and the rest exit at once. On an H100 about 256-512 tokens per split was the best
+# fixed count for every batch size of scripts/bench_decode_splits.py.
+_GRAPH_SPLIT_TOKENS = 512
 # Stage 1 launch settings (tokens per tile, pipeline depth, warps), measured on an H100 (bf16,
 # D=128, Hkv 8 or 32, CUDA graphs): 64-token tiles and 3 stages were best or within 2% of best
 # from B=1 to B=256, and at B=1, L=32768 took half the time of 32-token tiles and 2 stages.
@@ -128,6 +133,7 @@ def _decode_stage1(
     MidLse,
     qk_scale,  # scaling * log2(e)
     num_kv_splits,
+    min_split_len,
     stride_qb,
     stride_qh,
     stride_kn,
@@ -153,8 +159,10 @@ def _decode_stage1(
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    # Split size rounded up to whole tiles, so only the last tile of a request is partial.
+    # Split size rounded up to whole tiles, so only the last tile of a request is partial, and
+    # at least min_split_len (a multiple of BLOCK_N), so short requests take fewer splits.
     split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, min_split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -224,6 +232,7 @@ def _decode_stage2(
     Out,
     SeqLens,
     num_kv_splits,
+    min_split_len,
     stride_mob,
     stride_moh,
     stride_mos,
@@ -241,6 +250,7 @@ def _decode_stage2(
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N  # as in stage 1
+    split_len = tl.maximum(split_len, min_split_len)
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -305,15 +315,17 @@ def decode_attention(
     *,
     out: torch.Tensor | None = None,
     use_dot: bool | None = None,
+    min_split_tokens: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged K/V; returns [B, Hq, D] in q.dtype.
 
     q [B, Hq, D]; k_buffer, v_buffer [num_slots, Hkv, D]; req_to_token int32 [rows, max_context];
     req_pool_indices, seq_lens int64 [B] (device tensors, never read on the host).
     ``num_kv_splits``: sequence splits of stage 1; None picks one from the batch size and
-    ``max_seq_len`` (a Python int hint: the longest ``seq_lens`` entry or any upper bound;
-    None uses ``req_to_token.shape[1]``). Pass a fixed value (or keep ``max_seq_len=None``) for
-    a launch that CUDA graphs can replay. ``out``: optional [B, Hq, D] buffer in q.dtype, last
+    ``max_seq_len`` (a Python int hint: the longest ``seq_lens`` entry). With neither (the
+    launch a CUDA graph captures, for any lengths) the grid has ``MAX_KV_SPLITS`` splits and
+    each split walks at least ``_GRAPH_SPLIT_TOKENS`` tokens, so a request uses as many splits
+    as its own length needs. ``min_split_tokens``: that floor, rounded up to whole tiles. ``out``: optional [B, Hq, D] buffer in q.dtype, last
     dimension contiguous, written in full and returned. ``use_dot``: tensor-core path (group
     padded to 16 rows, the default) or broadcast path (``False``).
     """
@@ -341,9 +353,11 @@ def decode_attention(
     if B == 0:
         return out
 
-    if num_kv_splits is None:
-        hint = req_to_token.shape[1] if max_seq_len is None else max_seq_len
-        num_kv_splits = choose_num_kv_splits(B, Hkv, hint, q.device)
+    if num_kv_splits is None and max_seq_len is None:
+        num_kv_splits = MAX_KV_SPLITS
+        min_split_tokens = _GRAPH_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens
+    elif num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(B, Hkv, max_seq_len, q.device)
     assert num_kv_splits >= 1
 
     if use_dot is None:
@@ -362,6 +376,7 @@ def decode_attention(
     # fp32 inputs: exact fp32 products (the default would be TF32 on the GPU); ignored for
     # 16-bit inputs, whose products are exact in the fp32 accumulator anyway.
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    min_split_len = triton.cdiv(min_split_tokens or 0, BLOCK_N) * BLOCK_N
 
     mid_o = torch.empty((B, Hq, num_kv_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B, Hq, num_kv_splits), dtype=torch.float32, device=q.device)
@@ -377,6 +392,7 @@ def decode_attention(
         mid_lse,
         float(scaling) * _LOG2E,
         num_kv_splits,
+        min_split_len,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -405,6 +421,7 @@ def decode_attention(
         out,
         seq_lens,
         num_kv_splits,
+        min_split_len,
         mid_o.stride(0),
         mid_o.stride(1),
         mid_o.stride(2),

@@ -8,6 +8,10 @@ As in the layer, the cache values are cast to q's dtype before use; the rotation
 in float32 and rounded once to q's dtype (the torch layer rounds each product and the sum, so in
 bf16/fp16 the two can differ by about one ulp; in float32 they agree to float32 rounding).
 
+With ``norm`` (Qwen3's q_norm and k_norm) each head vector is RMS-normalised first, in the same
+program, rounded as kernels/norm.py rounds: one launch instead of two norms, the copies they
+would need of the strided q/k views, and the rotation (a decode step runs this once a layer).
+
 The grid is (T, head blocks of q + head blocks of k); a program rotates BLOCK_H heads of one
 token. By default the results go to fresh tensors; ``inplace=True`` writes them back into q and k
 (and returns q, k).
@@ -37,8 +41,11 @@ def _rotate_heads(
     cos,
     sin,
     half,
+    norm_w_ptr,
+    eps,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -46,6 +53,13 @@ def _rotate_heads(
     src = src_ptr + tok * src_tok_stride + heads[:, None] * src_head_stride + d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # RMSNorm of each head vector, rounded as the layer rounds (kernels/norm.py)
+        dtype = src_ptr.dtype.element_ty
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half) + eps)
+        w1 = tl.load(norm_w_ptr + d, mask=d < half, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)
+        x1 = (w1[None, :] * (x1 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2[None, :] * (x2 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     o1 = x1 * cos[None, :] - x2 * sin[None, :]
     o2 = x2 * cos[None, :] + x1 * sin[None, :]
     dst = dst_ptr + tok * dst_tok_stride + heads[:, None] * dst_head_stride + d[None, :]
@@ -76,8 +90,12 @@ def _rotary_kernel(
     num_k_heads,
     num_q_blocks,
     half,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -103,8 +121,11 @@ def _rotary_kernel(
             cos,
             sin,
             half,
+            q_norm_ptr,
+            eps,
             BLOCK_H,
             BLOCK_D,
+            NORM,
         )
     else:
         _rotate_heads(
@@ -120,8 +141,11 @@ def _rotary_kernel(
             cos,
             sin,
             half,
+            k_norm_ptr,
+            eps,
             BLOCK_H,
             BLOCK_D,
+            NORM,
         )
 
 
@@ -142,6 +166,18 @@ def _check(q, k, positions, cos_cache, sin_cache):
         raise ValueError(f"q dtype {q.dtype} != k dtype {k.dtype}")
 
 
+def _check_norm(norm: tuple[torch.Tensor, torch.Tensor, float] | None, head_dim: int) -> None:
+    if norm is None:
+        return
+    q_w, k_w, _ = norm
+    if q_w.shape != (head_dim,) or k_w.shape != (head_dim,):
+        raise ValueError(
+            f"norm weights must be [{head_dim}], got {tuple(q_w.shape)} and {tuple(k_w.shape)}"
+        )
+    if not (q_w.is_contiguous() and k_w.is_contiguous()):
+        raise ValueError("norm weights must be contiguous")
+
+
 def apply_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -149,9 +185,12 @@ def apply_rotary(
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
     inplace: bool = False,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, k) rotated by their positions; fresh contiguous tensors unless ``inplace``."""
+    """(q, k) rotated by their positions; fresh contiguous tensors unless ``inplace``.
+    ``norm`` = (q weight, k weight, eps): RMSNorm each head vector first (Qwen3's q/k norm)."""
     _check(q, k, positions, cos_cache, sin_cache)
+    _check_norm(norm, q.shape[-1])
     T, num_q_heads, D = q.shape
     num_k_heads = k.shape[1]
     half = D // 2
@@ -191,8 +230,10 @@ def apply_rotary(
         num_k_heads,
         num_q_blocks,
         half,
+        *(norm if norm is not None else (q_in, k_in, 0.0)),  # placeholders, never read
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        NORM=norm is not None,
         num_warps=4,
     )
     return q_out, k_out
@@ -205,17 +246,29 @@ def apply_rotary_reference(
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
     inplace: bool = False,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain PyTorch: the cache cast to q's dtype (as the layer does), the rotation in float64."""
+    """Plain PyTorch: the cache cast to q's dtype (as the layer does), the rotation in float64;
+    with ``norm``, each head RMSNorm-ed first in float64 and rounded as the layer rounds."""
     _check(q, k, positions, cos_cache, sin_cache)
+    _check_norm(norm, q.shape[-1])
     cos = cos_cache[positions].to(q.dtype).double().unsqueeze(1)  # [T, 1, D/2]
     sin = sin_cache[positions].to(q.dtype).double().unsqueeze(1)
+
+    def normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x64 = x.double()
+        scaled = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return (w.double() * scaled.double()).to(x.dtype)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.double().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-    q_out, k_out = rotate(q), rotate(k)
+    if norm is not None:
+        q_w, k_w, eps = norm
+        q_out, k_out = rotate(normed(q, q_w, eps)), rotate(normed(k, k_w, eps))
+    else:
+        q_out, k_out = rotate(q), rotate(k)
     if inplace:
         return q.copy_(q_out), k.copy_(k_out)
     return q_out, k_out

@@ -7,7 +7,7 @@ it; a step's floor is its bytes (weights once + every live sequence's KV) at the
 bandwidth. Decode steps are binned by batch size, so a per-step constant cost (launch gaps,
 small kernels) shows up as the small-batch bins' ratio and attention speed as the large ones'.
 
-    PYTHONPATH=. python scripts/profile_w1.py [--model-config qwen3-0.6b] [--kernels 300:320]
+    PYTHONPATH=. python scripts/profile_w1.py [--model-config qwen3-0.6b] [--kernels 0:4,310:330]
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def main() -> None:
     ap.add_argument("--model-config", default="qwen3-0.6b")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--len", default="100:1024", help="input and output lengths")
-    ap.add_argument("--kernels", default="300:320", help="decode steps to profile kernel by kernel")
+    ap.add_argument(
+        "--kernels", default="0:4,310:330", help="windows of step indices to profile, by kernel"
+    )
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
@@ -64,34 +66,35 @@ def main() -> None:
 
     sched._launch = timed_launch
 
-    def run(window: tuple[int, int] | None = None) -> tuple[float, torch.profiler.profile | None]:
-        """Generate the workload; profile kernels while the decode step count is in `window`."""
+    def run(windows: list[tuple[int, int]]) -> tuple[float, list[torch.profiler.profile]]:
+        """Generate the workload; profile kernels while the step index is in each window."""
         params = [{"temperature": 0.0, "max_new_tokens": o, "ignore_eos": True}
                   for o in work.output_lens]  # fmt: skip
         reqs = inputs.make_call(None, work.input_ids, params, False, None, None, None).reqs
         for r in reqs:
             sched.add_request(r)
-        prof, state = None, "before"
+        done: list[torch.profiler.profile] = []
+        prof, pending = None, list(windows)
         t0 = time.perf_counter()
         while sched.has_work():
-            decodes = sum(s["mode"] is ForwardMode.DECODE for s in steps)
-            if window and state == "before" and decodes >= window[0]:
+            if prof is None and pending and len(steps) >= pending[0][0]:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                 prof.__enter__()
-                state = "on"
-            elif state == "on" and decodes >= window[1]:
+            elif prof is not None and len(steps) >= pending[0][1]:
                 torch.cuda.synchronize()
                 prof.__exit__(None, None, None)
-                state = "done"
+                done.append(prof)
+                prof = None
+                pending.pop(0)
             sched.step()
         torch.cuda.synchronize()
-        return time.perf_counter() - t0, prof if state == "done" else None
+        return time.perf_counter() - t0, done
 
-    run()  # warm-up: Triton compiles every kernel variant the workload needs
+    run([])  # warm-up: Triton compiles every kernel variant the workload needs
     sched.flush_cache()
     steps.clear()
-    lo, hi = (int(x) for x in a.kernels.split(":"))
-    wall, prof = run((lo, hi))
+    windows = [tuple(int(x) for x in w.split(":")) for w in a.kernels.split(",")]
+    wall, profiles = run(windows)
 
     # ------------------------------------------------------------------ per-step table
     bins: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
@@ -127,10 +130,13 @@ def main() -> None:
         )
 
     # ------------------------------------------------------------------ kernel table
-    if prof is not None:
+    for (lo, hi), prof in zip(windows, profiles):
         events = [e for e in prof.key_averages() if e.device_time_total > 0]
         total = sum(e.device_time_total for e in events)
-        print(f"\nkernels of decode steps {lo}-{hi} ({total / 1e3:.2f} ms of device time)")
+        modes = sorted({s["mode"].name.lower() for s in steps[lo:hi]})
+        print(
+            f"\nkernels of steps {lo}-{hi} ({'/'.join(modes)}; {total / 1e3:.2f} ms of device time)"
+        )
         print("| kernel | calls | device ms | share |")
         print("| --- | --- | --- | --- |")
         for e in sorted(events, key=lambda e: -e.device_time_total)[:25]:

@@ -122,6 +122,21 @@ def test_more_splits_than_tiles():
     check(batch, TOL_FP32, num_kv_splits=7)
 
 
+@pytest.mark.parametrize("min_split_tokens", [1, 32, 100, 256])
+def test_min_split_tokens(min_split_tokens):
+    """A floor on the split length (rounded up to tiles): short requests use fewer of the
+    splits, long ones stay capped by the split count; a split past the end is skipped."""
+    batch = make_batch([1, 33, 130, 700], 4, 2, 32, seed=20 + min_split_tokens)
+    for splits in (4, MAX_KV_SPLITS):
+        check(batch, TOL_FP32, num_kv_splits=splits, min_split_tokens=min_split_tokens)
+
+
+def test_graph_launch_needs_no_lengths():
+    """Neither a split count nor a length hint (a CUDA-graph capture): any lengths are right."""
+    batch = make_batch([1, 64, 513, 1500], 4, 2, 32, seed=31)
+    check(batch, TOL_FP32)
+
+
 def test_auto_splits_with_a_large_hint():
     """A generous max_seq_len hint picks many splits; any upper bound must stay correct."""
     batch = make_batch([2, 65], 4, 2, 16, seed=4)

@@ -200,6 +200,34 @@ def test_rotary_inplace_on_fused_qkv_views(gen):
     assert torch.equal(v, v_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_with_head_norm_matches_norm_then_rotary_layers(dtype, gen):
+    """norm=(q_w, k_w, eps): Qwen3's q_norm and k_norm, then RoPE, on the strided views of a
+    fused qkv projection, equal the RMSNorm and RotaryEmbedding layers applied in turn."""
+    T, Hq, Hk, D = 37, 4, 2, 64
+    rope = RotaryEmbedding(D, 2048, 10000.0, None).to(DEVICE)
+    q_norm, k_norm = _norm_layer(D, gen, dtype), _norm_layer(D, gen, dtype)
+    qkv = _randn(gen, T, (Hq + 2 * Hk) * D, dtype=dtype, scale=3.0)
+    q, k, _ = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k = q.reshape(T, Hq, D), k.reshape(T, Hk, D)
+    positions = _positions(gen, T, 2048)
+    norm = (q_norm.weight, k_norm.weight, EPS)
+    q_out, k_out = apply_rotary(q, k, positions, rope.cos_cache, rope.sin_cache, norm=norm)
+    expected_q, expected_k = rope(positions, q_norm(q.contiguous()), k_norm(k.contiguous()))
+    ref_q, ref_k = apply_rotary_reference(
+        q, k, positions, rope.cos_cache, rope.sin_cache, norm=norm
+    )
+    # fp32 to rounding; fp16: the layers round the normed value twice and the product of
+    # cos/sin once per term, so one fp16 ulp (about 1e-3 relative) apart at most
+    tol = F32 if dtype == torch.float32 else {"rtol": 2e-3, "atol": 2e-3}
+    for got, layers, ref in ((q_out, expected_q, ref_q), (k_out, expected_k, ref_k)):
+        torch.testing.assert_close(got, layers, **tol)
+        torch.testing.assert_close(got, ref, **tol)
+    with pytest.raises(ValueError, match="norm weights"):
+        apply_rotary(q, k, positions, rope.cos_cache, rope.sin_cache,
+                     norm=(q_norm.weight[:-1], k_norm.weight, EPS))  # fmt: skip
+
+
 def test_rotary_rejects_bad_shapes(gen):
     rope = RotaryEmbedding(64, 16, 10000.0, None).to(DEVICE)
     q, k = _randn(gen, 3, 2, 64), _randn(gen, 3, 1, 32)
@@ -334,6 +362,26 @@ def test_gpu_rotary_bf16():
     torch.testing.assert_close(k_out, expected_k, rtol=1.6e-2, atol=3e-2)
     q_in, k_in = apply_rotary(q, k, positions, rope.cos_cache, rope.sin_cache, inplace=True)
     assert torch.equal(q_in, q_out) and torch.equal(k_in, k_out)
+
+
+@pytest.mark.gpu
+def test_gpu_rotary_with_head_norm_bf16():
+    gen = torch.Generator().manual_seed(4)
+    T, Hq, Hk, D = 4096, 16, 8, 128
+    rope = RotaryEmbedding(D, 8192, 1000000.0, None).cuda()
+    q_w = _randn(gen, D, dtype=torch.bfloat16, device="cuda")
+    k_w = _randn(gen, D, dtype=torch.bfloat16, device="cuda")
+    qkv = _randn(gen, T, (Hq + 2 * Hk) * D, dtype=torch.bfloat16, device="cuda", scale=4.0)
+    q, k, _ = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k = q.reshape(T, Hq, D), k.reshape(T, Hk, D)
+    positions = _positions(gen, T, 8192, "cuda")
+    norm = (q_w, k_w, EPS)
+    q_out, k_out = apply_rotary(q, k, positions, rope.cos_cache, rope.sin_cache, norm=norm)
+    ref_q, ref_k = apply_rotary_reference(
+        q, k, positions, rope.cos_cache, rope.sin_cache, norm=norm
+    )
+    torch.testing.assert_close(q_out, ref_q, **BF16)
+    torch.testing.assert_close(k_out, ref_k, **BF16)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.layers.fused import use_triton
+from engine.layers.norm import RMSNorm
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -44,13 +45,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        head_norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hk, D] by their token positions [T]."""
+        """Rotate q [T, Hq, D] and k [T, Hk, D] by their token positions [T]; with
+        `head_norms` (Qwen3's q_norm, k_norm) each head vector is RMS-normalised first."""
         if use_triton(q):
             from kernels.rotary import apply_rotary
 
-            return apply_rotary(q, k, positions, self.cos_cache, self.sin_cache)
+            norm = None
+            if head_norms is not None:
+                q_norm, k_norm = head_norms
+                norm = (q_norm.weight, k_norm.weight, q_norm.eps)
+                assert k_norm.eps == q_norm.eps
+            return apply_rotary(q, k, positions, self.cos_cache, self.sin_cache, norm=norm)
+        if head_norms is not None:
+            q, k = head_norms[0](q), head_norms[1](k)
         cos = self.cos_cache[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -64,9 +64,8 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
         k = k.reshape(-1, self.kv_size // self.head_dim, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q, k = self.rotary(positions, q, k, norms)  # one kernel on the GPU, norms included
         return self.o_proj(self.attn(q, k, v, batch))
 
 
