@@ -5,11 +5,15 @@
 One engine per flow run stays resident from init_engine to shutdown, and shutdown runs whether
 or not a step failed. Rows land in the checkpoint store (flows/store.py) as they finish, so a
 rerun of the same config after a crash, a failure or a cancel does only the rows still missing.
+With `parallel.workers` > 1 (or a Dask `parallel.address`) no engine runs in the flow's process:
+generate hands the rows to engines on Dask workers (flows/parallel.py), which write the same
+shards, and collect merges and checks them as it does its own.
 The ready flows (annotate, synthesize, evaluate) are this same flow with their own config
 class and a `finish` step that adds their columns (labels, scores) to the merged rows.
 
 Tasks take unhashable things (an Engine, Arrow tables), so none caches (NO_CACHE); none
-retries on its own either: the retry of a batch run is a rerun, which resumes.
+retries on its own either: the retry of a batch run is a rerun, which resumes. (Dask alone runs
+a part again, when the worker running it died: flows/parallel.py.)
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.config import OUTPUT_COLUMNS, RunConfig
 from flows.generation import WORK_ONLY_COLUMNS, Generated, RequestOptions, generate_rows
 from flows.identity import run_identity
+from flows.parallel import generate_in_parallel
 from flows.preflight import Checked, preflight
 from flows.progress import Progress, artifact_key
 from flows.prompts import PromptRenderer
@@ -89,7 +94,8 @@ def init_engine(plan: RunPlan) -> Any:
 
 @task(cache_policy=NO_CACHE)
 def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
-    """Read the input, skip rows already in shards, render the prompts of the rest."""
+    """Read the input, skip rows already in shards, render the prompts of the rest (with the
+    engine's tokenizer, or without an engine the same tokenizer loaded here, for chat)."""
     logger = get_run_logger()
     config, store = plan.config, plan.store
     store.lock()  # held until the flow ends: a second run of this config stops here
@@ -100,9 +106,8 @@ def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
         scan = store.open()
     table = read_rows(config.source)
     ids = row_ids(table, config.source.id_column)
-    renderer = PromptRenderer(
-        config.prompt, config.template_variables(), engine.tokenizer_manager.tokenizer
-    )
+    tokenizer = engine.tokenizer_manager.tokenizer if engine is not None else _tokenizer(config)
+    renderer = PromptRenderer(config.prompt, config.template_variables(), tokenizer)
     work = _plan_requests(config, table, ids, scan.done_ids, renderer)
     store.write_json(
         "run.json", {"config": config.model_dump(mode="json"), "total_rows": work.total}
@@ -191,13 +196,18 @@ def shutdown(engine: Any) -> None:
 def run_steps(
     config: RunConfig, fresh: bool = False, finish: Finish | None = None
 ) -> dict[str, Any]:
-    """The six steps in order; the body of every gristmill flow."""
+    """The six steps in order; the body of every gristmill flow. On Dask workers the engines
+    start and stop inside generate, one per worker, instead of in init_engine and shutdown."""
     plan, engine = None, None
     try:
         plan = configure(config)
-        engine = init_engine(plan)
-        work = prepare_prompts(plan, engine, fresh)
-        generated = generate(plan, engine, work)
+        if config.parallel.on_dask:
+            work = prepare_prompts(plan, None, fresh)
+            generated = generate_in_parallel(plan, work)
+        else:
+            engine = init_engine(plan)
+            work = prepare_prompts(plan, engine, fresh)
+            generated = generate(plan, engine, work)
         return collect(plan, work, generated, finish)
     finally:
         shutdown(engine)
@@ -282,6 +292,16 @@ def _result_fields(config: RunConfig) -> list[pa.Field]:
         fields.append(pa.field("top_logprobs", pa.list_(pa.list_(entry))))
     fields.append(pa.field("error", pa.string()))
     return fields
+
+
+def _tokenizer(config: RunConfig) -> Any:
+    """The engine's tokenizer, loaded as the engine loads it; only chat prompts need one."""
+    if not config.prompt.chat:
+        return None
+    from engine.input_processor import load_tokenizer
+    from engine.server_args import ServerArgs
+
+    return load_tokenizer(ServerArgs.from_kwargs(**config.engine.arguments()))
 
 
 def _pylist(table: pa.Table) -> Iterator[dict[str, Any]]:

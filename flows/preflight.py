@@ -37,6 +37,7 @@ def preflight(config: RunConfig) -> Checked:
         _check_columns(config, columns, problems)
     if config.prompt.chat and tokenizer_path and not has_chat_template(tokenizer_path):
         problems.append(("prompt.chat", f"the tokenizer in {tokenizer_path} has no chat template"))
+    _check_gpus(config, problems)
     problems += config.flow_problems()
     if problems:
         raise ConfigError(problems)
@@ -69,6 +70,31 @@ def _check_engine(config: RunConfig, problems: list[tuple[str, str]]) -> str:
         problems.append(("engine.model_path", str(e)))
         return ""
     return str(server_args.tokenizer_path)
+
+
+def _check_gpus(config: RunConfig, problems: list[tuple[str, str]]) -> None:
+    """A local cluster's engines take consecutive GPUs (flows/parallel.py): they must exist."""
+    parallel, args = config.parallel, config.engine.arguments()
+    if not parallel.on_dask or parallel.address is not None or args.get("device") == "cpu":
+        return
+    if args.get("device") not in (None, "cuda"):
+        problems.append(
+            ("engine.device", f"names one device ({args['device']}); parallel workers each "
+             "take their own GPUs from base_gpu_id: use device 'cuda' or leave it unset")
+        )  # fmt: skip
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return  # the engines run on the CPU
+    first = args.get("base_gpu_id", 0)
+    last = first + parallel.workers * config.gpus_per_worker - 1
+    if last >= torch.cuda.device_count():
+        problems.append(
+            ("parallel.workers", f"{parallel.workers} workers of {config.gpus_per_worker} GPU(s) "
+             f"from base_gpu_id {first} need GPUs {first}..{last}, but "
+             f"{torch.cuda.device_count()} are visible")
+        )  # fmt: skip
 
 
 def _refusal(check: Any, *args: Any, **kwargs: Any) -> ValueError | None:

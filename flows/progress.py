@@ -37,6 +37,7 @@ class Progress:
         stream: TextIO | None = None,
         log_every: float = 10.0,
         publish_every: float = 2.0,
+        bar: bool = True,
     ) -> None:
         self.total = total
         self.done_before = done_before
@@ -45,7 +46,7 @@ class Progress:
         self.run_name = run_name
         self.logger = logger
         stream = stream if stream is not None else sys.stderr
-        self.stream = stream if stream.isatty() else None
+        self.stream = stream if bar and stream.isatty() else None  # else log lines
         self.log_every = log_every
         self.publish_every = publish_every
         self.started = time.perf_counter()

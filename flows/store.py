@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ class CheckpointStore:
         self.folder = Path(output_dir) / run_name / self.fingerprint
         self.shards_dir = self.folder / "shards"
         self._lock: int | None = None
+        self.writer_token: str | None = None  # this run's mark in the writer file, once locked
 
     def __getstate__(self) -> dict[str, Any]:
         # NOTE: a lock is a descriptor of this process: a copy sent to another process (a Dask
@@ -104,6 +106,28 @@ class CheckpointStore:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock = fd
+        self.writer_token = uuid.uuid4().hex
+        _atomic_write(self._writer_path, self.writer_token.encode())
+
+    def check_writer(self) -> None:
+        """Raise unless the run that locked this store (in any process) is still its writer.
+
+        NOTE: the lock holder's helpers in other processes (Dask workers) write shards without
+        the lock; if the holder died while a helper on another machine went on, a rerun takes
+        the lock and writes a new token, and this check stops the stray helper before its next
+        shard lands (all but a rename's instant), so it cannot write rows the rerun redoes.
+        """
+        if self.writer_token is None:
+            return
+        try:
+            current = self._writer_path.read_text()
+        except OSError:
+            current = None
+        if current != self.writer_token:
+            raise RuntimeError(
+                f"a newer run is writing to {self.folder}: this worker of an earlier run stops "
+                "without writing its unsaved rows (the newer run does them)"
+            )
 
     def writer(self) -> str | None:
         """The pid of the run writing to the folder now, or None (a look: it takes no lock)."""
@@ -120,6 +144,10 @@ class CheckpointStore:
     @property
     def _lock_path(self) -> Path:
         return self.folder.parent / f"{self.fingerprint}.lock"
+
+    @property
+    def _writer_path(self) -> Path:
+        return self.folder.parent / f"{self.fingerprint}.writer"
 
     def unlock(self) -> None:
         if self._lock is not None:
@@ -192,17 +220,23 @@ class CheckpointStore:
         return scan
 
     # ------------------------------------------------------------------ writing
-    def write_shard(self, rows: list[dict[str, Any]], schema: pa.Schema | None = None) -> Path:
+    def write_shard(
+        self,
+        rows: list[dict[str, Any]],
+        schema: pa.Schema | None = None,
+        fence: Callable[[], None] | None = None,
+    ) -> Path:
         """Write rows as one new shard, atomically; returns its path.
 
         With a schema every shard gets the same column types, even one whose values are all null.
+        `fence` runs just before the shard is moved into place; if it raises, no shard appears.
         """
         if not rows:
             raise ValueError("a shard needs at least one row")
         if any(ID_COLUMN not in r for r in rows):
             raise ValueError(f"every row needs an {ID_COLUMN!r} column")
         path = self.shards_dir / f"shard-{uuid.uuid4().hex}.parquet"
-        write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
+        write_parquet(path, pa.Table.from_pylist(rows, schema=schema), fence)
         return path
 
     @property
@@ -240,20 +274,27 @@ def _try_flock(fd: int, kind: int) -> bool:
     return True
 
 
-def write_parquet(path: Path, table: pa.Table) -> None:
+def write_parquet(path: Path, table: pa.Table, fence: Callable[[], None] | None = None) -> None:
     """A Parquet file that appears whole or not at all."""
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)
-    _atomic_write(path, buffer.getvalue().to_pybytes())
+    _atomic_write(path, buffer.getvalue().to_pybytes(), fence)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write to a dot-prefixed temporary beside `path`, flush it to disk, then rename into place."""
+def _atomic_write(path: Path, data: bytes, fence: Callable[[], None] | None = None) -> None:
+    """Write to a dot-prefixed temporary beside `path`, flush it to disk, then rename into place
+    (unless `fence` raises: then the temporary is removed and nothing appears)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if fence is not None:
+        try:
+            fence()
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:

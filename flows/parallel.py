@@ -1,0 +1,273 @@
+"""Data-parallel generation: the rows still to do, split over `parallel.workers` engines, each
+resident in one Dask worker, all writing shards into the run's one checkpoint store.
+
+    prepare_prompts ─► generate-on-workers (a nested flow on a DaskTaskRunner) ─► collect
+    (flow process)       ├─ generate-part-0: its own engine ─┐
+                         ├─ generate-part-1: its own engine ─┼─► <run folder>/shards/
+                         └─ ...                             ─┘
+
+The task runner is built at run time from the config (a local cluster of `workers` processes,
+or the scheduler at `parallel.address`), so the flows, deployments and the CLI are the same
+for one engine or many. Meanwhile the flow process watches the shards land and shows one
+progress for the whole run.
+
+Exactly once: the flow process alone holds the store's lock; the parts hold disjoint rows and
+write shards (atomic, uuid-named) without it. A part starts by skipping the ids already in
+shards, so when Dask runs it again after its worker died (it retries a task whose worker was
+lost, `distributed.scheduler.allowed-failures` times, then gives up with KilledWorker), the
+rows the lost attempt wrote are not redone. The engine of a killed worker dies with it (its
+lifeline), and a local cluster's workers die with the flow process. Every part is waited for,
+failed or not, before the flow moves on, so no part writes after the lock is let go; a part
+stranded on a remote cluster by a dead flow process is stopped by the store's writer check.
+
+NOTE: Dask starts a local cluster's workers with multiprocessing's spawn, which imports the
+calling script again: a script that calls a flow with several local workers must do so under
+`if __name__ == "__main__":` (the `gristmill` command and deployments need nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.config import RunConfig
+from flows.generation import Generated, RequestOptions, generate_rows
+from flows.progress import Progress
+from flows.store import CheckpointStore
+
+if TYPE_CHECKING:
+    from prefect_dask import DaskTaskRunner
+
+    from flows.pipeline import RunPlan, Work
+
+POLL_SECONDS = 1.0  # how often the flow process looks for new shards while the parts run
+
+
+def generate_in_parallel(plan: RunPlan, work: Work) -> Generated:
+    """The generate step on Dask workers: a nested flow on a task runner made for this run."""
+    if work.todo.num_rows == 0:
+        get_run_logger().info("nothing to generate: every row is already in a shard")
+        return Generated()
+    runner = task_runner(plan.config)
+    with _api_for_workers():
+        return generate_on_workers.with_options(task_runner=runner)(plan, work)
+
+
+def task_runner(config: RunConfig) -> DaskTaskRunner:
+    """A runner on the scheduler at `parallel.address`, or on a local cluster made for the run."""
+    from prefect_dask import DaskTaskRunner
+
+    parallel = config.parallel
+    if parallel.address is not None:
+        return DaskTaskRunner(address=parallel.address)
+    return DaskTaskRunner(
+        cluster_kwargs={
+            "n_workers": parallel.workers,
+            "threads_per_worker": 1,  # one part, so one engine, per worker at a time
+            "processes": True,
+            # the engine is the worker's whole job and keeps its memory in its own processes:
+            # Dask's share of RAM per worker (meant for Dask's data) must not restart it
+            "memory_limit": 0,
+        }
+    )
+
+
+@flow(name="generate-on-workers", validate_parameters=False)
+def generate_on_workers(plan: RunPlan, work: Work) -> Generated:
+    """Generate the work's rows on `parallel.workers` engines.
+
+    Returns what the run's new shards hold, whichever attempt of a part wrote them (a part's
+    own count misses the rows of an attempt Dask lost), over the whole step's wall time,
+    engines' start-up included.
+    """
+    logger = get_run_logger()
+    config, store = plan.config, plan.store
+    parts = split_rows(work.todo, config.parallel.workers)
+    local = config.parallel.address is None
+    logger.info(
+        "%d rows in %d parts of about %d, on %s",
+        work.todo.num_rows,
+        len(parts),
+        parts[0].num_rows,
+        f"a local Dask cluster of {config.parallel.workers} workers"
+        if local
+        else f"the Dask cluster at {config.parallel.address}",
+    )
+    shards = NewShards(store)
+    started = time.perf_counter()
+    futures = [
+        generate_part.submit(plan, part, index, work.schema, local)
+        for index, part in enumerate(parts)
+    ]
+    progress = Progress(work.total, work.done_before, config.run_name, logger)
+    asyncio.run(_watch(futures, shards, progress))
+    failures = []
+    for index, future in enumerate(futures):
+        try:
+            future.result()
+        except Exception as e:  # every part is asked, failed or not
+            logger.error("part %d failed: %s: %s", index, type(e).__name__, e)
+            failures.append((index, e))
+    generated = shards.generated(seconds=time.perf_counter() - started)
+    if failures:
+        index, first = failures[0]
+        raise RuntimeError(
+            f"{len(failures)} of {len(parts)} parts failed (part {index}: "
+            f"{type(first).__name__}: {first}); the rows they finished are in shards: "
+            "rerun to do the rest"
+        ) from first
+    return generated
+
+
+@task(cache_policy=NO_CACHE, task_run_name="generate-part-{index}")
+def generate_part(
+    plan: RunPlan, part: pa.Table, index: int, schema: pa.Schema, local: bool
+) -> Generated:
+    """One part's rows through an engine started for it in this Dask worker."""
+    from engine import Engine
+
+    logger = get_run_logger()
+    config, store = plan.config, plan.store
+    # NOTE: repair=False: the dot-named files there are other workers' shards being written
+    done = store.scan(repair=False).done_ids
+    todo = part.filter(pc.invert(pc.is_in(part.column("id"), pa.array(list(done), pa.string()))))
+    if todo.num_rows < part.num_rows:
+        logger.info(
+            "part %d: %d of its %d rows are in shards already (written by an earlier attempt)",
+            index,
+            part.num_rows - todo.num_rows,
+            part.num_rows,
+        )
+    if todo.num_rows == 0:
+        return Generated()
+    arguments = engine_arguments(config, index, local)
+    engine = Engine(**arguments)
+    try:
+        logger.info(
+            "part %d: %d rows on %s of %s (pid %d), engine ready in %.1fs",
+            index,
+            todo.num_rows,
+            engine.get_server_info()["device"],
+            socket.gethostname(),
+            os.getpid(),
+            engine.startup_seconds,
+        )
+        options = RequestOptions(config.sampling_params(), config.logprobs, config.top_logprobs)
+        progress = Progress(todo.num_rows, 0, config.run_name, logger, bar=False)
+        generated = asyncio.run(
+            generate_rows(
+                engine,
+                todo,
+                options,
+                max_in_flight=config.max_in_flight,
+                shard_size=config.shard_size,
+                write_shard=lambda rows: store.write_shard(rows, schema, store.check_writer),
+                progress=progress,
+            )
+        )
+    finally:
+        engine.shutdown()
+    logger.info("part %d: generated %s", index, progress.line())
+    return generated
+
+
+# ---------------------------------------------------------------------- helpers
+def split_rows(todo: pa.Table, parts: int) -> list[pa.Table]:
+    """Contiguous slices of near-equal size (never an empty one), in input order."""
+    parts = max(1, min(parts, todo.num_rows))
+    size, extra = divmod(todo.num_rows, parts)
+    slices, start = [], 0
+    for i in range(parts):
+        length = size + (i < extra)
+        slices.append(todo.slice(start, length))
+        start += length
+    return slices
+
+
+def engine_arguments(config: RunConfig, index: int, local: bool) -> dict[str, Any]:
+    """Part `index`'s engine: on a local cluster, the next gpus_per_worker GPUs after the
+    previous part's; on a remote one each worker sees only its own GPUs, so as configured."""
+    arguments = config.engine.arguments()
+    if local:
+        base = arguments.get("base_gpu_id", 0)
+        arguments["base_gpu_id"] = base + index * config.gpus_per_worker
+    return arguments
+
+
+class NewShards:
+    """The rows of shards that appeared since the run began, whichever worker wrote them."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self.seen = set(self._names())
+        self.stats = Generated()
+
+    def _names(self) -> Iterator[str]:
+        for path in self.store.shards_dir.glob("shard-*.parquet"):  # dot-named: not yet whole
+            yield path.name
+
+    def poll(self) -> tuple[int, int]:
+        """(rows, completion tokens) of the shards that landed since the last poll."""
+        rows = tokens = 0
+        for name in sorted(set(self._names()) - self.seen):
+            table = pq.read_table(
+                self.store.shards_dir / name,
+                columns=["prompt_tokens", "completion_tokens", "error"],
+            )
+            self.seen.add(name)
+            completion = int(pc.sum(table.column("completion_tokens")).as_py() or 0)
+            rows, tokens = rows + table.num_rows, tokens + completion
+            self.stats.rows += table.num_rows
+            self.stats.shards += 1
+            self.stats.errors += int(pc.sum(pc.is_valid(table.column("error"))).as_py() or 0)
+            self.stats.prompt_tokens += int(pc.sum(table.column("prompt_tokens")).as_py() or 0)
+            self.stats.completion_tokens += completion
+        return rows, tokens
+
+    def generated(self, seconds: float) -> Generated:
+        self.poll()
+        return Generated(**{**vars(self.stats), "seconds": seconds})
+
+
+async def _watch(futures: list[Any], shards: NewShards, progress: Progress) -> None:
+    """Feed the run's progress from the shards that land, until every part has ended."""
+    await progress.open()
+    try:
+        while True:
+            ended = all(f.wrapped_future.done() for f in futures)
+            rows, tokens = shards.poll()
+            if rows:
+                await progress.advance(rows, tokens)
+            if ended:
+                return
+            await asyncio.sleep(POLL_SECONDS)
+    finally:
+        await progress.close()
+
+
+def _api_for_workers() -> AbstractContextManager[Any]:
+    """Point the workers at the flow's Prefect API.
+
+    A task on a Dask worker reports to the API in the settings the flow sends with it. With no
+    PREFECT_API_URL the flow runs on a temporary local server, which those settings do not
+    name: each worker would start its own (and a killed worker would leave it running).
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if PREFECT_API_URL.value():
+        return nullcontext()
+    with get_client(sync_client=True) as client:
+        url = str(client.api_url).rstrip("/")
+    return temporary_settings({PREFECT_API_URL: url})

@@ -1,0 +1,381 @@
+"""Data-parallel flows on a local Dask cluster (CPU): two engine workers write exactly the rows a
+one-engine run writes; a worker killed mid-run is retried by Dask, or, when Dask gives up, the
+run fails and a rerun finishes it; a run resumes whatever its worker count was before."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+import flows.generation
+from flows.config import ConfigError, load_config
+from flows.identity import run_identity
+from flows.parallel import engine_arguments, split_rows
+from flows.pipeline import generate_batch
+from flows.preflight import preflight
+from flows.store import CheckpointStore
+from tests.flow_fixtures import (
+    alive,
+    base_config,
+    engine_children,
+    flow_env,
+    leftover_temp_files,
+    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
+    question_rows,
+    run_folder,
+    wait_until,
+    write_jsonl,
+)
+
+ROWS = 300
+# what a row is; latency and cached_tokens depend on what else was in the engine at the time
+KEEP = ["id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("input") / "questions.jsonl", question_rows(ROWS))
+
+
+@pytest.fixture(scope="module")
+def config_for(llama_dir, source):
+    """The module's one config (one fingerprint), with its speed settings and workers varied."""
+
+    def make(out: Path, workers: int = 1, **fields) -> dict:
+        return base_config(llama_dir, source, out, **fields) | {"parallel": {"workers": workers}}
+
+    return make
+
+
+def run(config: dict) -> dict:
+    state = generate_batch(config=load_config(config), return_state=True)
+    assert state.is_completed(), state.message
+    return state.result()
+
+
+def output(out: Path) -> pa.Table:
+    return pq.read_table(run_folder(out) / "output.parquet")
+
+
+def shard_rows(out: Path) -> int:
+    return sum(pq.read_metadata(s).num_rows for s in (run_folder(out) / "shards").glob("*.parquet"))
+
+
+@pytest.fixture(scope="module")
+def reference(prefect_api, config_for, tmp_path_factory):
+    """The same config on one engine in the flow's own process: what every run must write."""
+    out = tmp_path_factory.mktemp("one-worker")
+    run(config_for(out))
+    table = output(out).select(KEEP)
+    assert table.num_rows == ROWS
+    return table
+
+
+def assert_exactly_the_reference(out: Path, reference: pa.Table) -> None:
+    table = output(out)
+    assert table.num_rows == len(set(table.column("id").to_pylist())) == ROWS
+    assert table.select(KEEP).equals(reference)
+    assert leftover_temp_files(run_folder(out)) == []
+
+
+# ---------------------------------------------------------------------- two workers
+@pytest.fixture(scope="module")
+def two_workers(prefect_api, config_for, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two-workers")
+    state = generate_batch(config=load_config(config_for(out, workers=2)), return_state=True)
+    assert state.is_completed(), state.message
+    return out, state.result(), state.state_details.flow_run_id
+
+
+def test_300_rows_on_2_workers_equal_a_1_worker_run(two_workers, reference):
+    out, summary, _ = two_workers
+    assert_exactly_the_reference(out, reference)
+    assert summary["rows"] == summary["rows_generated_now"] == ROWS
+    assert summary["completion_tokens"] == sum(reference.column("completion_tokens").to_pylist())
+    assert summary["shards"] == 6, "two parts of 150 rows, in shards of 50"
+
+
+def test_each_part_is_a_task_run_of_a_nested_flow_on_dask(two_workers):
+    *_, flow_run_id = two_workers
+    with get_client(sync_client=True) as client:
+        (nested,) = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
+            )
+        )
+        parts = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id={"any_": [nested.id]})  # type: ignore[arg-type]
+        )
+    assert nested.state.is_completed()
+    assert sorted((p.name, p.state.type.value) for p in parts) == [
+        ("generate-part-0", "COMPLETED"),
+        ("generate-part-1", "COMPLETED"),
+    ]
+
+
+# ---------------------------------------------------------------------- a worker killed mid-run
+class KilledRun:
+    """A 2-worker run in a subprocess (`gristmill run`) whose Dask worker of one part is
+    SIGKILLed mid-part: after the part's first shard landed, before its last."""
+
+    def __init__(self, config: dict, tmp_path: Path, api_url: str, **env: str) -> None:
+        config_file = tmp_path / "config.yaml"
+        config_file.write_text(yaml.safe_dump(config))
+        self.shards = Path(config["output_dir"]) / "questions"
+        self._read: dict[Path, list[str]] = {}  # the ids of each shard seen so far
+        self.parts = self._parts_to_do()
+        self.stderr = tmp_path / "stderr.txt"
+        self.family: set[int] = set()  # every process the run had, for the orphan check
+        with open(self.stderr, "w") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "flows.cli", "run", str(config_file)],
+                env=flow_env(api_url, **env),
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
+        try:
+            victim: list[int] = []
+            wait_until(lambda: victim.extend(self._victim()) or victim, 240, "a part mid-way")
+            part, pid = victim
+            os.kill(pid, signal.SIGSTOP)  # freeze it, so the check below cannot race its end
+            assert not self.parts[part] <= self._landed(), "the part ended before the kill"
+            self.victim_engine = engine_children(pid)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 300
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                self._look()
+                time.sleep(0.2)
+        finally:
+            self.proc.kill()  # a no-op once it has ended; if it hung, the test fails below
+            self.returncode = self.proc.wait(timeout=60)
+
+    def _parts_to_do(self) -> list[set[str]]:
+        """The ids of the two parts: the rows not yet in shards, halved in input order."""
+        done = self._landed()
+        todo = [r["qid"] for r in question_rows(ROWS) if r["qid"] not in done]
+        half = (len(todo) + 1) // 2
+        return [set(todo[:half]), set(todo[half:])]
+
+    def _landed(self) -> set[str]:
+        for shard in self.shards.glob("*/shards/*.parquet"):
+            if shard not in self._read:
+                self._read[shard] = pq.read_table(shard, columns=["id"]).column("id").to_pylist()
+        return {i for ids in self._read.values() for i in ids}
+
+    def _victim(self) -> list[int]:
+        """[part, its worker's pid] for a part with a shard landed and rows still to do."""
+        assert self.proc.poll() is None, "the run ended before a worker could be killed"
+        self._look()
+        workers = {
+            int(part): int(pid)
+            for part, pid in re.findall(r"part (\d+): \d+ rows on .* \(pid (\d+)\)", self.log)
+        }
+        landed = self._landed()
+        for part, pid in workers.items():
+            if landed & self.parts[part] and not self.parts[part] <= landed:
+                return [part, pid]
+        return []
+
+    @property
+    def log(self) -> str:
+        return self.stderr.read_text()
+
+    def _look(self) -> None:
+        try:
+            self.family.update(p.pid for p in psutil.Process(self.proc.pid).children(True))
+        except psutil.NoSuchProcess:
+            pass
+
+    def assert_no_orphans(self) -> None:
+        assert len(self.victim_engine) == 2, "the killed worker was running an engine"
+        assert set(self.victim_engine) <= self.family
+        wait_until(
+            lambda: not any(alive(pid) for pid in self.family),
+            timeout=30,
+            what="every process of the run (Dask workers, engines) to exit",
+        )
+
+
+def fail_the_120th_request(monkeypatch) -> None:
+    """Make this process's engine path fail mid-run (Dask workers are other processes)."""
+    calls = itertools.count()
+    real_request = flows.generation.request
+
+    async def failing_request(engine, row, options):
+        if next(calls) == 120:
+            raise RuntimeError("injected failure")
+        return await real_request(engine, row, options)
+
+    monkeypatch.setattr(flows.generation, "request", failing_request)
+
+
+def test_resumed_on_2_workers_one_killed_dask_reruns_its_part_and_every_row_is_written_once(
+    prefect_api, config_for, reference, tmp_path, monkeypatch
+):
+    out = tmp_path / "runs"
+    fail_the_120th_request(monkeypatch)
+    state = generate_batch(
+        config=load_config(config_for(out, shard_size=10, max_in_flight=8)), return_state=True
+    )
+    assert state.is_failed() and "injected failure" in state.message
+    monkeypatch.undo()
+    by_one_worker = shard_rows(out)
+    assert 100 <= by_one_worker <= 120
+
+    # one row in flight per engine and a shard per row: a part's first shard lands with all but
+    # one of its rows still to do, so the kill lands mid-part on any machine
+    killed = KilledRun(
+        config_for(out, workers=2, shard_size=1, max_in_flight=1), tmp_path, prefect_api
+    )
+    log = killed.log
+    assert killed.returncode == 0, log[-3000:]
+    assert "Restarting worker" in log, "Dask saw the worker die"
+    assert "written by an earlier attempt" in log, "the rerun part skipped its landed rows"
+    killed.assert_no_orphans()
+    assert_exactly_the_reference(out, reference)
+
+    summary = run(config_for(out, workers=2))
+    assert summary["rows_generated_now"] == 0 and summary["rows_from_earlier_runs"] == ROWS
+    assert_exactly_the_reference(out, reference)
+
+
+def test_when_dask_gives_up_on_a_killed_worker_the_run_fails_and_a_1_worker_rerun_finishes(
+    prefect_api, config_for, reference, tmp_path
+):
+    out = tmp_path / "runs"
+    killed = KilledRun(
+        config_for(out, workers=2, shard_size=1, max_in_flight=1),
+        tmp_path,
+        prefect_api,
+        DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",  # no second attempt of a task
+    )
+    log = killed.log
+    assert killed.returncode == 1, log[-3000:]
+    assert "1 of 2 parts failed" in log and "KilledWorker" in log
+    assert "run the same command again to resume" in log
+    killed.assert_no_orphans()
+    landed = shard_rows(out)
+    assert 0 < landed < ROWS
+
+    summary = run(config_for(out, workers=1))
+    assert summary["rows_from_earlier_runs"] == landed
+    assert summary["rows_generated_now"] == ROWS - landed
+    assert_exactly_the_reference(out, reference)
+
+
+# ---------------------------------------------------------------------- the pieces
+def test_parts_are_near_equal_contiguous_slices_never_empty():
+    table = pa.table({"id": [f"r{i}" for i in range(11)]})
+    for parts in range(1, 14):
+        sliced = split_rows(table, parts)
+        sizes = [p.num_rows for p in sliced]
+        assert len(sliced) == min(parts, 11) and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+        assert pa.concat_tables(sliced).equals(table)
+
+
+def test_on_a_local_cluster_each_part_takes_the_next_gpus(config_for, tmp_path):
+    config = load_config(
+        config_for(tmp_path, workers=3) | {"parallel": {"workers": 3, "gpus_per_worker": 2}}
+    )
+    config.engine.base_gpu_id = 1
+    local = [engine_arguments(config, i, local=True) for i in range(3)]
+    assert [(a["base_gpu_id"], a["tp_size"]) for a in local] == [(1, 2), (3, 2), (5, 2)]
+    # a remote worker sees only its own GPUs: base_gpu_id as configured
+    assert engine_arguments(config, 2, local=False)["base_gpu_id"] == 1
+
+
+def test_workers_and_address_are_not_in_the_fingerprint(config_for, tmp_path):
+    def identity(**parallel):
+        data = config_for(tmp_path)
+        config = load_config(data | {"parallel": parallel})
+        return run_identity(config, preflight(config))
+
+    one = identity()
+    assert identity(workers=4) == one
+    assert identity(workers=2, address="tcp://10.0.0.5:8786") == one
+    assert identity(gpus_per_worker=1) == one, "an explicit 1 is the engine's default tp_size"
+    two_gpus = identity(gpus_per_worker=2)
+    assert two_gpus != one and two_gpus["engine"]["tp_size"] == 2
+
+
+BAD_PARALLEL = [
+    ({"workers": 0}, "parallel.workers", "greater than or equal to 1"),
+    ({"gpus_per_worker": 0}, "parallel.gpus_per_worker", "greater than or equal to 1"),
+    ({"address": "my-laptop"}, "parallel.address", "Dask scheduler address"),
+    ({"workers": 2, "wrkers": 2}, "parallel.wrkers", "unknown field"),
+]
+
+
+@pytest.mark.parametrize(
+    "parallel,field,message", BAD_PARALLEL, ids=[f for _, f, _ in BAD_PARALLEL]
+)
+def test_a_bad_parallel_section_is_refused_naming_the_field(
+    config_for, tmp_path, parallel, field, message
+):
+    with pytest.raises(ConfigError) as refused:
+        load_config(config_for(tmp_path) | {"parallel": parallel})
+    ((where, text),) = refused.value.problems
+    assert where == field and message in text
+
+
+def test_gpus_per_worker_that_disagrees_with_tp_size_names_both(config_for, tmp_path):
+    data = config_for(tmp_path)
+    data["engine"] = {**data["engine"], "tp_size": 4}
+    with pytest.raises(ConfigError) as refused:
+        load_config(data | {"parallel": {"workers": 2, "gpus_per_worker": 2}})
+    ((where, text),) = refused.value.problems
+    assert where == "parallel" and "gpus_per_worker (2)" in text and "engine.tp_size (4)" in text
+
+
+def test_a_local_cluster_needs_its_gpus_and_no_single_device(config_for, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    data = config_for(tmp_path) | {"parallel": {"workers": 2, "gpus_per_worker": 2}}
+    preflight(load_config(data))  # GPUs 0..3 of 4
+    with pytest.raises(ConfigError) as refused:
+        preflight(load_config(data | {"parallel": {"workers": 3, "gpus_per_worker": 2}}))
+    assert refused.value.problems == [
+        (
+            "parallel.workers",
+            "3 workers of 2 GPU(s) from base_gpu_id 0 need GPUs 0..5, but 4 are visible",
+        )
+    ]
+    # on a remote cluster each worker has its own GPUs: nothing to check here
+    preflight(load_config(data | {"parallel": {"workers": 8, "address": "tcp://10.0.0.5:8786"}}))
+    data["engine"] = {**data["engine"], "device": "cuda:1"}
+    with pytest.raises(ConfigError, match="engine.device: names one device"):
+        preflight(load_config(data))
+
+
+def test_a_store_copy_in_a_worker_holds_no_lock_and_stops_once_a_newer_run_writes(tmp_path):
+    first = CheckpointStore(tmp_path, "run", {"a": 1})
+    first.lock()
+    first.open()
+    worker = pickle.loads(pickle.dumps(first))  # what a Dask worker gets
+    assert worker._lock is None and worker.writer_token == first.writer_token
+    worker.write_shard([{"id": "a"}], fence=worker.check_writer)  # the run is still the writer
+    first.unlock()  # the run died, its worker went on; a rerun takes over
+    rerun = CheckpointStore(tmp_path, "run", {"a": 1})
+    rerun.lock()
+    with pytest.raises(RuntimeError, match="a newer run is writing"):
+        worker.write_shard([{"id": "b"}], fence=worker.check_writer)
+    assert rerun.open().done_ids == {"a"}
+    assert leftover_temp_files(rerun.folder) == []
+    rerun.unlock()
