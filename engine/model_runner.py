@@ -48,7 +48,9 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(rows, config.context_length, device)
         # the last token sampled for each request row: the input of its next decode step
         self.next_token = torch.zeros(rows + 1, dtype=torch.int64, device=device)
-        self.attn_backend = create_backend(args.attention_backend, device)
+        self.attn_backend = create_backend(
+            args.attention_backend, device, self.model.layers[0].self_attn.attn, config.dtype
+        )
         activation_peak = self._warm_up() if device.type == "cuda" else 0
         self.max_total_tokens = self._pool_tokens(activation_peak)
         self.max_running_requests = min(rows, self.max_total_tokens)

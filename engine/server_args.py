@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -69,6 +70,11 @@ class ServerArgs:
         _check_choice("log_level", self.log_level.lower(), LOG_LEVELS)
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.attention_backend == "flashinfer" and not importlib.util.find_spec("flashinfer"):
+            raise ValueError(
+                "attention_backend='flashinfer' needs the flashinfer-python package "
+                "(`pip install flashinfer-python`); 'triton' and 'torch' need nothing more."
+            )
         # Accepted for SGLang compatibility but not built yet: refused rather than silently ignored.
         if self.kv_cache_dtype != "auto":
             raise ValueError(

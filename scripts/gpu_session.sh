@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the README's benchmark workloads. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [kernels|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|w1-peer|prefix ...]
+# Usage there: bash scripts/gpu_session.sh [kernels|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
 mkdir -p "$OUT"
 if [ -d .whl ]; then  # pyzmq travels as a wheel: the machine has no network
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -f .fi/flashinfer-slim.tgz ]; then  # optional: FlashInfer unpacked beside the wheels
+  mkdir -p /tmp/site && tar xzf .fi/flashinfer-slim.tgz -C /tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .fi/*.whl 2>&1 | grep -v WARNING
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -28,6 +33,10 @@ for step in "${@:-kernels engine w1 w2}"; do
       w2-tp2) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \
                 --engine-args '{"tp_size": 2}' --json "$OUT/w2-tp2.json" 2>&1 | grep "^|\|Error\|error" ;;
       w1-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -60 ;;
+      flashinfer) python3 -m pytest tests/test_flashinfer_backend.py tests/test_kernel_kv_indices.py -q -s -p no:cacheprovider \
+                -W ignore 2>&1 | grep -v "^Loading\|Writing" | tail -25 ;;
+      w1-flashinfer) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
+                --engine-args '{"attention_backend": "flashinfer"}' --json "$OUT/w1-flashinfer.json" 2>&1 | grep "^|\|Error" ;;
       splits) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_decode_splits.py 2>&1 | tail -8 ;;
       w1-profile) GRISTMILL_PROFILE=$OUT/w1.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 2>&1 | grep "^|"
                   python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(22)" "$OUT/w1.prof" | tail -32 ;;
