@@ -70,6 +70,7 @@ class DecodeCudaGraphs:
         if padded > bs:
             self.static[:, bs:padded].copy_(self.padding[:, bs:padded])
         self.static[:, :bs].copy_(batch.packed)
+        self.runner.attn_backend.init_graph_replay(batch, padded, self.static)
         self.graphs[padded].replay()
         # NOTE: a view of the shared buffer: valid until the next replay (the scheduler samples
         # from it first; device work runs in launch order)
@@ -100,6 +101,8 @@ class DecodeCudaGraphs:
 
     def _capture(self, bs: int, pool: object, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         forward = self._forward_fn(bs)
+        # the most K/V entries a decode batch of bs can read: the pool, plus a slot per padded row
+        self.runner.attn_backend.init_graph_capture(bs, self.runner.kv_pool.num_tokens + bs)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the kernels and create library handles outside capture

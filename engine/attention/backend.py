@@ -19,11 +19,23 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
-    # whether decode launches depend only on tensor contents, so a CUDA graph can replay them
+    # whether decode steps can be captured in CUDA graphs and replayed (with the hooks below)
     supports_cuda_graph = False
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+
+    # NOTE: the decode CUDA graphs (engine/cuda_graph.py) call these two around capture and
+    # replay; a backend whose kernels read only tensors (triton) needs neither.
+    def init_graph_capture(self, bs: int, max_kv_entries: int) -> None:
+        """Before the decode graph of batch size `bs` is captured (outside the capture); its
+        batches read at most `max_kv_entries` K/V entries in all."""
+        return None
+
+    def init_graph_replay(self, batch: ForwardBatch, padded: int, static: torch.Tensor) -> None:
+        """Before a replay of the `padded`-size graph for `batch`, whose inputs are already in
+        `static` ([4, max_bs]: positions, out_cache_loc, req_pool_indices, seq_lens)."""
+        return None
 
     @abstractmethod
     def forward_extend(

@@ -8,13 +8,16 @@ page_size 1. Per batch, `init_forward_metadata` plans the decode or the prefill 
 (FlashInfer's plan is host work: the CSR offsets come from the host's lengths, in pinned
 memory, so nothing waits on the device); per layer, `run` reads the pool.
 
-Decode runs eagerly: FlashInfer's plan must be redone on the host before every step, which
-the decode CUDA graphs of engine/cuda_graph.py do not do, so this backend does not offer them.
+Decode CUDA graphs: each captured batch size gets its own decode wrapper in FlashInfer's
+CUDA-graph mode, whose page table lives in fixed buffers. It is planned with placeholder
+lengths before its capture, and re-planned with the batch's real lengths (padded rows: one
+token in the scratch slot) right before every replay, so the captured kernels read this
+step's pages.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,7 +50,7 @@ def check_available(device: torch.device, dtype: torch.dtype) -> None:
 
 
 class FlashInferAttnBackend(AttentionBackend):
-    supports_cuda_graph = False  # see the module docstring
+    supports_cuda_graph = True
 
     def __init__(self, attn: Attention, dtype: torch.dtype, device: torch.device) -> None:
         import flashinfer
@@ -56,19 +59,78 @@ class FlashInferAttnBackend(AttentionBackend):
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim, self.scaling, self.dtype = attn.head_dim, attn.scaling, dtype
 
+        self.device = device
+
         def workspace() -> torch.Tensor:
             return torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
         # tensor cores pay off once a KV head serves several query heads (as SGLang decides)
-        group = self.num_heads // self.num_kv_heads
+        self.tensor_cores = self.num_heads // self.num_kv_heads >= 4
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace(), "NHD", use_tensor_cores=group >= 4
+            workspace(), "NHD", use_tensor_cores=self.tensor_cores
         )
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+        self.active_decode = self.decode  # the wrapper whose plan the next decode runs
+        # NOTE: the graphs' wrappers share one workspace and one page-list buffer: only one
+        # graph replays at a time, and each replay re-plans its wrapper first
+        self.graph_decode: dict[int, Any] = {}
+        self._graph_workspace: torch.Tensor | None = None
+        self._graph_indices: torch.Tensor | None = None
+
+    @property
+    def _shape(self) -> tuple[int, int, int, int]:
+        return (self.num_heads, self.num_kv_heads, self.head_dim, 1)  # page_size 1
+
+    @property
+    def _dtypes(self) -> dict[str, Any]:
+        return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.scaling}
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_graph_capture(self, bs: int, max_kv_entries: int) -> None:
+        import flashinfer
+
+        if self._graph_indices is None or self._graph_indices.numel() < max_kv_entries:
+            self._graph_indices = torch.zeros(max_kv_entries, dtype=torch.int32, device=self.device)
+        if self._graph_workspace is None:
+            self._graph_workspace = torch.zeros(
+                _WORKSPACE_BYTES, dtype=torch.uint8, device=self.device
+            )
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._graph_workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=self.tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indices_buffer=self._graph_indices,
+            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=self.device),
+        )  # fmt: skip
+        # placeholder plan: what the capture batch is (every row one token in slot 0)
+        placeholder = torch.zeros(bs, dtype=torch.int32, device=self.device)
+        wrapper.plan(
+            _pinned_offsets([1] * bs), placeholder, _pinned(torch.ones(bs, dtype=torch.int32)),
+            *self._shape, **self._dtypes,
+        )  # fmt: skip
+        self.graph_decode[bs] = wrapper
+
+    def init_graph_replay(self, batch: ForwardBatch, padded: int, static: torch.Tensor) -> None:
+        lens = list(batch.seq_lens_cpu) + [1] * (padded - batch.batch_size)
+        kv_indptr = _pinned_offsets(lens)
+        total = int(kv_indptr[-1])
+        indices = gather_kv_indices(
+            batch.req_to_token,
+            static[2, :padded],  # the padded rows' table row maps every position to slot 0
+            kv_indptr.to(self.device, non_blocking=True),
+            total,
+        )
+        wrapper = self.graph_decode[padded]
+        wrapper.plan(
+            kv_indptr, indices, _pinned(torch.ones(padded, dtype=torch.int32)),
+            *self._shape, **self._dtypes,
+        )  # fmt: skip
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         lens = batch.seq_lens_cpu
-        assert lens is not None, "the flashinfer backend does not run inside CUDA graphs"
+        if lens is None:  # a graph capture (and its warm-up runs): planned before, replanned later
+            self.active_decode = self.graph_decode[batch.batch_size]
+            return
         kv_indptr = _pinned_offsets(lens)
         total = int(kv_indptr[-1])
         indices = gather_kv_indices(
@@ -78,23 +140,20 @@ class FlashInferAttnBackend(AttentionBackend):
             total,
         )
         last_page_len = _pinned(torch.ones(len(lens), dtype=torch.int32))
-        shape = (self.num_heads, self.num_kv_heads, self.head_dim, 1)  # page_size 1
-        dtypes = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
-        if batch.mode is ForwardMode.DECODE:
-            self.decode.plan(
-                kv_indptr, indices, last_page_len, *shape, sm_scale=self.scaling, **dtypes
-            )
+        if batch.mode is ForwardMode.DECODE:  # eager: graphs disabled, or a batch above them
+            self.decode.plan(kv_indptr, indices, last_page_len, *self._shape, **self._dtypes)
+            self.active_decode = self.decode
         else:
             qo_indptr = _pinned_offsets(batch.extend_lens_cpu)
             self.prefill.plan(
-                qo_indptr, kv_indptr, indices, last_page_len, *shape,
-                causal=True, sm_scale=self.scaling, **dtypes,
+                qo_indptr, kv_indptr, indices, last_page_len, *self._shape, causal=True,
+                **self._dtypes,
             )  # fmt: skip
 
     def forward_decode(
         self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
     ) -> torch.Tensor:
-        return self.decode.run(q.contiguous(), _paged(batch, layer))
+        return self.active_decode.run(q.contiguous(), _paged(batch, layer))
 
     def forward_extend(
         self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
