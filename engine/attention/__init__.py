@@ -3,8 +3,8 @@
 "torch" is the reference (CPU and GPU); "triton" runs the kernels of `kernels/` (GPU, or the
 CPU under TRITON_INTERPRET=1 for tests); "flashinfer" runs FlashInfer's kernels when the
 optional flashinfer-python package is installed (CUDA, 16-bit models). The default is the best
-one available for the device: "triton" on CUDA, which also captures decode in CUDA graphs
-(the flashinfer backend does not; README → Performance compares them), else "torch".
+one available for the device: "triton" on CUDA (faster than flashinfer on W1: README →
+Performance), else "torch".
 """
 
 from __future__ import annotations
