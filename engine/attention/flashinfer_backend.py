@@ -28,7 +28,7 @@ from kernels.kv_indices import gather_kv_indices
 if TYPE_CHECKING:
     from engine.layers.attention import Attention
 
-_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-k scratch, one per wrapper
+_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-k scratch
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -53,29 +53,27 @@ class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, attn: Attention, dtype: torch.dtype, device: torch.device) -> None:
+        check_available(device, dtype)
         import flashinfer
 
-        check_available(device, dtype)
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.head_dim, self.scaling, self.dtype = attn.head_dim, attn.scaling, dtype
-
         self.device = device
-
-        def workspace() -> torch.Tensor:
-            return torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-
+        # split-k scratch: one for eager decode, one for prefill, one shared by the graphs'
+        # wrappers (only one graph replays at a time; the layout measured on the H100)
+        self._workspaces = [
+            torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device) for _ in range(3)
+        ]
         # tensor cores pay off once a KV head serves several query heads (as SGLang decides)
         self.tensor_cores = self.num_heads // self.num_kv_heads >= 4
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace(), "NHD", use_tensor_cores=self.tensor_cores
+            self._workspaces[0], "NHD", use_tensor_cores=self.tensor_cores
         )
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspaces[1], "NHD")
         self.active_decode = self.decode  # the wrapper whose plan the next decode runs
-        # NOTE: the graphs' wrappers share one workspace and one page-list buffer: only one
-        # graph replays at a time, and each replay re-plans its wrapper first
-        self.graph_decode: dict[int, Any] = {}
-        self._graph_workspace: torch.Tensor | None = None
-        self._graph_indices: torch.Tensor | None = None
+        self.graph_decode: dict[int, Any] = {}  # captured batch size -> its graph-mode wrapper
+        self._graph_indices: torch.Tensor | None = None  # the graph wrappers' shared page list
+        self._ones = _pinned(torch.ones(0, dtype=torch.int32))  # every last page is full
 
     @property
     def _shape(self) -> tuple[int, int, int, int]:
@@ -85,18 +83,27 @@ class FlashInferAttnBackend(AttentionBackend):
     def _dtypes(self) -> dict[str, Any]:
         return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.scaling}
 
+    def _last_page_lens(self, n: int) -> torch.Tensor:
+        if self._ones.numel() < n:
+            self._ones = _pinned(torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int32))
+        return self._ones[:n]
+
+    def _page_table(
+        self, lens: list[int], rows: torch.Tensor, req_to_token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(CSR offsets on the host, page list on the device) of requests in table `rows`."""
+        kv_indptr = _pinned_offsets(lens)
+        device_indptr = kv_indptr.to(self.device, non_blocking=True)
+        return kv_indptr, gather_kv_indices(req_to_token, rows, device_indptr, int(kv_indptr[-1]))
+
     # ------------------------------------------------------------------ CUDA graphs
     def init_graph_capture(self, bs: int, max_kv_entries: int) -> None:
         import flashinfer
 
         if self._graph_indices is None or self._graph_indices.numel() < max_kv_entries:
             self._graph_indices = torch.zeros(max_kv_entries, dtype=torch.int32, device=self.device)
-        if self._graph_workspace is None:
-            self._graph_workspace = torch.zeros(
-                _WORKSPACE_BYTES, dtype=torch.uint8, device=self.device
-            )
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._graph_workspace, "NHD", use_cuda_graph=True,
+            self._workspaces[2], "NHD", use_cuda_graph=True,
             use_tensor_cores=self.tensor_cores,
             paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
             paged_kv_indices_buffer=self._graph_indices,
@@ -105,41 +112,26 @@ class FlashInferAttnBackend(AttentionBackend):
         # placeholder plan: what the capture batch is (every row one token in slot 0)
         placeholder = torch.zeros(bs, dtype=torch.int32, device=self.device)
         wrapper.plan(
-            _pinned_offsets([1] * bs), placeholder, _pinned(torch.ones(bs, dtype=torch.int32)),
+            _pinned_offsets([1] * bs), placeholder, self._last_page_lens(bs),
             *self._shape, **self._dtypes,
         )  # fmt: skip
         self.graph_decode[bs] = wrapper
 
     def init_graph_replay(self, batch: ForwardBatch, padded: int, static: torch.Tensor) -> None:
         lens = list(batch.seq_lens_cpu) + [1] * (padded - batch.batch_size)
-        kv_indptr = _pinned_offsets(lens)
-        total = int(kv_indptr[-1])
-        indices = gather_kv_indices(
-            batch.req_to_token,
-            static[2, :padded],  # the padded rows' table row maps every position to slot 0
-            kv_indptr.to(self.device, non_blocking=True),
-            total,
+        # the padded rows' table row maps every position to the scratch slot 0
+        kv_indptr, indices = self._page_table(lens, static[2, :padded], batch.req_to_token)
+        self.graph_decode[padded].plan(
+            kv_indptr, indices, self._last_page_lens(padded), *self._shape, **self._dtypes
         )
-        wrapper = self.graph_decode[padded]
-        wrapper.plan(
-            kv_indptr, indices, _pinned(torch.ones(padded, dtype=torch.int32)),
-            *self._shape, **self._dtypes,
-        )  # fmt: skip
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         lens = batch.seq_lens_cpu
         if lens is None:  # a graph capture (and its warm-up runs): planned before, replanned later
             self.active_decode = self.graph_decode[batch.batch_size]
             return
-        kv_indptr = _pinned_offsets(lens)
-        total = int(kv_indptr[-1])
-        indices = gather_kv_indices(
-            batch.req_to_token,
-            batch.req_pool_indices,
-            kv_indptr.to(batch.seq_lens.device, non_blocking=True),
-            total,
-        )
-        last_page_len = _pinned(torch.ones(len(lens), dtype=torch.int32))
+        kv_indptr, indices = self._page_table(lens, batch.req_pool_indices, batch.req_to_token)
+        last_page_len = self._last_page_lens(len(lens))
         if batch.mode is ForwardMode.DECODE:  # eager: graphs disabled, or a batch above them
             self.decode.plan(kv_indptr, indices, last_page_len, *self._shape, **self._dtypes)
             self.active_decode = self.decode
@@ -168,7 +160,7 @@ def _paged(batch: ForwardBatch, layer: Attention) -> tuple[torch.Tensor, torch.T
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:
-    return t.pin_memory() if torch.cuda.is_available() else t
+    return t.pin_memory()  # the backend runs on CUDA only (check_available)
 
 
 def _pinned_offsets(lengths: list[int]) -> torch.Tensor:
