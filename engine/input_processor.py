@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from engine.model_config import ModelConfig
 from engine.request import Req
@@ -200,17 +200,6 @@ class InputProcessor:
             f"and {max_new_tokens} tokens for the completion (max_new_tokens). "
             "Reduce the input or max_new_tokens to fit within the limit."
         )
-
-
-def load_tokenizer(args: ServerArgs) -> PreTrainedTokenizerBase:
-    try:
-        return AutoTokenizer.from_pretrained(
-            args.tokenizer_path, trust_remote_code=args.trust_remote_code
-        )
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"cannot load a tokenizer from tokenizer_path {args.tokenizer_path!r}: {e}"
-        ) from None
 
 
 def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.detokenize import IncrementalDecoder, find_stop
 from engine.sampling_params import SamplingParams
+from engine.tokenization import IncrementalDecoder, find_stop
 
 
 @dataclass

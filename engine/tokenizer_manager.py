@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from engine.input_processor import GenerateCall, InputProcessor, load_tokenizer
+from engine.input_processor import GenerateCall, InputProcessor
 from engine.model_config import ModelConfig
 from engine.request import Req
 from engine.runtime.children import ChildProcesses
@@ -38,6 +38,7 @@ from engine.runtime.messages import (
     ReqOutput,
 )
 from engine.server_args import ServerArgs
+from engine.tokenization import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

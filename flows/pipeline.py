@@ -298,8 +298,8 @@ def _tokenizer(config: RunConfig) -> Any:
     """The engine's tokenizer, loaded as the engine loads it; only chat prompts need one."""
     if not config.prompt.chat:
         return None
-    from engine.input_processor import load_tokenizer
     from engine.server_args import ServerArgs
+    from engine.tokenization import load_tokenizer
 
     return load_tokenizer(ServerArgs.from_kwargs(**config.engine.arguments()))
 

@@ -6,11 +6,12 @@ import dataclasses
 
 import torch
 
-from engine.input_processor import InputProcessor, load_tokenizer
+from engine.input_processor import InputProcessor
 from engine.model_config import ModelConfig
 from engine.request import Req
 from engine.scheduler import Scheduler
 from engine.server_args import ServerArgs
+from engine.tokenization import load_tokenizer
 
 
 class InProcessCore:

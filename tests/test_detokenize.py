@@ -6,9 +6,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import Engine
-from engine.detokenize import IncrementalDecoder, stop_prefix_len
 from engine.runtime.detokenizer_process import Detokenizer
 from engine.runtime.messages import DecodeSpec, ReqOutput
+from engine.tokenization import IncrementalDecoder, stop_prefix_len
 
 MULTIBYTE = ["naïve café 東京 🙂 done", "Ünïcödé → ∑ 𝔘 emoji 🤖🎉 end", "한국어 텍스트와 日本語"]
 

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from engine.detokenize import IncrementalDecoder, stop_prefix_len
-from engine.input_processor import load_tokenizer
 from engine.runtime.ipc import ChildConfig, pull_socket, recv_all
 from engine.runtime.messages import DecodeSpec, Ready, ReqOutput
+from engine.tokenization import IncrementalDecoder, load_tokenizer, stop_prefix_len
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,6 @@ import threading
 import torch
 import zmq
 
-from engine.detokenize import IncrementalDecoder
-from engine.input_processor import load_tokenizer
 from engine.model_config import ModelConfig
 from engine.request import Req
 from engine.runtime.ipc import ChildConfig, pull_socket, push_socket, recv_all
@@ -32,6 +30,7 @@ from engine.runtime.tp_group import TPGroup
 from engine.scheduler import Scheduler
 from engine.scheduler.embedding import EmbeddingScheduler
 from engine.server_args import ServerArgs
+from engine.tokenization import IncrementalDecoder, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

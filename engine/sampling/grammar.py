@@ -177,7 +177,7 @@ class GrammarBackend:
         if self._compiler is None:
             import xgrammar as xgr
 
-            from engine.input_processor import load_tokenizer
+            from engine.tokenization import load_tokenizer
 
             if self.args.skip_tokenizer_init:
                 raise ValueError("constrained output needs the tokenizer (skip_tokenizer_init)")

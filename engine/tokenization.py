@@ -1,4 +1,7 @@
-"""Incremental detokenization: text deltas from a growing list of token ids.
+"""The tokenizer, shared by every process: loading it, and decoding tokens to text incrementally.
+
+The caller tokenizes prompts with it, the scheduler decodes to find stop strings, and the
+detokenizer turns each request's tokens into text deltas.
 
 A byte-level tokenizer may split one character over several tokens; decoding such a prefix
 yields U+FFFD. The decoder therefore only releases text once it does not end in an
@@ -8,9 +11,26 @@ incomplete character, and decodes each step with a few tokens of context before 
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from engine.server_args import ServerArgs
 
 _INCOMPLETE = "\ufffd"
+
+
+def load_tokenizer(args: ServerArgs) -> PreTrainedTokenizerBase:
+    """The engine's tokenizer (tokenizer_path), as every process loads it; ValueError naming the field."""
+    try:
+        return AutoTokenizer.from_pretrained(
+            args.tokenizer_path, trust_remote_code=args.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load a tokenizer from tokenizer_path {args.tokenizer_path!r}: {e}"
+        ) from None
 
 
 class IncrementalDecoder:
