@@ -5,7 +5,7 @@ its argument and sampling-parameter validators, the model-folder reader, and the
 loader, so that a config can be checked without starting an engine.
 """
 
-from engine.engine import Engine
+from engine.frontend.engine import Engine
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.server_args import ServerArgs

@@ -20,10 +20,10 @@ from collections import defaultdict
 import torch
 
 from engine.bench import dummy_folder, make_workload, measure_ceilings, weight_bytes
-from engine.forward_batch import ForwardMode
-from engine.input_processor import InputProcessor
+from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
-from engine.scheduler import Scheduler
+from engine.runner.forward_batch import ForwardMode
+from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
 
 

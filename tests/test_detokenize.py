@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import Engine
-from engine.runtime.detokenizer_process import Detokenizer
+from engine.detokenizer import Detokenizer
 from engine.runtime.messages import DecodeSpec, ReqOutput
 from engine.tokenization import IncrementalDecoder, stop_prefix_len
 

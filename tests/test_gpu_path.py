@@ -51,7 +51,7 @@ def test_gpu_greedy_equals_cpu_reference(llama_dir, workload, cpu_reference, fla
 
 
 def test_graph_sizes_cover_the_batch():
-    from engine.cuda_graph import capture_sizes
+    from engine.runner.cuda_graph import capture_sizes
 
     for max_bs in (1, 3, 42, 160, 256, 300):
         sizes = capture_sizes(max_bs)

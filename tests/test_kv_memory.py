@@ -11,8 +11,8 @@ from engine.memory.kv_cache import KVCache
 from engine.memory.kv_pool import KVPool
 from engine.memory.page_allocator import PageAllocator
 from engine.memory.req_to_token import ReqToTokenPool
-from engine.request import Req
 from engine.sampling_params import SamplingParams
+from engine.scheduler.req import Req
 
 
 @settings(max_examples=200, deadline=None)

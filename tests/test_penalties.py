@@ -14,9 +14,9 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from engine import Engine
-from engine.request import Req
 from engine.sampling.penalties import PenaltyState
 from engine.sampling_params import SamplingParams
+from engine.scheduler.req import Req
 from tests.core import InProcessCore
 from tests.tiny_models import load_hf_model, random_prompts, special_token_ids
 

@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-import engine.tokenizer_manager as tokenizer_manager
+import engine.frontend.tokenizer_manager as tokenizer_manager
 from engine import Engine
 from engine.runtime.children import ChildProcesses
 from tests.tiny_models import hf_greedy
@@ -362,7 +362,7 @@ def test_a_request_submitted_as_the_engine_fails_gets_runtime_error(
     that caller must still get RuntimeError, never wait forever or see a raw zmq error."""
     engine = _start(llama_dir)
     pids = engine.get_server_info()["pids"]
-    tm = engine.tokenizer_manager
+    tm = engine.frontend.tokenizer_manager
     lock = _PausingLock(tm._send_lock, who="late caller")
     monkeypatch.setattr(tm, "_send_lock", lock)
     outcome: dict[str, Any] = {}
@@ -518,7 +518,7 @@ def test_startup_failure_in_the_scheduler_raises_and_leaves_no_child(
 # 7: logs
 # ---------------------------------------------------------------------------------------------
 
-CHILD_LOGGERS = {"engine.runtime.scheduler_process", "engine.model_runner"}
+CHILD_LOGGERS = {"engine.scheduler.process", "engine.runner.model_runner"}
 
 
 def test_child_log_records_reach_the_callers_logging(llama_dir, caplog):
@@ -537,5 +537,7 @@ def test_child_log_records_reach_the_callers_logging(llama_dir, caplog):
     assert {r.process for r in from_children} == {pids["scheduler"]}
     assert all(r.levelno == logging.INFO for r in from_children)
     assert any(
-        "engine ready" in r.getMessage() for r in caplog.records if r.name == "engine.engine"
+        "engine ready" in r.getMessage()
+        for r in caplog.records
+        if r.name == "engine.frontend.engine"
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
-from engine.sampling import SamplingBatch, sample, seeded_uniform
+from engine.sampling.sampler import SamplingBatch, sample, seeded_uniform
 
 N_DRAWS = 20_000
 P_MIN = 1e-3

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.scoring import ScoreResult
+from engine.frontend.score import ScoreResult
 from tests.tiny_models import load_hf_model, random_prompts
 
 LABELS = [7, 42, 300, 511]

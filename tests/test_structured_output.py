@@ -19,7 +19,7 @@ import lark
 import pytest
 
 from engine import Engine
-from engine.input_processor import InputProcessor
+from engine.frontend.input_processor import InputProcessor
 from tests.core import InProcessCore
 
 # the tiny model would fill any whitespace allowance with "\n" and "\r": compact JSON only

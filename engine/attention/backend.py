@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from engine.layers.attention import Attention
@@ -25,7 +25,7 @@ class AttentionBackend(ABC):
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
 
-    # NOTE: the decode CUDA graphs (engine/cuda_graph.py) call these two around capture and
+    # NOTE: the decode CUDA graphs (engine/runner/cuda_graph.py) call these two around capture and
     # replay; a backend whose kernels read only tensors (triton) needs neither.
     def init_graph_capture(self, bs: int, max_kv_entries: int) -> None:
         """Before the decode graph of batch size `bs` is captured (outside the capture); its

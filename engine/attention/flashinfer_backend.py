@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
 from kernels.kv_indices import gather_kv_indices
 
 if TYPE_CHECKING:

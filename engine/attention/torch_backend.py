@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from engine.layers.attention import Attention

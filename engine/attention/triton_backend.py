@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
 from engine.transfer import to_device
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from engine.forward_batch import ForwardBatch
+    from engine.runner.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from engine.layers.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

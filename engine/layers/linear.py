@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import all_reduce, divide, tp_rank, tp_size
+from engine.layers.distributed import all_reduce, divide, tp_rank, tp_size
 
 
 def _copy_checked(

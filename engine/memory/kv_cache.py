@@ -20,7 +20,7 @@ from engine.memory.req_to_token import ReqToTokenPool
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
-    from engine.request import Req
+    from engine.scheduler.req import Req
 
 
 class KVCache:

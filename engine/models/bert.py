@@ -128,7 +128,9 @@ class BertEncoder(nn.Module):
 
 
 class BertModel(nn.Module):
-    is_encoder = True  # no KV cache, bidirectional: run by engine.embedding_runner, not ModelRunner
+    is_encoder = (
+        True  # no KV cache, bidirectional: run by engine.runner.embedding_runner, not ModelRunner
+    )
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

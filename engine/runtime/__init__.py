@@ -1,1 +1,2 @@
-"""The multi-process runtime: the scheduler and detokenizer subprocesses and what travels between them."""
+"""The multi-process runtime, used by every process: starting the children, IPC sockets, and
+the small typed messages that cross process boundaries."""

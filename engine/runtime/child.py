@@ -33,11 +33,11 @@ def main(role: str, config_path: str) -> int:
     root.setLevel(config.args.log_level.upper())
     try:
         if role.startswith("scheduler"):
-            from engine.runtime.scheduler_process import SchedulerProcess
+            from engine.scheduler.process import SchedulerProcess
 
             SchedulerProcess(config, ctx, to_tokenizer, send_lock).run()
         elif role == "detokenizer":
-            from engine.runtime.detokenizer_process import DetokenizerProcess
+            from engine.detokenizer import DetokenizerProcess
 
             DetokenizerProcess(config, ctx, to_tokenizer, send_lock).run()
         else:

@@ -1,5 +1,2 @@
-"""Token sampling: seeded, batch-independent draws with SGLang's filtering semantics."""
-
-from engine.sampling.sampler import SamplingBatch, sample, seeded_uniform
-
-__all__ = ["SamplingBatch", "sample", "seeded_uniform"]
+"""Scheduler-process sampling pieces: seeded token draws, penalties, grammar matchers (whose
+parse check also runs in the caller, before a request is queued)."""

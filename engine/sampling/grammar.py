@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.request import Req
     from engine.sampling_params import SamplingParams
+    from engine.scheduler.req import Req
     from engine.server_args import ServerArgs
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")

@@ -1,3 +1,2 @@
-from engine.scheduler.scheduler import Scheduler, SchedulerStats
-
-__all__ = ["Scheduler", "SchedulerStats"]
+"""The scheduler process: its loop, prefill and decode planning, retraction, the scheduler's
+`Req` (built from the incoming message), batches and counters. It owns KV memory."""

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_cache import KVCache
-from engine.model_runner import ModelRunner
-from engine.request import Req
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.runner.model_runner import ModelRunner
+from engine.scheduler.req import Req
 from engine.transfer import to_device
 
 

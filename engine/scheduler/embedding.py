@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.embedding_runner import EmbeddingRunner
 from engine.model_config import ModelConfig
-from engine.pooling import finish_embeddings
-from engine.request import Req
+from engine.runner.embedding_runner import EmbeddingRunner
+from engine.runner.pooling import finish_embeddings
+from engine.scheduler.req import Req
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
 from engine.transfer import to_device

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.request import Req
-from engine.sampling import SamplingBatch, sample
+from engine.sampling.sampler import SamplingBatch, sample
+from engine.scheduler.req import Req
 from engine.transfer import to_device
 
 

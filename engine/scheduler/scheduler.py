@@ -35,11 +35,11 @@ from collections import deque
 
 import torch
 
-from engine.forward_batch import ForwardMode
+from engine.frontend.score import label_logprobs
 from engine.memory.kv_cache import KVCache
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
-from engine.request import Req
+from engine.runner.forward_batch import ForwardMode
+from engine.runner.model_runner import ModelRunner
 from engine.sampling.grammar import GrammarBackend, grammar_key
 from engine.sampling.penalties import PenaltyState
 from engine.scheduler.batch import LogitPlan, ScheduledBatch, build
@@ -50,8 +50,8 @@ from engine.scheduler.launch import (
     start_copy_to_host,
     suppress_early_stops,
 )
+from engine.scheduler.req import Req
 from engine.scheduler.stats import SchedulerStats
-from engine.scoring import label_logprobs
 from engine.server_args import ServerArgs
 from engine.transfer import to_device
 
@@ -105,7 +105,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Req) -> None:
-        """Queue a validated request (see engine.input_processor for validation)."""
+        """Queue a validated request (see engine.frontend.input_processor for validation)."""
         req.draw_limit = min(
             req.sampling.max_new_tokens, self.config.context_length - req.prompt_len
         )

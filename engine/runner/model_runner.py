@@ -17,13 +17,13 @@ import os
 import torch
 
 from engine.attention import create_backend
-from engine.cuda_graph import DecodeCudaGraphs
-from engine.distributed import agree_min
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.distributed import agree_min
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.model_config import ModelConfig
-from engine.model_loader import load_model
+from engine.runner.cuda_graph import DecodeCudaGraphs
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.runner.loader import load_model
 from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.input_processor import GenerateCall, InputProcessor
+from engine.frontend.input_processor import GenerateCall, InputProcessor
 from engine.transfer import to_device
 
 

@@ -15,7 +15,6 @@ import torch
 import zmq
 
 from engine.model_config import ModelConfig
-from engine.request import Req
 from engine.runtime.ipc import ChildConfig, pull_socket, push_socket, recv_all
 from engine.runtime.messages import (
     AbortReq,
@@ -26,9 +25,10 @@ from engine.runtime.messages import (
     Ready,
     ReqOutput,
 )
-from engine.runtime.tp_group import TPGroup
-from engine.scheduler import Scheduler
 from engine.scheduler.embedding import EmbeddingScheduler
+from engine.scheduler.req import Req
+from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.tp_group import TPGroup
 from engine.server_args import ServerArgs
 from engine.tokenization import IncrementalDecoder, load_tokenizer
 
@@ -75,7 +75,7 @@ class SchedulerProcess:
         model_config = ModelConfig.from_folder(args.model_path, args.dtype, args.context_length)
         device = _rank_device(args, config.tp_rank)
         self.tp = TPGroup.start(config, device)
-        # NOTE: only rank 0 talks to the other processes (see engine.runtime.tp_group)
+        # NOTE: only rank 0 talks to the other processes (see engine.scheduler.tp_group)
         leader = self.tp.is_leader
         self.inbox = pull_socket(ctx, config.endpoints.scheduler) if leader else None
         self.to_detokenizer = push_socket(ctx, config.endpoints.detokenizer) if leader else None

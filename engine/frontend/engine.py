@@ -22,12 +22,12 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from engine.encoding import make_encode_call
+from engine.frontend.encode import make_encode_call
+from engine.frontend.score import ScoreResult, make_score_call, score_result
+from engine.frontend.tokenizer_manager import Channel, TokenizerManager
 from engine.model_config import ModelConfig
 from engine.models import is_encoder
-from engine.scoring import ScoreResult, make_score_call, score_result
 from engine.server_args import ServerArgs
-from engine.tokenizer_manager import Channel, TokenizerManager
 
 logger = logging.getLogger(__name__)
 

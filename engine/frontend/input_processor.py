@@ -16,9 +16,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from engine.model_config import ModelConfig
-from engine.request import Req
 from engine.sampling.grammar import check_grammar
 from engine.sampling_params import SamplingParams
+from engine.scheduler.req import Req
 from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

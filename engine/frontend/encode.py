@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.input_processor import GenerateCall, InputProcessor
+from engine.frontend.input_processor import GenerateCall, InputProcessor
 
 
 def make_encode_call(

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from engine.distributed import set_tensor_parallel
+from engine.layers.distributed import set_tensor_parallel
 from engine.runtime.ipc import ChildConfig
 
 

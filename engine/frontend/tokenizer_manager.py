@@ -22,9 +22,8 @@ from typing import Any
 
 import zmq
 
-from engine.input_processor import GenerateCall, InputProcessor
+from engine.frontend.input_processor import GenerateCall, InputProcessor
 from engine.model_config import ModelConfig
-from engine.request import Req
 from engine.runtime.children import ChildProcesses
 from engine.runtime.ipc import Endpoints, pull_socket, push_socket, recv_all
 from engine.runtime.messages import (
@@ -37,6 +36,7 @@ from engine.runtime.messages import (
     Ready,
     ReqOutput,
 )
+from engine.scheduler.req import Req
 from engine.server_args import ServerArgs
 from engine.tokenization import load_tokenizer
 
@@ -301,7 +301,7 @@ class TokenizerManager:
             }
             if out.embedding is not None:  # encode(): the embedding instead of text
                 result = {"embedding": out.embedding, "meta_info": result["meta_info"]}
-            if out.label_logprobs is not None:  # score(): read by engine.scoring
+            if out.label_logprobs is not None:  # score(): read by engine.frontend.score
                 result["label_logprobs"] = out.label_logprobs
             state.channel.put((state.index, "final", result))
 

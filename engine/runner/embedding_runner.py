@@ -5,7 +5,7 @@ Two kinds of model embed:
   - decoders (Llama, Qwen): the causal model of the generation path, run by a ModelRunner as a
     prefill whose K/V go to a scratch region of its pool and are forgotten after the step.
 Either way the final hidden states are pooled as the folder's sentence-transformers config
-says (engine.pooling). Nothing here waits for the device.
+says (engine.runner.pooling). Nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import logging
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.model_config import ModelConfig
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner
 from engine.models import model_class
-from engine.pooling import PoolingConfig, pool
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.runner.loader import load_model
+from engine.runner.model_runner import ModelRunner
+from engine.runner.pooling import PoolingConfig, pool
 from engine.server_args import ServerArgs
 from engine.transfer import to_device
 
