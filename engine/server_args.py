@@ -1,7 +1,12 @@
 """Engine arguments: the constructor arguments of SGLang's offline ``Engine`` that gristmill honours.
 
-All validation lives in ``ServerArgs.__post_init__``; anything derived from the arguments
-(the torch device, whether we run on a GPU) is a property, never a copy.
+This is the one place where every engine default is decided: ``__post_init__`` validates the
+arguments and settles each one left to the engine (``None``) to its value — the device, the
+attention backend, the request and CUDA-graph limits, the random seed — so every process reads
+the same settled arguments and ``get_server_info()`` shows them. What is derived from several
+arguments is a property, never a stored copy. Two values stay open because only the model
+folder or the device can settle them: ``context_length`` (None: the model's) and
+``max_total_tokens`` (None: sized from memory at start-up).
 """
 
 from __future__ import annotations
@@ -9,8 +14,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
+import random
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -18,11 +27,16 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
+DEFAULT_MEM_FRACTION_STATIC = 0.85  # of GPU memory for weights + KV pool
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+DEFAULT_CHUNKED_PREFILL_SIZE = 8192
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
-@dataclass
+
+@dataclass(frozen=True)
 class ServerArgs:
     model_path: str
-    tokenizer_path: str | None = None
+    tokenizer_path: str | None = None  # None: model_path
     tokenizer_mode: str = "auto"
     skip_tokenizer_init: bool = False
     load_format: str = "auto"
@@ -32,19 +46,19 @@ class ServerArgs:
     revision: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    device: str | None = None
+    device: str | None = None  # None: "cuda" when a GPU is visible, else "cpu"
     # memory and scheduling
-    mem_fraction_static: float | None = None
-    max_total_tokens: int | None = None
-    max_running_requests: int | None = None
+    mem_fraction_static: float | None = None  # None: DEFAULT_MEM_FRACTION_STATIC
+    max_total_tokens: int | None = None  # None: sized from memory at start-up
+    max_running_requests: int | None = None  # None: DEFAULT_MAX_RUNNING_REQUESTS
     max_prefill_tokens: int = 16384
-    chunked_prefill_size: int | None = None
+    chunked_prefill_size: int | None = None  # None: DEFAULT_CHUNKED_PREFILL_SIZE; -1: no chunks
     schedule_policy: str = "fcfs"
     page_size: int = 1
     disable_radix_cache: bool = False
     # kernels
-    attention_backend: str | None = None
-    cuda_graph_max_bs: int | None = None
+    attention_backend: str | None = None  # None: "triton" on CUDA with triton, else "torch"
+    cuda_graph_max_bs: int | None = None  # None: DEFAULT_CUDA_GRAPH_MAX_BS, <= max_running_requests
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
     # parallelism
@@ -52,7 +66,7 @@ class ServerArgs:
     dp_size: int = 1
     base_gpu_id: int = 0
     # misc
-    random_seed: int | None = None
+    random_seed: int | None = None  # None: drawn at random (seeds requests that give none)
     log_level: str = "error"
     allow_auto_truncate: bool = False
     stream_interval: int = 1
@@ -60,10 +74,12 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        self._validate()
+        self._settle_defaults()
+
+    def _validate(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError("model_path must be a non-empty path to a Hugging Face model folder")
-        if self.tokenizer_path is None:
-            self.tokenizer_path = self.model_path
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -128,6 +144,49 @@ class ServerArgs:
                 f"in this version), got {self.tp_size}."
             )
 
+    def _settle_defaults(self) -> None:
+        """Each argument left to the engine gets its value here, and nowhere else."""
+        settle = {
+            "tokenizer_path": self.model_path,
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "mem_fraction_static": DEFAULT_MEM_FRACTION_STATIC,
+            "max_running_requests": DEFAULT_MAX_RUNNING_REQUESTS,
+            "random_seed": random.SystemRandom().randrange(1 << 31),
+        }
+        for name, value in settle.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)  # frozen: settled once, while being built
+        if not self.chunked_prefill_size:
+            object.__setattr__(self, "chunked_prefill_size", DEFAULT_CHUNKED_PREFILL_SIZE)
+        if self.attention_backend is None:
+            gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton")
+            object.__setattr__(self, "attention_backend", "triton" if gpu else "torch")
+        if self.cuda_graph_max_bs is None:
+            bs = min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
+            object.__setattr__(self, "cuda_graph_max_bs", bs)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def prefill_chunk_size(self) -> float:
+        """The most prompt tokens of one request a prefill step computes (inf: no chunking)."""
+        return math.inf if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    def rank_device(self, rank: int) -> torch.device:
+        """The device of tensor-parallel rank `rank`: GPU base_gpu_id + rank, the one named
+        device (tp_size 1), or the CPU."""
+        if self.device == "cpu":
+            return torch.device("cpu")
+        if self.device != "cuda":  # one explicit device (only with tp_size 1, checked above)
+            return torch.device(self.device)
+        count = torch.cuda.device_count()
+        if self.base_gpu_id + self.tp_size > count:
+            raise ValueError(
+                f"tp_size={self.tp_size} from base_gpu_id={self.base_gpu_id} needs GPUs "
+                f"{self.base_gpu_id}..{self.base_gpu_id + self.tp_size - 1}, but {count} are visible."
+            )
+        return torch.device("cuda", self.base_gpu_id + rank)
+
+    # ------------------------------------------------------------------ construction
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
         """Build from keyword arguments, naming any argument this engine does not know."""

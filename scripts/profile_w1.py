@@ -70,9 +70,9 @@ def main() -> None:
         """Generate the workload; profile kernels while the step index is in each window."""
         params = [{"temperature": 0.0, "max_new_tokens": o, "ignore_eos": True}
                   for o in work.output_lens]  # fmt: skip
-        reqs = inputs.make_call(None, work.input_ids, params, False, None, None, None).reqs
-        for r in reqs:
-            sched.add_request(r)
+        call = inputs.make_call(None, work.input_ids, params, False, None, None, None)
+        for request in call.requests:
+            sched.add_request(request)
         done: list[torch.profiler.profile] = []
         prof, pending = None, list(windows)
         t0 = time.perf_counter()

@@ -8,6 +8,7 @@ import torch
 
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
+from engine.runtime.messages import TokenizedRequest
 from engine.scheduler.req import Req
 from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
@@ -34,16 +35,22 @@ class InProcessCore:
             args, config, load_tokenizer(args), self.scheduler.max_total_tokens
         )
 
-    def requests(self, input_ids: list[list[int]], sampling_params: dict | list[dict]) -> list[Req]:
-        return self.inputs.make_call(None, input_ids, sampling_params, False, None, None, None).reqs
+    def requests(
+        self, input_ids: list[list[int]], sampling_params: dict | list[dict]
+    ) -> list[TokenizedRequest]:
+        """The messages the caller's process would send for these prompts."""
+        call = self.inputs.make_call(None, input_ids, sampling_params, False, None, None, None)
+        return call.requests
+
+    def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict]) -> list[Req]:
+        """Queue the prompts in the scheduler; its Req of each."""
+        return [self.scheduler.add_request(r) for r in self.requests(input_ids, sampling_params)]
 
     def run(
         self, input_ids: list[list[int]], sampling_params: dict | list[dict]
     ) -> list[list[int]]:
         """Generate to completion; the output token ids per prompt."""
-        reqs = self.requests(input_ids, sampling_params)
-        for req in reqs:
-            self.scheduler.add_request(req)
+        reqs = self.submit(input_ids, sampling_params)
         while self.scheduler.has_work():
             self.scheduler.step()
         return [req.output_ids for req in reqs]

@@ -66,20 +66,22 @@ def test_staggered_arrivals_equal_transformers(arch_case):
     model_dir, _, prompts, refs = arch_case
     core = InProcessCore(model_dir, dtype="float32", max_total_tokens=8192)
     scheduler = core.scheduler
-    reqs = core.requests(prompts, GREEDY)
-    arrivals = {0: reqs[:4], 3: reqs[4:8], 10: reqs[8:12], 25: reqs[12:]}
+    requests = core.requests(prompts, GREEDY)
+    n = len(requests)
+    arrivals = {0: range(0, 4), 3: range(4, 8), 10: range(8, 12), 25: range(12, n)}
+    reqs = {}
     joined_running_batch = False
     step = 0
-    while any(not r.finished for r in reqs):
-        for req in arrivals.get(step, []):
-            if scheduler.running:
+    while len(reqs) < n or any(not r.finished for r in reqs.values()):
+        for i in arrivals.get(step, []):
+            if scheduler.queues.running:
                 joined_running_batch = True
-            scheduler.add_request(req)
+            reqs[i] = scheduler.add_request(requests[i])
         scheduler.step()
         step += 1
     assert joined_running_batch
-    for req, (ref_tokens, _) in zip(reqs, refs):
-        assert req.output_ids == ref_tokens
+    for i, (ref_tokens, _) in enumerate(refs):
+        assert reqs[i].output_ids == ref_tokens
 
 
 def test_pool_just_large_enough_for_longest_request(arch_case):

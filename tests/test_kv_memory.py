@@ -11,6 +11,7 @@ from engine.memory.kv_cache import KVCache
 from engine.memory.kv_pool import KVPool
 from engine.memory.page_allocator import PageAllocator
 from engine.memory.req_to_token import ReqToTokenPool
+from engine.runtime.messages import TokenizedRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler.req import Req
 
@@ -51,16 +52,15 @@ def test_double_free_raises():
 
 
 def _req(rid: str, tokens: list[int], max_new: int = 4) -> Req:
-    return Req(
-        rid=rid, input_ids=list(tokens), sampling=SamplingParams(max_new_tokens=max_new), seed=0
-    )
+    sampling = SamplingParams(max_new_tokens=max_new)
+    return Req(TokenizedRequest(rid=rid, input_ids=list(tokens), sampling=sampling, seed=0))
 
 
 def _extend(kv: KVCache, req: Req, n: int) -> list[int]:
     """Grow a request by n tokens and record their slots in the table, as the batch builder does."""
     start = req.kv_len
     slots = kv.extend(req, n)
-    kv.write_table(
+    kv.req_to_token.write_slots(
         torch.full((n,), req.pool_row), torch.arange(start, start + n), torch.tensor(slots)
     )
     return slots

@@ -8,6 +8,7 @@ logprobs and run out of KV pages, and the KV memory must be whole afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -42,11 +43,13 @@ def _params(prompts, stop_at: dict[int, int] | None = None) -> list[dict]:
 
 
 def _run(core: InProcessCore, prompts, params, logprob_every: int = 4):
-    reqs = core.requests(prompts, params)
-    for i, req in enumerate(reqs):
+    reqs = []
+    for i, request in enumerate(core.requests(prompts, params)):
         if i % logprob_every == 0:
-            req.return_logprob, req.top_logprobs_num, req.logprob_start_len = True, 3, 0
-        core.scheduler.add_request(req)
+            request = dataclasses.replace(
+                request, return_logprob=True, top_logprobs_num=3, logprob_start_len=0
+            )
+        reqs.append(core.scheduler.add_request(request))
     while core.scheduler.has_work():
         core.scheduler.step()
     return [
@@ -110,8 +113,7 @@ def test_overlap_gives_the_same_outputs(llama_dir, prompts, stop_tokens, tight):
 def test_a_step_reads_the_step_before_it(llama_dir, prompts):
     """With overlap the first step launches and reads nothing; the second reads the first."""
     core = InProcessCore(llama_dir, dtype="float32")
-    req = core.requests([prompts[5]], {"temperature": 0.0, "max_new_tokens": 3})[0]
-    core.scheduler.add_request(req)
+    (req,) = core.submit([prompts[5]], {"temperature": 0.0, "max_new_tokens": 3})
     assert core.scheduler.step() == [] and req.pending == 1 and req.output_ids == []
     assert core.scheduler.step() == [req] and len(req.output_ids) == 1 and req.pending == 1
     while core.scheduler.has_work():
@@ -126,9 +128,7 @@ def test_abort_while_a_token_is_pending(llama_dir, prompts):
         prompts[:4], params
     )
     core = InProcessCore(llama_dir, dtype="float32")
-    reqs = core.requests(prompts[:4], params)
-    for req in reqs:
-        core.scheduler.add_request(req)
+    reqs = core.submit(prompts[:4], params)
     for _ in range(4):
         core.scheduler.step()
     assert reqs[1].pending == 1

@@ -14,6 +14,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from engine import Engine
+from engine.runtime.messages import TokenizedRequest
 from engine.sampling.penalties import PenaltyState
 from engine.sampling_params import SamplingParams
 from engine.scheduler.req import Req
@@ -37,7 +38,8 @@ def reference_processed(logits, prompt, outputs, sp: SamplingParams) -> torch.Te
 
 
 def _req(i, prompt, outputs, **params) -> Req:
-    req = Req(rid=str(i), input_ids=prompt, sampling=SamplingParams(**params), seed=0)
+    sampling = SamplingParams(**params)
+    req = Req(TokenizedRequest(rid=str(i), input_ids=prompt, sampling=sampling, seed=0))
     req.output_ids, req.drawn = list(outputs), len(outputs)
     req.pool_row, req.admit_order = i, i
     return req

@@ -121,11 +121,9 @@ def test_chunked_prefill_interleaves_with_decode(llama_dir):
     """While a long prompt is prefilled chunk by chunk, the requests already decoding keep decoding."""
     core = InProcessCore(llama_dir, dtype="float32", max_total_tokens=4096, chunked_prefill_size=8)
     short, long = random_prompts(512, [4, 120], seed=2, avoid_ids=special_token_ids())
-    a = core.requests([short], GREEDY)[0]
-    core.scheduler.add_request(a)
+    (a,) = core.submit([short], GREEDY)
     core.scheduler.step()  # prefill of the short prompt
-    b = core.requests([long], GREEDY)[0]
-    core.scheduler.add_request(b)
+    (b,) = core.submit([long], GREEDY)
     progress = []
     while not b.output_ids:
         core.scheduler.step()
@@ -137,11 +135,10 @@ def test_chunked_prefill_interleaves_with_decode(llama_dir):
 def test_chunked_prefill_keeps_input_logprobs_exact(llama_dir):
     ids = random_prompts(512, [70], seed=4, avoid_ids=special_token_ids())[0]
     core = InProcessCore(llama_dir, dtype="float32", max_total_tokens=1024, chunked_prefill_size=7)
-    reqs = core.inputs.make_call(
+    requests = core.inputs.make_call(
         None, [ids, ids], [{"max_new_tokens": 1}] * 2, True, 0, 2, None
-    ).reqs
-    for r in reqs:
-        core.scheduler.add_request(r)
+    ).requests
+    reqs = [core.scheduler.add_request(r) for r in requests]
     while core.scheduler.has_work():
         core.scheduler.step()
     with torch.no_grad():
@@ -165,9 +162,7 @@ def test_lpm_admits_cached_prefixes_first(llama_dir):
     core.run([stem + [7]], GREEDY)  # warm the cache with the stem
     cold = [other + [i] for i in range(3)]
     hot = [stem + [i] for i in range(3)]
-    reqs = core.requests(cold + hot, GREEDY)
-    for r in reqs:
-        core.scheduler.add_request(r)
+    reqs = core.submit(cold + hot, GREEDY)
     while core.scheduler.has_work():
         core.scheduler.step()
     order = sorted(reqs, key=lambda r: r.admit_order)

@@ -362,7 +362,7 @@ def test_a_request_submitted_as_the_engine_fails_gets_runtime_error(
     that caller must still get RuntimeError, never wait forever or see a raw zmq error."""
     engine = _start(llama_dir)
     pids = engine.get_server_info()["pids"]
-    tm = engine.frontend.tokenizer_manager
+    tm = engine.tokenizer_manager
     lock = _PausingLock(tm._send_lock, who="late caller")
     monkeypatch.setattr(tm, "_send_lock", lock)
     outcome: dict[str, Any] = {}

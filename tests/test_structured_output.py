@@ -174,9 +174,7 @@ def _workload(tokenizer) -> tuple[list[list[int]], list[dict], list[tuple[str, o
 
 
 def _generate(core: InProcessCore, prompts, params):
-    reqs = core.requests(prompts, params)
-    for req in reqs:
-        core.scheduler.add_request(req)
+    reqs = core.submit(prompts, params)
     while core.scheduler.has_work():
         core.scheduler.step()
     return reqs
@@ -246,7 +244,7 @@ def test_each_distinct_grammar_is_compiled_once(mixed):
 def test_finished_requests_drop_their_matchers(core, mixed):
     _, _, _, reqs, _ = mixed
     assert all(req.grammar is None for req in reqs)
-    assert not core.scheduler.running and not core.scheduler.waiting
+    assert not core.scheduler.queues.running and not core.scheduler.queues.waiting
 
 
 def test_seeded_requests_draw_the_same_tokens_in_another_batch_without_overlap(llama_dir, mixed):
@@ -294,11 +292,8 @@ def test_an_aborted_constrained_request_leaves_the_others_whole(core):
         {"regex": REGEXES[1], "temperature": 1.0, "sampling_seed": i, "max_new_tokens": MAX_NEW}
         for i in range(4)
     ]
-    reqs = core.requests(prompts, params)
-    for req in reqs:
-        core.scheduler.add_request(req)
-    waiting = core.requests([prompts[0]], params[0])[0]  # aborted before it runs
-    core.scheduler.add_request(waiting)
+    reqs = core.submit(prompts, params)
+    (waiting,) = core.submit([prompts[0]], params[0])  # aborted before it runs
     assert waiting.grammar is not None
     assert core.scheduler.abort_request(waiting.rid) is waiting and waiting.grammar is None
     while not reqs[0].output_ids:

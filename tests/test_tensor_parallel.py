@@ -9,6 +9,8 @@ has fewer KV heads than ranks, so its single KV head is replicated on both.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -36,11 +38,11 @@ def qwen3_one_kv_head_dir(tmp_path_factory):
 def test_tp2_equals_tp1(model, request):
     model_dir = request.getfixturevalue(model)
     prompts = random_prompts(400, LENGTHS, seed=9, avoid_ids=special_token_ids())
-    ref = InProcessCore(model_dir, dtype="float32").requests(prompts, GREEDY)
     core = InProcessCore(model_dir, dtype="float32")
-    for req in ref:
-        req.return_logprob = True
-        core.scheduler.add_request(req)
+    ref = [
+        core.scheduler.add_request(dataclasses.replace(r, return_logprob=True))
+        for r in core.requests(prompts, GREEDY)
+    ]
     while core.scheduler.has_work():
         core.scheduler.step()
     with Engine(model_path=str(model_dir), dtype="float32", tp_size=2, device="cpu") as engine:

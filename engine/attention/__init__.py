@@ -2,35 +2,23 @@
 
 "torch" is the reference (CPU and GPU); "triton" runs the kernels of `kernels/` (GPU, or the
 CPU under TRITON_INTERPRET=1 for tests); "flashinfer" runs FlashInfer's kernels when the
-optional flashinfer-python package is installed (CUDA, 16-bit models). The default is the best
-one available for the device: "triton" on CUDA (faster than flashinfer on W1: README →
-Performance), else "torch".
+optional flashinfer-python package is installed (CUDA, 16-bit models). Which one an engine
+uses is decided with its other defaults, in ServerArgs (`attention_backend`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-
-if TYPE_CHECKING:
-    from engine.layers.attention import Attention
-
-BACKENDS = ("torch", "triton", "flashinfer")
-
-
-def default_backend(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+from engine.attention.backend import AttentionBackend, AttentionLayer
 
 
 def create_backend(
-    name: str | None, device: torch.device, attn: Attention, dtype: torch.dtype
+    name: str, device: torch.device, attn: AttentionLayer, dtype: torch.dtype
 ) -> AttentionBackend:
-    """The backend for a model whose attention layers look like `attn` (heads, scaling)."""
-    name = name or default_backend(device)
+    """The backend `name` for a model whose attention layers look like `attn` (heads, scaling)."""
     if name == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferAttnBackend
 

@@ -8,14 +8,21 @@ sequence: its cached prefix (already in the pool) and this step's new tokens (ca
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine.runner.forward_batch import ForwardBatch, ForwardMode
 
-if TYPE_CHECKING:
-    from engine.layers.attention import Attention
+
+class AttentionLayer(Protocol):
+    """What a backend reads of an attention layer (engine.layers.attention.Attention)."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
 
 
 class AttentionBackend(ABC):
@@ -39,12 +46,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor: ...
 
     @abstractmethod
     def forward_decode(
-        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor: ...
 
     def forward(
@@ -52,7 +59,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: Attention,
+        layer: AttentionLayer,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens -> output [T, Hq, D]."""

@@ -17,16 +17,13 @@ step's pages.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, AttentionLayer
 from engine.runner.forward_batch import ForwardBatch, ForwardMode
 from kernels.kv_indices import gather_kv_indices
-
-if TYPE_CHECKING:
-    from engine.layers.attention import Attention
 
 _WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-k scratch
 DTYPES = (torch.float16, torch.bfloat16)
@@ -52,7 +49,7 @@ def check_available(device: torch.device, dtype: torch.dtype) -> None:
 class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, attn: Attention, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, attn: AttentionLayer, dtype: torch.dtype, device: torch.device) -> None:
         check_available(device, dtype)
         import flashinfer
 
@@ -143,17 +140,17 @@ class FlashInferAttnBackend(AttentionBackend):
             )  # fmt: skip
 
     def forward_decode(
-        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         return self.active_decode.run(q.contiguous(), _paged(batch, layer))
 
     def forward_extend(
-        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         return self.prefill.run(q.contiguous(), _paged(batch, layer))
 
 
-def _paged(batch: ForwardBatch, layer: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+def _paged(batch: ForwardBatch, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's K/V buffers [slots, Hkv, D] as FlashInfer's [pages, page_size=1, Hkv, D]."""
     pool = batch.kv_pool
     return pool.k_buffers[layer.layer_id].unsqueeze(1), pool.v_buffers[layer.layer_id].unsqueeze(1)

@@ -5,15 +5,10 @@ Numerics follow transformers' eager attention: scores in the model dtype, softma
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, AttentionLayer
 from engine.runner.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from engine.layers.attention import Attention
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -31,7 +26,7 @@ class TorchAttnBackend(AttentionBackend):
             self.extend_slots = [table[r, :n].long() for r, n in zip(rows, batch.seq_lens_cpu)]
 
     def forward_decode(
-        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         k = batch.kv_pool.k_buffers[layer.layer_id][self.decode_slots]  # [B, L, Hkv, D]
         v = batch.kv_pool.v_buffers[layer.layer_id][self.decode_slots]
@@ -42,7 +37,7 @@ class TorchAttnBackend(AttentionBackend):
         return out.squeeze(-2).flatten(1, 2)
 
     def forward_extend(
-        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         k_buf, v_buf = (

@@ -7,18 +7,13 @@ that size their grids, so no kernel launch needs a device-to-host sync.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, AttentionLayer
 from engine.runner.forward_batch import ForwardBatch, ForwardMode
 from engine.transfer import to_device
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention
-
-if TYPE_CHECKING:
-    from engine.layers.attention import Attention
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -38,7 +33,7 @@ class TritonAttnBackend(AttentionBackend):
             torch.cumsum(self.extend_lens, 0, out=self.qo_indptr[1:])
 
     def forward_decode(
-        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         return decode_attention(
             q, batch.kv_pool.k_buffers[layer.layer_id], batch.kv_pool.v_buffers[layer.layer_id],
@@ -47,7 +42,7 @@ class TritonAttnBackend(AttentionBackend):
         )  # fmt: skip
 
     def forward_extend(
-        self, q: torch.Tensor, layer: Attention, batch: ForwardBatch
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         return extend_attention(
             q, batch.kv_pool.k_buffers[layer.layer_id], batch.kv_pool.v_buffers[layer.layer_id],

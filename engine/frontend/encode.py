@@ -1,11 +1,12 @@
 """encode(): validate an embedding call and build its requests (prefill-only, pooled, not sampled).
 
 An embedding request is a generation request with max_new_tokens 0 that the embedding scheduler
-(engine.scheduler.embedding) runs as one forward and answers with its pooled hidden state.
+(engine/scheduler/embedding.py) runs as one forward and answers with its pooled hidden state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine.frontend.input_processor import GenerateCall, InputProcessor
@@ -30,6 +31,5 @@ def make_encode_call(
     if isinstance(prompt, list) and prompt and not all(isinstance(p, str) for p in prompt):
         raise ValueError("prompt must be a str or a list of str.")
     call = inputs.make_call(prompt, None, {"max_new_tokens": 0}, False, None, None, rid)
-    for req in call.reqs:
-        req.embed_dimensions = dimensions
+    call.requests = [dataclasses.replace(r, embed_dimensions=dimensions) for r in call.requests]
     return call

@@ -4,13 +4,14 @@
     out = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 16})
     print(out["text"], out["meta_info"]["finish_reason"])
 
-The path of a request:
-  caller process   Engine.generate -> InputProcessor.make_call (tokenize, validate, build a Req)
-                   -> TokenizerManager.submit ---------------------------------------- ZMQ -->
-  scheduler proc.  SchedulerProcess -> Scheduler.step (batching, KV pages) -> ModelRunner.forward
-                   -> model -> attention backend over the paged KV pool; sampling ---- ZMQ -->
+The path of a request (ARCHITECTURE.md follows it file by file):
+  caller process   Engine.generate -> InputProcessor.make_call (tokenize, validate: one
+                   TokenizedRequest each) -> TokenizerManager.submit ------------------ ZMQ -->
+  scheduler proc.  SchedulerProcess -> Scheduler.add_request (a Req) ... Scheduler.step: a
+                   planner picks the batch and allocates KV -> ModelRunner.step: forward
+                   (attention backend over the paged pool) + LogitsStep (sampling) ---- ZMQ -->
   detokenizer      Detokenizer.process (incremental text, stop strings) ------------- ZMQ -->
-  caller process   TokenizerManager receiver thread -> the caller's Channel -> result dict
+  caller process   TokenizerManager receiver thread -> ReqState -> the caller's Channel
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from engine.frontend.encode import make_encode_call
+from engine.frontend.results import Channel
 from engine.frontend.score import ScoreResult, make_score_call, score_result
-from engine.frontend.tokenizer_manager import Channel, TokenizerManager
+from engine.frontend.tokenizer_manager import TokenizerManager
 from engine.model_config import ModelConfig
 from engine.models import is_encoder
 from engine.server_args import ServerArgs

@@ -1,5 +1,8 @@
 """Turn a generate() call into validated requests: tokenize, check every field, assign ids and seeds.
 
+The result is one TokenizedRequest message per request (engine.runtime.messages): what the
+scheduler needs to know, nothing of the caller's own bookkeeping.
+
 Every check happens here, in the caller's process, before any request of a call is queued,
 so a bad input raises in its caller and leaves nothing half-submitted.
 """
@@ -16,9 +19,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from engine.model_config import ModelConfig
+from engine.runtime.messages import TokenizedRequest
 from engine.sampling.grammar import check_grammar
 from engine.sampling_params import SamplingParams
-from engine.scheduler.req import Req
 from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -28,7 +31,7 @@ logger = logging.getLogger(__name__)
 class GenerateCall:
     """One generate() call, normalised: a request per prompt, and whether the caller gave a batch."""
 
-    reqs: list[Req]
+    requests: list[TokenizedRequest]
     is_batch: bool
     return_text_in_logprobs: bool
 
@@ -68,39 +71,37 @@ class InputProcessor:
         starts = _per_request("logprob_start_len", logprob_start_len, n, int)
         tops = _per_request("top_logprobs_num", top_logprobs_num, n, int)
         rids = _per_request("rid", rid, n, str)
-        reqs = []
+        requests = []
         for i in range(n):
             where = f"request {i}: " if is_batch else ""
             try:
-                req = self._make_req(
+                request = self._make_request(
                     token_lists[i], params[i], logprob[i], starts[i], tops[i], rids[i], stream
                 )
             except ValueError as e:
                 raise ValueError(f"{where}{e}") from None
-            reqs.extend(self._parallel_samples(req) if req.sampling.n > 1 else [req])
-        if len({r.rid for r in reqs}) != len(reqs):
+            n_samples = request.sampling.n
+            requests.extend(self._parallel_samples(request) if n_samples > 1 else [request])
+        if len({r.rid for r in requests}) != len(requests):
             raise ValueError("rid values must be unique within a call")
         # n > 1: a list of results, each prompt's samples together, in input order
-        is_batch = is_batch or len(reqs) > n
-        return GenerateCall(reqs, is_batch, return_text_in_logprobs)
+        is_batch = is_batch or len(requests) > n
+        return GenerateCall(requests, is_batch, return_text_in_logprobs)
 
-    def _parallel_samples(self, req: Req) -> list[Req]:
+    def _parallel_samples(self, request: TokenizedRequest) -> list[TokenizedRequest]:
         """`n` copies of a request, rids suffixed -0..-(n-1). Each draws with its own seed (copy 0
         keeps a given sampling_seed, copy j derives one from it); the copies share the prompt's
         KV through the prefix cache."""
         copies = []
-        for j in range(req.sampling.n):
-            copy = dataclasses.replace(req, rid=f"{req.rid}-{j}", seed=req.seed)
-            copy.output_ids, copy.kv_pages = [], []
-            copy.input_logprobs, copy.input_top_logprobs = [], []
-            copy.output_logprobs, copy.output_top_logprobs = [], []
+        for j in range(request.sampling.n):
+            seed = request.seed
             if j:
-                copy.seed = (
-                    _derived_seed(req.seed, j)
-                    if req.sampling.sampling_seed is not None
+                seed = (
+                    _derived_seed(request.seed, j)
+                    if request.sampling.sampling_seed is not None
                     else self._seeds.getrandbits(63)
                 )
-            copies.append(copy)
+            copies.append(dataclasses.replace(request, rid=f"{request.rid}-{j}", seed=seed))
         return copies
 
     def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
@@ -128,7 +129,7 @@ class InputProcessor:
             return [list(x) for x in input_ids], True
         raise ValueError("input_ids must be a list of int token ids or a list of such lists")
 
-    def _make_req(
+    def _make_request(
         self,
         ids: list[int],
         params: dict | None,
@@ -137,7 +138,7 @@ class InputProcessor:
         top_logprobs_num: int | None,
         rid: str | None,
         stream: bool,
-    ) -> Req:
+    ) -> TokenizedRequest:
         sampling = SamplingParams.from_dict(params)
         sampling.verify_vocab(self.config.vocab_size)
         check_grammar(sampling, has_tokenizer=self.tokenizer is not None)
@@ -168,7 +169,7 @@ class InputProcessor:
             if sampling.sampling_seed is not None
             else self._seeds.getrandbits(63)
         )
-        return Req(
+        return TokenizedRequest(
             rid=rid or uuid.uuid4().hex,
             input_ids=ids,
             sampling=sampling.with_stop_ids(self.eos_ids),

@@ -1,9 +1,10 @@
-"""score(): the probabilities of label tokens right after (query + item), as SGLang's Engine.score.
+"""score(), the caller's half: the probabilities of label tokens right after (query + item), as
+SGLang's Engine.score.
 
 Each item becomes one prefill-only request (max_new_tokens 0) of query + item (item + query with
-`item_first`) that carries `label_token_ids`. At the step that completes its prompt, the
-scheduler takes the log-softmax over the whole vocabulary of the last position's logits and keeps
-the label ids' values (on the device, into a fresh tensor, like sampled tokens). Then, as SGLang:
+`item_first`) that carries `label_token_ids`. At the step that completes its prompt, the model
+runner's logits step takes the log-softmax over the whole vocabulary of the last position's
+logits and keeps the label ids' values (engine/runner/logits_step.py). Then, here, as SGLang:
 `apply_softmax` renormalizes over the label tokens only (a softmax of their logprobs, which is
 the softmax of their logits); otherwise each label's logprob is exponentiated — its probability
 among the whole vocabulary.
@@ -11,14 +12,12 @@ among the whole vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from engine.frontend.input_processor import GenerateCall, InputProcessor
-from engine.transfer import to_device
 
 
 @dataclass
@@ -56,8 +55,8 @@ def make_score_call(
             "query and items must both be text (a str and a list of str) or both token ids "
             "(a list of int and a list of int lists)."
         )
-    for req in call.reqs:
-        req.label_token_ids = list(label_token_ids)
+    labels = list(label_token_ids)
+    call.requests = [dataclasses.replace(r, label_token_ids=labels) for r in call.requests]
     return call
 
 
@@ -72,12 +71,6 @@ def score_result(results: list[dict[str, Any]], apply_softmax: bool) -> ScoreRes
         else:
             scores.append([math.exp(x) for x in logprobs])
     return ScoreResult(scores, sum(r["meta_info"]["prompt_tokens"] for r in results))
-
-
-def label_logprobs(logits_row: torch.Tensor, label_token_ids: list[int]) -> torch.Tensor:
-    """[len(label_token_ids)] log-softmax values of one logits row (device; read later)."""
-    ids = to_device(label_token_ids, torch.int64, logits_row.device)
-    return torch.log_softmax(logits_row.float(), dim=-1)[ids]
 
 
 def _check_label_ids(label_token_ids: Any, vocab_size: int) -> None:

@@ -1,7 +1,7 @@
-"""The caller's side of the engine: submit requests to the scheduler process, hand results back.
+"""The caller's side of the engine: start the children, submit requests, hand results back.
 
 A receiver thread owns the one inbound socket. It routes every output to its request's
-Channel, answers control calls, replays the children's log records through the caller's
+state (engine/frontend/results.py), which puts it on the caller's Channel, answers control calls, replays the children's log records through the caller's
 logging, and watches the children: if one dies, every waiting caller gets a RuntimeError at
 once. Channels are thread-safe and work for blocking callers and for asyncio callers on any
 event loop, so no caller ever needs nest_asyncio.
@@ -9,20 +9,18 @@ event loop, so no caller ever needs nest_asyncio.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import queue
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import zmq
 
 from engine.frontend.input_processor import GenerateCall, InputProcessor
+from engine.frontend.results import Channel, ReqState, chunk, take
 from engine.model_config import ModelConfig
 from engine.runtime.children import ChildProcesses
 from engine.runtime.ipc import Endpoints, pull_socket, push_socket, recv_all
@@ -36,7 +34,6 @@ from engine.runtime.messages import (
     Ready,
     ReqOutput,
 )
-from engine.scheduler.req import Req
 from engine.server_args import ServerArgs
 from engine.tokenization import load_tokenizer
 
@@ -44,66 +41,6 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _CONTROL_TIMEOUT_S = 60.0
-
-
-class Channel:
-    """Where a call's results arrive: (index, kind, payload) items, kind in 'chunk', 'final', 'error'."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue | queue.Queue = asyncio.Queue() if loop else queue.Queue()
-
-    def put(self, item: tuple[int, str, Any]) -> None:
-        if self.loop is None:
-            self.queue.put(item)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
-
-    def get(self) -> tuple[int, str, Any]:
-        return self.queue.get()
-
-    async def aget(self) -> tuple[int, str, Any]:
-        return await self.queue.get()
-
-
-class ReqState:
-    """What the caller has received so far for one request."""
-
-    def __init__(self, req: Req, index: int, channel: Channel, text_in_logprobs: bool) -> None:
-        self.req = req
-        self.index = index
-        self.channel = channel
-        self.text_in_logprobs = text_in_logprobs
-        self.text = ""
-        self.output_ids: list[int] = []
-        self.finish_reason: dict | None = None
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.input_logprobs: list = []
-        self.input_top_logprobs: list = []
-        self.output_logprobs: list[float] = []
-        self.output_top_logprobs: list = []
-        self.created = time.perf_counter()
-        self.finished_at: float | None = None
-
-    def apply(self, out: ReqOutput) -> None:
-        self.text += out.text
-        self.output_ids += out.new_ids
-        self.completion_tokens = out.completion_tokens
-        self.cached_tokens = out.cached_tokens
-        self.output_logprobs += out.output_logprobs
-        self.output_top_logprobs += out.output_top_logprobs
-        if out.input_logprobs is not None:
-            self.input_logprobs, self.input_top_logprobs = (
-                out.input_logprobs,
-                out.input_top_logprobs,
-            )
-        if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
-            self.finished_at = time.perf_counter()
 
 
 class TokenizerManager:
@@ -160,34 +97,34 @@ class TokenizerManager:
     # ------------------------------------------------------------------ submitting
     def submit(self, call: GenerateCall, channel: Channel) -> list[ReqState]:
         states = [
-            ReqState(req, i, channel, call.return_text_in_logprobs)
-            for i, req in enumerate(call.reqs)
+            ReqState(request, i, channel, call.return_text_in_logprobs)
+            for i, request in enumerate(call.requests)
         ]
         with self._send_lock:
             # NOTE: checked under the lock: _fail() and shutdown() set their flag before taking it,
             # so a request either sees the failure here or is registered in time to receive it.
             self._check_usable()
-            busy = [s.req.rid for s in states if s.req.rid in self._states]
+            busy = [s.rid for s in states if s.rid in self._states]
             if busy:
                 raise ValueError(f"rid {busy[0]!r} is already in flight")
             for state in states:
-                self._states[state.req.rid] = state
-                self._to_scheduler.send_pyobj(state.req)
+                self._states[state.rid] = state
+                self._to_scheduler.send_pyobj(state.request)
         return states
 
     def abort(self, states: list[ReqState]) -> None:
         """Stop requests the caller no longer waits for; the scheduler frees their pages."""
         with self._send_lock:
             for state in states:
-                if self._states.pop(state.req.rid, None) is not None and not self._closed:
-                    self._to_scheduler.send_pyobj(AbortReq(state.req.rid))
+                if self._states.pop(state.rid, None) is not None and not self._closed:
+                    self._to_scheduler.send_pyobj(AbortReq(state.rid))
 
     def wait_all(self, states: list[ReqState], channel: Channel) -> list[dict]:
         results: dict[int, dict] = {}
         try:
             while len(results) < len(states):
                 index, kind, payload = channel.get()
-                results.update(_take(index, kind, payload))
+                results.update(take(index, kind, payload))
         except BaseException:
             self.abort([s for s in states if s.index not in results])
             raise
@@ -198,7 +135,7 @@ class TokenizerManager:
         try:
             while len(results) < len(states):
                 index, kind, payload = await channel.aget()
-                results.update(_take(index, kind, payload))
+                results.update(take(index, kind, payload))
         except BaseException:  # CancelledError included: abort what is still running
             self.abort([s for s in states if s.index not in results])
             raise
@@ -209,7 +146,7 @@ class TokenizerManager:
         try:
             while live:
                 index, kind, payload = channel.get()
-                yield _chunk(index, kind, payload, live, with_index)
+                yield chunk(index, kind, payload, live, with_index)
         finally:
             self.abort([s for s in states if s.index in live])
 
@@ -220,7 +157,7 @@ class TokenizerManager:
         try:
             while live:
                 index, kind, payload = await channel.aget()
-                yield _chunk(index, kind, payload, live, with_index)
+                yield chunk(index, kind, payload, live, with_index)
         finally:
             self.abort([s for s in states if s.index in live])
 
@@ -282,28 +219,9 @@ class TokenizerManager:
         state = self._states.get(out.rid)
         if state is None:  # aborted by its caller meanwhile
             return
-        state.apply(out)
-        finished = out.finish_reason is not None
-        if finished:
+        if out.finish_reason is not None:
             self._states.pop(out.rid, None)
-        if state.req.stream:
-            chunk = {
-                "text": out.text,
-                "output_ids": list(out.new_ids),
-                "meta_info": self._meta(state),
-            }
-            state.channel.put((state.index, "final" if finished else "chunk", chunk))
-        elif finished:
-            result = {
-                "text": state.text,
-                "output_ids": state.output_ids,
-                "meta_info": self._meta(state),
-            }
-            if out.embedding is not None:  # encode(): the embedding instead of text
-                result = {"embedding": out.embedding, "meta_info": result["meta_info"]}
-            if out.label_logprobs is not None:  # score(): read by engine.frontend.score
-                result["label_logprobs"] = out.label_logprobs
-            state.channel.put((state.index, "final", result))
+        state.deliver(out, self.tokenizer)
 
     def _fail(self, error: Exception) -> None:
         self._error = error
@@ -315,39 +233,6 @@ class TokenizerManager:
         for event, box in controls:
             box.append(error)
             event.set()
-
-    # ------------------------------------------------------------------ results
-    def _meta(self, state: ReqState) -> dict[str, Any]:
-        req = state.req
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": state.finish_reason,
-            "prompt_tokens": req.prompt_len,
-            "completion_tokens": state.completion_tokens,
-            "cached_tokens": state.cached_tokens,
-            "e2e_latency": (state.finished_at or time.perf_counter()) - state.created,
-        }
-        if req.return_logprob:
-            text = state.text_in_logprobs
-            start = req.input_logprob_start
-            meta["input_token_logprobs"] = self._triples(
-                state.input_logprobs, req.input_ids[start:], text
-            )
-            meta["output_token_logprobs"] = self._triples(
-                state.output_logprobs, state.output_ids, text
-            )
-            if req.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = [
-                    None if t is None else self._triples(*t, text) for t in state.input_top_logprobs
-                ]
-                meta["output_top_logprobs"] = [
-                    self._triples(*t, text) for t in state.output_top_logprobs
-                ]
-        return meta
-
-    def _triples(self, values: list, ids: list[int], with_text: bool) -> list[tuple]:
-        decode = self.tokenizer.decode if with_text and self.tokenizer is not None else None
-        return [(v, t, decode([t]) if decode else None) for v, t in zip(values, ids)]
 
     # ------------------------------------------------------------------ lifetime
     def _check_usable(self) -> None:
@@ -372,20 +257,6 @@ class TokenizerManager:
         self._to_scheduler.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._folder, ignore_errors=True)
-
-
-def _take(index: int, kind: str, payload: Any) -> dict[int, dict]:
-    if kind == "error":
-        raise payload
-    return {index: payload} if kind == "final" else {}
-
-
-def _chunk(index: int, kind: str, payload: Any, live: set[int], with_index: bool) -> dict:
-    if kind == "error":
-        raise payload
-    if kind == "final":
-        live.discard(index)
-    return {**payload, "index": index} if with_index else payload
 
 
 def _child_exception(msg: ChildError) -> Exception:

@@ -1,7 +1,8 @@
 """The attention layer the models call: it knows its heads, not how attention is computed.
 
-The batch's attention backend (chosen once per engine) stores the new K/V into the paged pool
-and computes attention over each request's cached and new tokens.
+The engine's attention backend (chosen once per engine, engine/attention/) stores the new K/V
+into the paged pool and computes attention over each request's cached and new tokens. The
+model runner gives it to every attention layer once the backend exists (`use_backend`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from engine.attention.backend import AttentionBackend
     from engine.runner.forward_batch import ForwardBatch
 
 
@@ -25,6 +27,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
+        self.backend: AttentionBackend | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
@@ -33,5 +36,15 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = batch.attn_backend.forward(q, k, v, self, batch)
+        out = self.backend.forward(q, k, v, self, batch)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def use_backend(model: nn.Module, backend: AttentionBackend) -> None:
+    """Every attention layer of `model` computes through `backend` from now on."""
+    for layer in attention_layers(model):
+        layer.backend = backend

@@ -73,8 +73,8 @@ class KVCache:
     def extend(self, req: Req, num_tokens: int) -> list[int]:
         """Slots for the request's next `num_tokens` tokens, allocating pages as needed.
 
-        NOTE: the request->slot table is not written here: the caller writes a whole batch's
-        slots at once (write_table), one transfer per step instead of one per request.
+        NOTE: the request->slot table is not written here: the model runner writes a whole
+        batch's slots at once (ReqToTokenPool.write_slots), one transfer per step, not per request.
         """
         start, end = req.kv_len, req.kv_len + num_tokens
         new_pages = self.pages_for(end) - len(req.kv_pages)
@@ -95,10 +95,6 @@ class KVCache:
             slots.append(req.kv_pages[req.kv_len // ps] * ps + req.kv_len % ps)
             req.kv_len += 1
         return slots
-
-    def write_table(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
-        """req_to_token[rows[i], cols[i]] = slots[i] for a whole batch (int64 tensors on the device)."""
-        self.req_to_token.table[rows, cols] = slots.to(torch.int32)
 
     def cache_prefix(self, req: Req) -> None:
         """Share what a still-running request has computed: move its page-aligned KV into the cache

@@ -30,4 +30,9 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Row `row`, positions start.., get `slots` (a prefix served by the cache)."""
         self.table[row, start : start + slots.numel()] = slots.to(torch.int32)
+
+    def write_slots(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """table[rows[i], positions[i]] = slots[i] for a whole batch (int64 tensors on the device)."""
+        self.table[rows, positions] = slots.to(torch.int32)

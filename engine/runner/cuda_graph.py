@@ -14,6 +14,9 @@ logits are valid until the next replay, so the caller reads them (samples) befor
 
 Token ids are gathered inside the graph from ModelRunner.next_token by request row, so no
 host value enters the graph at all.
+
+What the graphs capture is handed in (the runner's eager forward, its backend, pool and
+table), so this module knows nothing of the model runner.
 """
 
 from __future__ import annotations
@@ -21,14 +24,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from engine.attention.backend import AttentionBackend
+from engine.memory.kv_pool import KVPool
+from engine.memory.req_to_token import ReqToTokenPool
 from engine.runner.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +44,29 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeCudaGraphs:
-    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        forward_eager: Callable[[ForwardBatch], torch.Tensor],
+        backend: AttentionBackend,
+        kv_pool: KVPool,
+        req_to_token: ReqToTokenPool,
+        vocab_size: int,
+        dtype: torch.dtype,
+        max_bs: int,
+    ) -> None:
+        self.forward_eager = forward_eager
+        self.backend = backend
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
-        device = runner.device
+        self.device = device = req_to_token.table.device
         padding = torch.tensor(
-            [0, 0, runner.req_to_token.padding_row, 1], dtype=torch.int64, device=device
+            [0, 0, req_to_token.padding_row, 1], dtype=torch.int64, device=device
         )
         self.padding = padding[:, None].expand(4, max_bs).contiguous()
         self.static = self.padding.clone()
-        vocab = runner.config.vocab_size
-        self.logits = torch.empty((max_bs, vocab), dtype=runner.config.dtype, device=device)
+        self.logits = torch.empty((max_bs, vocab_size), dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all()
 
@@ -70,7 +83,7 @@ class DecodeCudaGraphs:
         if padded > bs:
             self.static[:, bs:padded].copy_(self.padding[:, bs:padded])
         self.static[:, :bs].copy_(batch.packed)
-        self.runner.attn_backend.init_graph_replay(batch, padded, self.static)
+        self.backend.init_graph_replay(batch, padded, self.static)
         self.graphs[padded].replay()
         # NOTE: a view of the shared buffer: valid until the next replay (the scheduler samples
         # from it first; device work runs in launch order)
@@ -79,19 +92,19 @@ class DecodeCudaGraphs:
     # ------------------------------------------------------------------ capture
     def _capture_all(self) -> None:
         started = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.runner.device)[0]
+        free_before = torch.cuda.mem_get_info(self.device)[0]
         logger.info(
             "capturing CUDA graphs for decode: %d batch sizes up to %d",
             len(self.sizes),
             self.max_bs,
         )
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.runner.device)
+        stream = torch.cuda.Stream(self.device)
         # largest first: later, smaller graphs reuse the memory pool the first one grew
         for i, bs in enumerate(reversed(self.sizes)):
             self.graphs[bs] = self._capture(bs, pool, stream)
             logger.debug("captured decode graph %d/%d (batch size %d)", i + 1, len(self.sizes), bs)
-        used = free_before - torch.cuda.mem_get_info(self.runner.device)[0]
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info(
             "captured %d CUDA graphs in %.1fs (%.0f MiB)",
             len(self.sizes),
@@ -102,7 +115,7 @@ class DecodeCudaGraphs:
     def _capture(self, bs: int, pool: object, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         forward = self._forward_fn(bs)
         # the most K/V entries a decode batch of bs can read: the pool, plus a slot per padded row
-        self.runner.attn_backend.init_graph_capture(bs, self.runner.kv_pool.num_tokens + bs)
+        self.backend.init_graph_capture(bs, self.kv_pool.num_tokens + bs)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the kernels and create library handles outside capture
@@ -114,7 +127,7 @@ class DecodeCudaGraphs:
         return graph
 
     def _forward_fn(self, bs: int) -> Callable[[], None]:
-        runner, static = self.runner, self.static
+        static = self.static
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=None,
@@ -124,13 +137,12 @@ class DecodeCudaGraphs:
             seq_lens=static[3, :bs],
             seq_lens_cpu=None,
             extend_lens_cpu=[1] * bs,
-            kv_pool=runner.kv_pool,
-            req_to_token=runner.req_to_token.table,
-            attn_backend=runner.attn_backend,
+            kv_pool=self.kv_pool,
+            req_to_token=self.req_to_token.table,
         )
-        out = self.logits[:bs]
+        out, forward_eager = self.logits[:bs], self.forward_eager
 
         def forward() -> None:
-            out.copy_(runner.forward_eager(batch))
+            out.copy_(forward_eager(batch))
 
         return forward

@@ -26,8 +26,6 @@ from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_MAX_REQUESTS = 256
-
 
 class EmbeddingRunner:
     def __init__(self, args: ServerArgs, config: ModelConfig, device: torch.device) -> None:
@@ -39,7 +37,7 @@ class EmbeddingRunner:
         if self.is_encoder:
             self.model = load_model(config, args.load_format, device)
             self.max_batch_tokens = args.max_prefill_tokens
-            self.max_requests = args.max_running_requests or _DEFAULT_MAX_REQUESTS
+            self.max_requests = args.max_running_requests
         else:
             # decode never runs here, so no decode graphs
             self.runner = ModelRunner(
@@ -85,7 +83,7 @@ class EmbeddingRunner:
         packed = to_device([ids, positions, rows], torch.int64, self.device)
         # NOTE: slots from the second page on: page 0 is the pool's scratch page
         slots = torch.arange(page, page + total, device=self.device)
-        runner.req_to_token.table[packed[2], packed[1]] = slots.to(torch.int32)
+        runner.req_to_token.write_slots(packed[2], packed[1], slots)
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
             input_ids=packed[0],
@@ -97,7 +95,6 @@ class EmbeddingRunner:
             extend_lens_cpu=lens,
             kv_pool=runner.kv_pool,
             req_to_token=runner.req_to_token.table,
-            attn_backend=runner.attn_backend,
         )
         runner.attn_backend.init_forward_metadata(batch)
         return self.model(batch.input_ids, batch.positions, batch)  # [T, H]

@@ -1,4 +1,9 @@
-"""The tensors one model forward needs, built by the scheduler, read by the model and kernels."""
+"""The tensors one model forward needs, built by the model runner, read by the model and kernels.
+
+NOTE: the batch carries the memory it reads (the KV pool, the request->slot table) but not the
+attention backend: that is fixed per engine and held by the attention layers themselves
+(engine/layers/attention.py), so this module depends on no backend.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention.backend import AttentionBackend
     from engine.memory.kv_pool import KVPool
 
 
@@ -32,7 +36,6 @@ class ForwardBatch:
     extend_lens_cpu: list[int]  # new tokens per request (all 1 in decode)
     kv_pool: KVPool
     req_to_token: torch.Tensor  # [max_requests, max_context] int32
-    attn_backend: AttentionBackend
     # decode: [positions, out_cache_loc, req_pool_indices, seq_lens] as one [4, B] tensor,
     # of which the four fields above are rows (CUDA-graph replay copies it in one go)
     packed: torch.Tensor | None = None

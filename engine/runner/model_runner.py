@@ -1,4 +1,9 @@
-"""Owns the model weights, the KV pool tensors and the attention backend; runs one forward.
+"""Owns the model weights, the KV pool tensors and the attention backend; runs one step.
+
+`step(batch)` is the scheduler's one call per step: build the batch's tensors
+(batch_builder), run the forward (a CUDA-graph replay for decode when one fits), and hand the
+logits to the logits step, which samples on the device and returns a LaunchedStep. Logits
+never leave this object.
 
 Start-up on a GPU, in order:
   1. load the weights;
@@ -17,22 +22,25 @@ import os
 import torch
 
 from engine.attention import create_backend
+from engine.layers.attention import attention_layers, use_backend
 from engine.layers.distributed import agree_min
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.model_config import ModelConfig
+from engine.runner.batch_builder import build_forward_batch
 from engine.runner.cuda_graph import DecodeCudaGraphs
 from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model
+from engine.runner.logits_step import LogitsStep
+from engine.scheduler.batch import ScheduledBatch
 from engine.server_args import ServerArgs
+from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
 # CPU default pool: a tenth of the machine's memory, at most this many tokens.
 _CPU_MAX_DEFAULT_TOKENS = 65536
-_GPU_DEFAULT_MEM_FRACTION = 0.85
-_DEFAULT_MAX_RUNNING = 256
-_DEFAULT_CUDA_GRAPH_MAX_BS = 256
 _GPU_SLACK_BYTES = 512 * 2**20  # allocator fragmentation, library workspaces
 
 
@@ -43,14 +51,14 @@ class ModelRunner:
         self.device = device
         self.model = load_model(config, args.load_format, device)
         self.kv_dtype = config.dtype
-        self.num_kv_heads = self.model.layers[0].self_attn.attn.num_kv_heads
-        rows = args.max_running_requests or _DEFAULT_MAX_RUNNING
+        attn = attention_layers(self.model)[0]
+        self.num_kv_heads = attn.num_kv_heads
+        rows = args.max_running_requests
         self.req_to_token = ReqToTokenPool(rows, config.context_length, device)
         # the last token sampled for each request row: the input of its next decode step
         self.next_token = torch.zeros(rows + 1, dtype=torch.int64, device=device)
-        self.attn_backend = create_backend(
-            args.attention_backend, device, self.model.layers[0].self_attn.attn, config.dtype
-        )
+        self.attn_backend = create_backend(args.attention_backend, device, attn, config.dtype)
+        use_backend(self.model, self.attn_backend)
         activation_peak = self._warm_up() if device.type == "cuda" else 0
         self.max_total_tokens = self._pool_tokens(activation_peak)
         self.max_running_requests = min(rows, self.max_total_tokens)
@@ -62,14 +70,24 @@ class ModelRunner:
             self.kv_pool.nbytes() / 2**20,
             self.max_running_requests,
         )
+        self.logits_step = LogitsStep(rows + 1, config.vocab_size, device, self.next_token)
         self.graphs: DecodeCudaGraphs | None = None
         if self._use_cuda_graphs():
-            max_bs = min(
-                args.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests
-            )
-            self.graphs = DecodeCudaGraphs(self, max_bs)
+            self.graphs = DecodeCudaGraphs(
+                self.forward_eager, self.attn_backend, self.kv_pool, self.req_to_token,
+                config.vocab_size, config.dtype,
+                max_bs=min(args.cuda_graph_max_bs, self.max_running_requests),
+            )  # fmt: skip
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queue the batch's forward and everything its logits become; nothing here waits."""
+        forward, plan = build_forward_batch(batch, self.kv_pool, self.req_to_token)
+        rows = None if plan.rows is None else to_device(plan.rows, torch.int64, self.device)
+        logits = self.forward(forward, rows)
+        return self.logits_step.launch(batch, plan, logits, forward.req_pool_indices)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None) -> torch.Tensor:
         """Run the batch; logits [len(logit_rows), vocab] of the chosen token rows (all rows when
@@ -105,7 +123,7 @@ class ModelRunner:
             tokens = self.args.max_total_tokens
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            fraction = self.args.mem_fraction_static or _GPU_DEFAULT_MEM_FRACTION
+            fraction = self.args.mem_fraction_static
             static_budget = total * fraction - (total - free)  # weights + pool <= fraction
             graphs = self._graph_bytes_estimate() if self._use_cuda_graphs() else 0
             headroom = free - activation_peak - graphs - _GPU_SLACK_BYTES
@@ -136,10 +154,9 @@ class ModelRunner:
 
     def _graph_bytes_estimate(self) -> int:
         """The decode graphs keep a logits buffer and share one pool sized by the largest batch."""
-        bs = self.args.cuda_graph_max_bs or _DEFAULT_CUDA_GRAPH_MAX_BS
         c = self.config
         per_row = c.vocab_size * (2 + 4 + 4) + 16 * (c.hidden_size + c.intermediate_size) * 4
-        return bs * per_row
+        return self.args.cuda_graph_max_bs * per_row
 
     def _warm_up(self) -> int:
         """Forwards over a throw-away pool: the largest prefill step, whose activation peak it
@@ -173,7 +190,7 @@ class ModelRunner:
         slots = torch.arange(page, page + sum(lens), device=dev)
         rows = torch.cat([torch.full((n,), r, device=dev) for r, n in enumerate(lens)])
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-        self.req_to_token.table[rows, positions] = slots.to(torch.int32)
+        self.req_to_token.write_slots(rows, positions, slots)
         gen = torch.Generator(device=dev).manual_seed(0)
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
@@ -188,6 +205,5 @@ class ModelRunner:
             extend_lens_cpu=lens,
             kv_pool=pool,
             req_to_token=self.req_to_token.table,
-            attn_backend=self.attn_backend,
         )
         self.forward_eager(batch, torch.cumsum(batch.seq_lens, 0) - 1).float()

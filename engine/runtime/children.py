@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import engine
 from engine.runtime.ipc import ChildConfig, Endpoints
 from engine.server_args import ServerArgs
+
+# the folder holding the `engine` package (this file is engine/runtime/children.py)
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def roles(tp_size: int) -> list[tuple[str, int]]:
@@ -26,7 +28,7 @@ class ChildProcesses:
         read_fd, self._lifeline = os.pipe()
         env = dict(os.environ)
         # the children import `engine` from wherever the caller did, installed or not
-        package_root = str(Path(engine.__file__).resolve().parent.parent)
+        package_root = str(_PACKAGE_ROOT)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         self.procs: dict[str, subprocess.Popen] = {}
         try:

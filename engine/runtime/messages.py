@@ -1,14 +1,51 @@
 """Everything that crosses a process boundary: small picklable dataclasses, no ad-hoc dicts.
 
-tokenizer manager --Req / AbortReq / ControlReq--> scheduler --BatchOut--> detokenizer --BatchOut--> tokenizer manager
+tokenizer manager --TokenizedRequest / AbortReq / ControlReq--> scheduler --BatchOut--> detokenizer
+detokenizer --BatchOut--> tokenizer manager
 The scheduler also answers ControlReq and reports Ready directly to the tokenizer manager; any
 child reports ChildError and forwards its log records (LogMsg) there too.
+
+NOTE: no process's working objects travel: the scheduler builds its own `Req` from a
+TokenizedRequest, and the caller keeps its own per-request state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenizedRequest:
+    """One request as the scheduler needs to know it, validated and tokenized by the caller.
+
+    generate(), encode() and score() all send this: an embedding request carries
+    `embed_dimensions`, a score request `label_token_ids` (both with max_new_tokens 0).
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams  # validated; stop_ids holds the EOS ids unless ignore_eos
+    seed: int  # the request's sampling_seed, or one drawn for it by the engine
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: output logprobs only (SGLang's default)
+    top_logprobs_num: int = 0
+    stream: bool = False
+    embed_dimensions: int | None = None  # encode(): keep this many leading values (None: all)
+    label_token_ids: list[int] | None = None  # score(): logprobs of these ids after the prompt
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def input_logprob_start(self) -> int:
+        """First prompt position whose logprob is reported (SGLang: -1 means the last prompt token)."""
+        if self.logprob_start_len < 0:
+            return self.prompt_len - 1
+        return min(self.logprob_start_len, self.prompt_len - 1)
 
 
 @dataclass

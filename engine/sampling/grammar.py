@@ -1,15 +1,15 @@
 """Constrained output through xgrammar: the json_schema, regex and ebnf sampling parameters.
 
-Two halves, one per process:
+Three parts, in the two processes that need them:
   - `check_grammar` runs in the caller's process (InputProcessor): it parses the grammar, which
     needs no tokenizer and takes well under a millisecond, so a bad schema, regex or EBNF raises
     a ValueError naming its field before anything of the call is queued.
   - `GrammarBackend` lives in the scheduler: the tokenizer's xgrammar view (TokenizerInfo) is
     built once, each distinct (kind, text) compiled once, and each constrained request gets its
-    own GrammarMatcher in `req.grammar` (attached here, never pickled: the Req crosses the
-    process boundary before it has one). Per step the matchers fill a token bitmask for the
-    constrained sampling rows, which is applied to the logits before sampling; per sampled
-    token the matcher accepts it, and a terminated matcher finishes the request.
+    own GrammarMatcher in `req.grammar` when it arrives. Per sampled token the matcher accepts
+    it, and a terminated matcher finishes the request.
+  - `GrammarMasks` lives in the model runner's logits step: per step the matchers fill a token
+    bitmask for the constrained sampling rows, applied to the logits before sampling.
 
 NOTE: a mask needs its matcher to have accepted every token drawn before it. With overlap
 scheduling the scheduler therefore reads a step that drew for a constrained request before it
@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from engine.sampling_params import SamplingParams
     from engine.scheduler.req import Req
     from engine.server_args import ServerArgs
@@ -96,18 +98,19 @@ def _parse(kind: str, text: str, any_whitespace: bool = True) -> Any:
 
 
 class GrammarBackend:
-    """The scheduler's grammars: compile cache, per-request matchers, masks and accepts."""
+    """The scheduler's grammars: compile cache, a matcher per constrained request, and feeding
+    it the sampled tokens."""
 
-    def __init__(self, args: ServerArgs, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, args: ServerArgs, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
+    ) -> None:
         self.args = args
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (the model's, maybe padded)
-        self.device = device
         self._compiler: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._bitmask: torch.Tensor | None = None  # host rows, reused every step
         self.compilations = 0  # distinct grammars compiled so far (for tests and stats)
 
-    # ------------------------------------------------------------------ per request
     def attach(self, req: Req) -> None:
         """Give a constrained request its matcher (the request arrived in this process)."""
         import xgrammar as xgr
@@ -140,26 +143,6 @@ class GrammarBackend:
             return True
         return False
 
-    # ------------------------------------------------------------------ per step
-    def apply_masks(self, reqs: list[Req], logits: torch.Tensor) -> bool:
-        """Mask logits row i for reqs[i] if it is constrained; True when any row was."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if not rows:
-            return False
-        import xgrammar as xgr
-
-        bitmask = self._host_bitmask(len(reqs))
-        fill = [i for i in rows if reqs[i].grammar.fill_next_token_bitmask(bitmask, i)]
-        if fill:
-            mask = bitmask[: len(reqs)]
-            if logits.is_cuda:
-                # NOTE: the pinned rows are refilled only after this step was read (the scheduler
-                # reads a constrained step before planning the next), so the copy is done by then
-                mask = mask.to(logits.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=fill)
-        return True
-
-    # ------------------------------------------------------------------ compile
     def _compile(self, key: tuple[str, str]) -> Any:
         compiled = self._compiled.get(key)
         if compiled is not None:
@@ -177,14 +160,39 @@ class GrammarBackend:
         if self._compiler is None:
             import xgrammar as xgr
 
-            from engine.tokenization import load_tokenizer
-
-            if self.args.skip_tokenizer_init:
+            if self.tokenizer is None:
                 raise ValueError("constrained output needs the tokenizer (skip_tokenizer_init)")
-            tokenizer = load_tokenizer(self.args)
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=8, cache_enabled=False)
         return self._compiler
+
+
+class GrammarMasks:
+    """The model runner's half: each step, mask the logits rows of constrained requests with
+    what their matchers allow next."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._bitmask: torch.Tensor | None = None  # host rows, reused every step
+
+    def apply(self, reqs: list[Req], logits: torch.Tensor) -> bool:
+        """Mask logits row i for reqs[i] if it is constrained; True when any row was."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return False
+        import xgrammar as xgr
+
+        bitmask = self._host_bitmask(len(reqs))
+        fill = [i for i in rows if reqs[i].grammar.fill_next_token_bitmask(bitmask, i)]
+        if fill:
+            mask = bitmask[: len(reqs)]
+            if logits.is_cuda:
+                # NOTE: the pinned rows are refilled only after this step was read (the scheduler
+                # reads a constrained step before planning the next), so the copy is done by then
+                mask = mask.to(logits.device, non_blocking=True)
+            xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=fill)
+        return True
 
     def _host_bitmask(self, rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < rows:

@@ -1,126 +1,37 @@
-"""Turn a scheduling decision (which requests, how many new tokens each) into one ForwardBatch.
+"""What one forward computes, as the scheduler decides it: which requests, how many new tokens
+each, and the pool slots their K/V go to.
 
-Besides the tensors, it plans which rows of the batch need logits: a request's last row when
-this step completes its input (it samples its next token), and the rows whose logits give
-prompt-token logprobs the request asked for.
-
-A decode step names no token ids: each request's input is the token sampled for it last,
-which the model runner gathers on the device (ModelRunner.next_token), so the host need not
-know it yet (overlap scheduling). The per-request columns travel to the device in one copy.
+NOTE: the scheduler is the only owner of KV memory, so it allocates the slots here, after
+planning the whole batch (admission matched and locked every prefix first, so allocating
+cannot evict a prefix the batch is about to read). The model runner turns this into device
+tensors (engine/runner/batch_builder.py) and writes the slots into the request->slot table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.memory.kv_cache import KVCache
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
-from engine.runner.model_runner import ModelRunner
+from engine.runner.forward_batch import ForwardMode
 from engine.scheduler.req import Req
-from engine.transfer import to_device
 
 
 @dataclass
 class ScheduledBatch:
     mode: ForwardMode
     reqs: list[Req]
-    extend_lens: list[int]  # new tokens per request this step
+    extend_lens: list[int]  # new tokens per request this step (all 1 in decode)
+    starts: list[int] = field(default_factory=list)  # each request's first new position
+    slots: list[int] = field(default_factory=list)  # pool slot of each new token, in order
 
-
-@dataclass
-class LogitPlan:
-    """Which logits rows belong to whom: rows [start, start + n_input) are input-logprob rows, then
-    one sampling row if `samples`. `rows` None means every batch row, in order (decode)."""
-
-    starts: list[int] = field(default_factory=list)
-    n_input: list[int] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
-    rows: list[int] | None = field(default_factory=list)  # batch token rows to compute logits for
-
-
-def build(
-    batch: ScheduledBatch, kv: KVCache, runner: ModelRunner, device: torch.device
-) -> tuple[ForwardBatch, LogitPlan]:
-    if batch.mode is ForwardMode.DECODE:
-        return _build_decode(batch.reqs, kv, runner, device)
-    return _build_extend(batch, kv, runner, device)
-
-
-def _build_decode(
-    reqs: list[Req], kv: KVCache, runner: ModelRunner, device: torch.device
-) -> tuple[ForwardBatch, LogitPlan]:
-    positions = [r.kv_len for r in reqs]
-    slots = kv.extend_by_one(reqs)
-    rows = [r.pool_row for r in reqs]
-    seq_lens = [p + 1 for p in positions]
-    # NOTE: the row order [positions, slots, rows, seq_lens] is what CUDA-graph replay copies
-    packed = to_device([positions, slots, rows, seq_lens], torch.int64, device)
-    kv.write_table(packed[2], packed[0], packed[1])
-    n = len(reqs)
-    plan = LogitPlan(list(range(n)), [0] * n, [True] * n, None)
-    forward = ForwardBatch(
-        mode=ForwardMode.DECODE,
-        input_ids=None,
-        positions=packed[0],
-        out_cache_loc=packed[1],
-        req_pool_indices=packed[2],
-        seq_lens=packed[3],
-        seq_lens_cpu=seq_lens,
-        extend_lens_cpu=[1] * n,
-        kv_pool=runner.kv_pool,
-        req_to_token=runner.req_to_token.table,
-        attn_backend=runner.attn_backend,
-        packed=packed,
-    )
-    return forward, plan
-
-
-def _build_extend(
-    batch: ScheduledBatch, kv: KVCache, runner: ModelRunner, device: torch.device
-) -> tuple[ForwardBatch, LogitPlan]:
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    rows: list[int] = []
-    plan = LogitPlan()
-    for req, n in zip(batch.reqs, batch.extend_lens):
-        start, end = req.kv_len, req.kv_len + n
-        offset = len(ids) - start  # token position p sits at batch row offset + p
-        ids.extend(req.fill_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(kv.extend(req, n))
-        rows.extend([req.pool_row] * n)
-        plan.starts.append(len(plan.rows))
-        # logits at position p give the logprob of prompt token p + 1
-        lp_rows = (
-            range(max(start, req.input_logprob_next), min(end, req.prompt_len - 1))
-            if req.wants_input_logprobs
-            else range(0)
-        )
-        plan.rows.extend(offset + p for p in lp_rows)
-        plan.n_input.append(len(lp_rows))
-        samples = end == len(req.fill_ids)
-        if samples:
-            plan.rows.append(offset + end - 1)
-        plan.samples.append(samples)
-    tokens = to_device([ids, positions, slots, rows], torch.int64, device)
-    per_req = to_device(
-        [[r.pool_row for r in batch.reqs], [r.kv_len for r in batch.reqs]], torch.int64, device
-    )
-    kv.write_table(tokens[3], tokens[1], tokens[2])
-    forward = ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        input_ids=tokens[0],
-        positions=tokens[1],
-        out_cache_loc=tokens[2],
-        req_pool_indices=per_req[0],
-        seq_lens=per_req[1],
-        seq_lens_cpu=[r.kv_len for r in batch.reqs],
-        extend_lens_cpu=list(batch.extend_lens),
-        kv_pool=runner.kv_pool,
-        req_to_token=runner.req_to_token.table,
-        attn_backend=runner.attn_backend,
-    )
-    return forward, plan
+    @classmethod
+    def allocate(
+        cls, mode: ForwardMode, reqs: list[Req], extend_lens: list[int], kv: KVCache
+    ) -> ScheduledBatch:
+        """The batch, with pages allocated for its new tokens (which may evict cached prefixes)."""
+        starts = [r.kv_len for r in reqs]
+        if mode is ForwardMode.DECODE:
+            slots = kv.extend_by_one(reqs)
+        else:
+            slots = [s for req, n in zip(reqs, extend_lens) for s in kv.extend(req, n)]
+        return cls(mode, reqs, extend_lens, starts, slots)

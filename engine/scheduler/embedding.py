@@ -22,6 +22,7 @@ import torch
 from engine.model_config import ModelConfig
 from engine.runner.embedding_runner import EmbeddingRunner
 from engine.runner.pooling import finish_embeddings
+from engine.runtime.messages import TokenizedRequest
 from engine.scheduler.req import Req
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
@@ -61,8 +62,10 @@ class EmbeddingScheduler:
         return self.runner.max_requests
 
     # ------------------------------------------------------------------ requests in and out
-    def add_request(self, req: Req) -> None:
+    def add_request(self, request: TokenizedRequest) -> Req:
+        req = Req(request)
         self.waiting.append(req)
+        return req
 
     def abort_request(self, rid: str) -> Req | None:
         reason = {"type": "abort", "message": "aborted by the caller"}

@@ -1,69 +1,84 @@
-"""One generation request as the scheduler sees it, from admission to its last token."""
+"""One request inside the scheduler process, from its arrival to its last token.
+
+The scheduler builds a Req from the TokenizedRequest the caller sent; a Req never leaves this
+process (its progress goes out as ReqOutput messages). Its state falls in four parts: what the
+caller asked (read-only here), progress, KV memory (owned by engine.memory.KVCache), and what
+was already sent back.
+"""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.runtime.messages import TokenizedRequest
 from engine.tokenization import IncrementalDecoder, find_stop
 
 
-@dataclass
 class Req:
-    rid: str
-    input_ids: list[int]
-    sampling: SamplingParams
-    seed: int  # the request's sampling_seed, or one drawn for it by the engine
-    return_logprob: bool = False
-    logprob_start_len: int = -1  # -1: output logprobs only (SGLang's default)
-    top_logprobs_num: int = 0
-    stream: bool = False
+    __slots__ = (
+        "rid", "input_ids", "sampling", "seed", "return_logprob", "input_logprob_start",
+        "top_logprobs_num", "stream", "embed_dimensions", "label_token_ids", "draw_limit",
+        "output_ids", "drawn", "finish_reason", "cached_tokens",
+        "admitted_once", "admit_order", "input_logprob_next", "stop_decoder", "grammar",
+        "input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs",
+        "embedding", "label_logprobs",
+        "pool_row", "kv_pages", "kv_len", "prefix_len", "last_node",
+        "sent_len", "sent_first",
+    )  # fmt: skip
 
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    cached_tokens: int = 0
-    created_at: float = field(default_factory=time.perf_counter)
-    finished_at: float | None = None
+    def __init__(self, request: TokenizedRequest, context_length: int | None = None) -> None:
+        # ---- what the caller asked
+        self.rid = request.rid
+        self.input_ids = request.input_ids
+        self.sampling = request.sampling
+        self.seed = request.seed
+        self.return_logprob = request.return_logprob
+        self.input_logprob_start = request.input_logprob_start
+        self.top_logprobs_num = request.top_logprobs_num
+        self.stream = request.stream
+        self.embed_dimensions = request.embed_dimensions
+        self.label_token_ids = request.label_token_ids
+        # drawn tokens that end the request by length whatever they are
+        limit = request.sampling.max_new_tokens
+        if context_length is not None:
+            limit = min(limit, context_length - request.prompt_len)
+        self.draw_limit = limit
 
-    # KV memory, owned by engine.memory.KVCache
-    pool_row: int = -1
-    kv_pages: list[int] = field(default_factory=list)
-    kv_len: int = 0  # tokens of fill_ids whose K/V are in the pool
-    prefix_len: int = 0  # of those, served by the prefix cache at admission
-    last_node: Any = field(default=None, repr=False)  # the cache node locked for this request
-    admitted_once: bool = False
-    admit_order: int = -1  # retraction takes the newest first
-    input_logprob_next: int = -1  # next prompt position whose logits still feed input logprobs
-    # NOTE: with overlap scheduling a sampled token reaches output_ids one step after it was
-    # drawn on the device; meanwhile it is pending (its value lives in ModelRunner.next_token).
-    drawn: int = 0  # output tokens drawn on the device, pending ones included
-    # drawn tokens that end the request by length whatever they are: min(max_new_tokens,
-    # context_length - prompt_len), set by the scheduler when the request arrives
-    draw_limit: int = 1 << 62
+        # ---- progress
+        self.output_ids: list[int] = []
+        # NOTE: with overlap scheduling a sampled token reaches output_ids one step after it was
+        # drawn on the device; meanwhile it is pending (its value lives in ModelRunner.next_token).
+        self.drawn = 0  # output tokens drawn on the device, pending ones included
+        self.finish_reason: dict[str, Any] | None = None
+        self.cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.admitted_once = False
+        self.admit_order = -1  # retraction takes the newest first
+        self.input_logprob_next = -1  # next prompt position whose logits feed input logprobs
+        # the text so far, kept only for requests with stop strings
+        self.stop_decoder: IncrementalDecoder | None = None
+        # xgrammar GrammarMatcher of a json_schema / regex / ebnf request; None when free or done
+        self.grammar: Any = None
+        # logprobs: value, and top-k (values, ids) per position; None where SGLang gives None
+        self.input_logprobs: list[float | None] = []
+        self.input_top_logprobs: list[tuple[list[float], list[int]] | None] = []
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[tuple[list[float], list[int]]] = []
+        self.embedding: list[float] | None = None  # encode()'s result
+        self.label_logprobs: list[float] | None = None  # score()'s result
 
-    # progress already sent to the caller (scheduler process)
-    sent_len: int = 0
-    sent_first: bool = False
-    # the text so far, kept only for requests with stop strings (scheduler process)
-    stop_decoder: IncrementalDecoder | None = field(default=None, repr=False)
-    # xgrammar GrammarMatcher of a json_schema / regex / ebnf request, attached by the scheduler
-    # (never before pickling: the Req crosses processes without one); None when free or finished
-    grammar: Any = field(default=None, repr=False)
+        # ---- KV memory, owned by engine.memory.KVCache
+        self.pool_row = -1
+        self.kv_pages: list[int] = []
+        self.kv_len = 0  # tokens of fill_ids whose K/V are in the pool
+        self.prefix_len = 0  # of those, held by the prefix cache
+        self.last_node: Any = None  # the cache node locked for this request
 
-    # encode(): a prefill-only request whose result is its pooled hidden state (is_embedding)
-    embed_dimensions: int | None = None  # keep this many leading values (None: all)
-    embedding: list[float] | None = None
-    # score(): log-probabilities of these token ids at the position after the prompt
-    label_token_ids: list[int] | None = None
-    label_logprobs: list[float] | None = None
+        # ---- what was already sent to the caller
+        self.sent_len = 0
+        self.sent_first = False
 
-    # logprobs: value, and top-k (values, ids) per position; None where SGLang gives None
-    input_logprobs: list[float | None] = field(default_factory=list)
-    input_top_logprobs: list[tuple[list[float], list[int]] | None] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[tuple[list[float], list[int]]] = field(default_factory=list)
+    def __repr__(self) -> str:
+        return f"Req({self.rid!r}, prompt {self.prompt_len}, output {len(self.output_ids)})"
 
     @property
     def prompt_len(self) -> int:
@@ -87,16 +102,8 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def input_logprob_start(self) -> int:
-        """First prompt position whose logprob is reported (SGLang: -1 means the last prompt token)."""
-        if self.logprob_start_len < 0:
-            return self.prompt_len - 1
-        return min(self.logprob_start_len, self.prompt_len - 1)
-
     def finish(self, reason: dict[str, Any]) -> None:
         self.finish_reason = reason
-        self.finished_at = time.perf_counter()
 
     def check_finished(self, token: int) -> None:
         """Called after `token` was appended to output_ids (the per-token hot path: keep it lean)."""

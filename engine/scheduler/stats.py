@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -20,3 +21,6 @@ class SchedulerStats:
     launch_seconds: float = 0.0
     wait_seconds: float = 0.0
     collect_seconds: float = 0.0
+
+    def counters(self) -> dict[str, int | float]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,117 @@
+"""Turn the scheduler's decision (a ScheduledBatch) into one ForwardBatch of device tensors.
+
+Besides the tensors, it plans which rows of the batch need logits: a request's last row when
+this step completes its input (it samples its next token), and the rows whose logits give
+prompt-token logprobs the request asked for.
+
+A decode step names no token ids: each request's input is the token sampled for it last,
+which the model runner gathers on the device (ModelRunner.next_token), so the host need not
+know it yet (overlap scheduling). The per-request columns travel to the device in one copy,
+and the new tokens' slots (allocated by the scheduler) are written into the request->slot
+table with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.memory.kv_pool import KVPool
+from engine.memory.req_to_token import ReqToTokenPool
+from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.scheduler.batch import ScheduledBatch
+from engine.transfer import to_device
+
+
+@dataclass
+class LogitPlan:
+    """Which logits rows belong to whom: rows [start, start + n_input) are input-logprob rows, then
+    one sampling row if `samples`. `rows` None means every batch row, in order (decode)."""
+
+    starts: list[int] = field(default_factory=list)
+    n_input: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    rows: list[int] | None = field(default_factory=list)  # batch token rows to compute logits for
+
+
+def build_forward_batch(
+    batch: ScheduledBatch, kv_pool: KVPool, req_to_token: ReqToTokenPool
+) -> tuple[ForwardBatch, LogitPlan]:
+    if batch.mode is ForwardMode.DECODE:
+        return _build_decode(batch, kv_pool, req_to_token)
+    return _build_extend(batch, kv_pool, req_to_token)
+
+
+def _build_decode(
+    batch: ScheduledBatch, kv_pool: KVPool, req_to_token: ReqToTokenPool
+) -> tuple[ForwardBatch, LogitPlan]:
+    positions = batch.starts
+    rows = [r.pool_row for r in batch.reqs]
+    seq_lens = [p + 1 for p in positions]
+    # NOTE: the row order [positions, slots, rows, seq_lens] is what CUDA-graph replay copies
+    device = req_to_token.table.device
+    packed = to_device([positions, batch.slots, rows, seq_lens], torch.int64, device)
+    req_to_token.write_slots(packed[2], packed[0], packed[1])
+    n = len(batch.reqs)
+    plan = LogitPlan(list(range(n)), [0] * n, [True] * n, None)
+    forward = ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=None,
+        positions=packed[0],
+        out_cache_loc=packed[1],
+        req_pool_indices=packed[2],
+        seq_lens=packed[3],
+        seq_lens_cpu=seq_lens,
+        extend_lens_cpu=[1] * n,
+        kv_pool=kv_pool,
+        req_to_token=req_to_token.table,
+        packed=packed,
+    )
+    return forward, plan
+
+
+def _build_extend(
+    batch: ScheduledBatch, kv_pool: KVPool, req_to_token: ReqToTokenPool
+) -> tuple[ForwardBatch, LogitPlan]:
+    ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    plan = LogitPlan()
+    for req, n, start in zip(batch.reqs, batch.extend_lens, batch.starts):
+        end = start + n
+        offset = len(ids) - start  # token position p sits at batch row offset + p
+        ids.extend(req.fill_ids[start:end])
+        positions.extend(range(start, end))
+        rows.extend([req.pool_row] * n)
+        plan.starts.append(len(plan.rows))
+        # logits at position p give the logprob of prompt token p + 1
+        lp_rows = (
+            range(max(start, req.input_logprob_next), min(end, req.prompt_len - 1))
+            if req.wants_input_logprobs
+            else range(0)
+        )
+        plan.rows.extend(offset + p for p in lp_rows)
+        plan.n_input.append(len(lp_rows))
+        samples = end == len(req.fill_ids)
+        if samples:
+            plan.rows.append(offset + end - 1)
+        plan.samples.append(samples)
+    device = req_to_token.table.device
+    tokens = to_device([ids, positions, batch.slots, rows], torch.int64, device)
+    seq_lens = [start + n for start, n in zip(batch.starts, batch.extend_lens)]
+    per_req = to_device([[r.pool_row for r in batch.reqs], seq_lens], torch.int64, device)
+    req_to_token.write_slots(tokens[3], tokens[1], tokens[2])
+    forward = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=tokens[0],
+        positions=tokens[1],
+        out_cache_loc=tokens[2],
+        req_pool_indices=per_req[0],
+        seq_lens=per_req[1],
+        seq_lens_cpu=seq_lens,
+        extend_lens_cpu=list(batch.extend_lens),
+        kv_pool=kv_pool,
+        req_to_token=req_to_token.table,
+    )
+    return forward, plan

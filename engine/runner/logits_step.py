@@ -1,0 +1,139 @@
+"""The one logits step: everything that becomes of a forward's logits, on the device, in one place.
+
+For the rows that sample, in this order: repetition / frequency / presence penalties and
+logit_bias; grammar masks of constrained requests; min_new_tokens (stop ids cannot win yet);
+the seeded draw, stored as each request row's next decode input; output logprobs. For a
+prefill it also takes prompt-token logprobs and score()'s label logprobs from their rows.
+Then it queues the copy of what the host will read. Nothing here waits for the device.
+
+Output logprobs are the log-softmax at temperature 1 of the logits the draw sees (penalties
+and masks applied, before temperature / top-k / top-p), as SGLang reports them by default;
+prompt-token logprobs are the model's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.runner.batch_builder import LogitPlan
+from engine.runner.forward_batch import ForwardMode
+from engine.runner.launched_step import InputLogprobs, LaunchedStep
+from engine.sampling.grammar import GrammarMasks
+from engine.sampling.penalties import PenaltyState
+from engine.sampling.sampler import SamplingBatch, sample
+from engine.scheduler.batch import ScheduledBatch
+from engine.scheduler.req import Req
+from engine.transfer import to_device
+
+
+class LogitsStep:
+    def __init__(
+        self, num_rows: int, vocab_size: int, device: torch.device, next_token: torch.Tensor
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.next_token = next_token  # [rows] the input of each request row's next decode
+        self.penalties = PenaltyState(num_rows, vocab_size, device)
+        self.grammar_masks = GrammarMasks(vocab_size, device)
+
+    def launch(
+        self,
+        batch: ScheduledBatch,
+        plan: LogitPlan,
+        logits: torch.Tensor,
+        decode_rows: torch.Tensor,
+    ) -> LaunchedStep:
+        """Queue the step's logits work; `decode_rows` are a decode batch's request rows (device)."""
+        step = LaunchedStep(batch.reqs)
+        if batch.mode is ForwardMode.DECODE:  # every request samples; nothing else to plan
+            step.sample_reqs = batch.reqs
+            sample_logits, pool_rows = logits, decode_rows
+        else:
+            sample_rows = self._prefill_outputs(step, plan, logits)
+            sample_logits = logits[to_device(sample_rows, torch.int64, self.device)]
+            pool_rows = to_device([r.pool_row for r in step.sample_reqs], torch.int64, self.device)
+        if step.sample_reqs:
+            self.penalties.apply(step.sample_reqs, sample_logits)
+            step.constrained = self.grammar_masks.apply(step.sample_reqs, sample_logits)
+            _suppress_early_stops(step.sample_reqs, sample_logits)
+            self._sample(step, sample_logits, pool_rows)
+            self.penalties.record(step.sample_reqs, step.tokens)
+        step.copy_to_host()
+        return step
+
+    def _prefill_outputs(
+        self, step: LaunchedStep, plan: LogitPlan, logits: torch.Tensor
+    ) -> list[int]:
+        """Queue input logprobs and score labels of a prefill; returns the rows that sample."""
+        sample_rows = []
+        for req, start, n_input, samples in zip(step.reqs, plan.starts, plan.n_input, plan.samples):
+            if n_input:
+                step.input_logprobs.append(_input_logprobs(req, logits[start : start + n_input]))
+            if not samples:
+                continue
+            if req.label_token_ids is not None:
+                row = logits[start + n_input]
+                step.label_logprobs.append((req, self._label_logprobs(row, req.label_token_ids)))
+            if req.sampling.max_new_tokens == 0:
+                step.zero_length.append(req)
+            else:
+                sample_rows.append(start + n_input)
+                step.sample_reqs.append(req)
+        return sample_rows
+
+    def _sample(self, step: LaunchedStep, logits: torch.Tensor, pool_rows: torch.Tensor) -> None:
+        """Draw the step's tokens, store them as the next decode inputs of their request rows,
+        and compute the output logprobs asked for (all before the next launch can run)."""
+        reqs = step.sample_reqs
+        if all(r.sampling.is_greedy for r in reqs):
+            tokens = logits.argmax(
+                -1
+            )  # what sample() does for an all-greedy batch, without its inputs
+        else:
+            tokens = sample(logits, self._sampling_batch(reqs))
+        self.next_token[pool_rows] = tokens
+        step.tokens = tokens
+        rows = [i for i, r in enumerate(reqs) if r.return_logprob]
+        if rows:
+            k = max(reqs[i].top_logprobs_num for i in rows)
+            index = to_device(rows, torch.int64, logits.device)
+            lp = torch.log_softmax(logits[index].float(), dim=-1)
+            step.logprob_rows = rows
+            step.chosen = lp.gather(1, tokens[index].view(-1, 1)).view(-1)
+            step.top_values, step.top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+
+    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+        sp = [r.sampling for r in reqs]
+        return SamplingBatch.from_rows(
+            temperatures=[0.0 if s.is_greedy else s.temperature for s in sp],
+            top_ks=[self.vocab_size if s.top_k == -1 else s.top_k for s in sp],
+            top_ps=[s.top_p for s in sp],
+            min_ps=[s.min_p for s in sp],
+            seeds=[r.seed for r in reqs],
+            steps=[r.drawn for r in reqs],  # pending tokens included
+            device=self.device,
+        )
+
+    def _label_logprobs(self, row: torch.Tensor, label_token_ids: list[int]) -> torch.Tensor:
+        """score(): [len(label_token_ids)] log-softmax values of one logits row (read later)."""
+        ids = to_device(label_token_ids, torch.int64, row.device)
+        return torch.log_softmax(row.float(), dim=-1)[ids]
+
+
+def _input_logprobs(req: Req, logits: torch.Tensor) -> InputLogprobs:
+    """logits[j] is at prompt position input_logprob_next + j and gives the logprob of the token
+    after it; advances input_logprob_next past these rows."""
+    first = req.input_logprob_next + 1
+    targets = to_device(req.input_ids[first : first + logits.shape[0]], torch.int64, logits.device)
+    req.input_logprob_next += logits.shape[0]
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = lp.topk(min(req.top_logprobs_num, lp.shape[-1]), dim=-1)
+    return InputLogprobs(req, lp.gather(1, targets.view(-1, 1)).view(-1), values, ids)
+
+
+def _suppress_early_stops(reqs: list[Req], logits: torch.Tensor) -> None:
+    """min_new_tokens: the stop ids cannot win before enough tokens exist."""
+    for i, req in enumerate(reqs):
+        sp = req.sampling
+        if sp.min_new_tokens and req.drawn < sp.min_new_tokens and sp.stop_ids:
+            logits[i, list(sp.stop_ids)] = float("-inf")

@@ -1,0 +1,68 @@
+"""Decode planning: one more token for every running request, and retraction when pages run short.
+
+Admission's estimate of what running requests will still generate is optimistic; when a decode
+step finds too few pages for the requests that need a new one, the newest requests (the
+chunked prefill first) are retracted: their KV goes to the prefix cache, and they wait at the
+head of the queue to recompute from there. Seeded sampling makes a resumed request's tokens
+the same.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.memory.kv_cache import KVCache
+from engine.runner.forward_batch import ForwardMode
+from engine.scheduler.batch import ScheduledBatch
+from engine.scheduler.new_tokens import NewTokenEstimate
+from engine.scheduler.queues import RequestQueues
+from engine.scheduler.req import Req
+from engine.scheduler.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class DecodePlanner:
+    def __init__(
+        self,
+        kv: KVCache,
+        queues: RequestQueues,
+        estimate: NewTokenEstimate,
+        stats: SchedulerStats,
+    ) -> None:
+        self.kv = kv
+        self.queues = queues
+        self.estimate = estimate
+        self.stats = stats
+
+    def plan(self) -> ScheduledBatch | None:
+        q, ps = self.queues, self.kv.page_size
+        # a request whose pending token is its last by length needs no further forward
+        reqs = [r for r in q.running if r.drawn < r.draw_limit]
+        while sum(r.kv_len % ps == 0 for r in reqs) > self.kv.available_pages:
+            victim = q.chunked or (
+                max(reqs, key=lambda r: r.admit_order) if len(reqs) > 1 else None
+            )
+            if victim is None:
+                raise RuntimeError(
+                    "a single running request does not fit the KV pool (validation should prevent this)"
+                )
+            self.retract(victim)
+            if victim in reqs:
+                reqs.remove(victim)
+        self.estimate.decay()
+        if not reqs:
+            return None
+        self.stats.decode_steps += 1
+        return ScheduledBatch.allocate(ForwardMode.DECODE, reqs, [1] * len(reqs), self.kv)
+
+    def retract(self, req: Req) -> None:
+        """Put an admitted request back at the head of the queue; its KV stays in the prefix cache."""
+        self.kv.release(req)
+        self.queues.drop(req)
+        self.queues.waiting.appendleft(req)
+        self.stats.retractions += 1
+        self.estimate.reset()
+        logger.info(
+            "retracted request %s (%d tokens) for lack of KV memory", req.rid, len(req.fill_ids)
+        )

@@ -1,0 +1,160 @@
+"""Prefill planning: the next chunk of a chunked prompt, then newly admitted requests.
+
+A prefill step takes, within `max_prefill_tokens` and the running-request limit:
+  1. the next chunk of the request whose long prompt is being prefilled in chunks, if its
+     pages fit;
+  2. waiting requests in queue order (or longest cached prefix first, `lpm`). Each reuses the
+     longest cached prefix of its prompt and is admitted when its remaining prompt, plus what
+     the running requests are expected to generate still (NewTokenEstimate), fits in the pages
+     that are free or evictable. A prompt longer than `chunked_prefill_size` starts a chunked
+     prefill; only one runs at a time.
+A request that shares at least IN_BATCH_PREFIX_TOKENS uncached tokens with one already in the
+batch waits a step: it then finds them cached instead of computing them a second time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from engine.memory.kv_cache import KVCache
+from engine.runner.forward_batch import ForwardMode
+from engine.scheduler.batch import ScheduledBatch
+from engine.scheduler.new_tokens import NewTokenEstimate
+from engine.scheduler.queues import RequestQueues
+from engine.scheduler.req import Req
+from engine.scheduler.stats import SchedulerStats
+from engine.server_args import ServerArgs
+
+LPM_MAX_SORT = 128  # longest-prefix-match ordering looks at this many waiting requests
+IN_BATCH_PREFIX_TOKENS = 32
+
+
+class PrefillPlanner:
+    def __init__(
+        self,
+        args: ServerArgs,
+        kv: KVCache,
+        queues: RequestQueues,
+        estimate: NewTokenEstimate,
+        stats: SchedulerStats,
+        max_running_requests: int,
+    ) -> None:
+        self.kv = kv
+        self.queues = queues
+        self.estimate = estimate
+        self.stats = stats
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = args.max_prefill_tokens
+        self.chunk_size = args.prefill_chunk_size
+        self.lpm = args.schedule_policy == "lpm"
+        self._admissions = itertools.count()
+
+    def plan(self) -> ScheduledBatch | None:
+        q = self.queues
+        budget = self.max_prefill_tokens
+        reqs: list[Req] = []
+        lens: list[int] = []
+        planned_pages = 0
+        if q.chunked is not None:
+            req = q.chunked
+            n = min(len(req.fill_ids) - req.kv_len, self.chunk_size, budget)
+            need = self._pages_to_extend(req, n)
+            if need <= self.kv.available_pages:
+                reqs.append(req)
+                lens.append(n)
+                budget -= n
+                planned_pages += need
+                if req.kv_len + n == len(req.fill_ids):  # last chunk: it decodes from now on
+                    q.chunked = None
+                    q.running.append(req)
+        if self.lpm:
+            self._sort_waiting_by_prefix()
+        # NOTE: newly admitted requests join q.running (or become q.chunked) as they are planned
+        while q.waiting and budget > 0 and q.num_running < self.max_running_requests:
+            req = q.waiting[0]
+            cached = self.kv.admit(req, self._prefix_limit(req))
+            remaining = len(req.fill_ids) - cached
+            n = min(remaining, self.chunk_size)
+            if n > budget:
+                if self.chunk_size == math.inf and reqs:
+                    self.kv.release(req)
+                    break
+                n = budget if self.chunk_size != math.inf else n
+            # (without a prefix cache, waiting would only serialise the batch)
+            if self.kv.tree is not None and reqs and _shares_uncached_prefix(req, cached, reqs):
+                self.kv.release(req)
+                break
+            chunks = n < remaining
+            need = self._pages_to_extend(req, n)
+            reserve = 0 if chunks else self.estimate.reserve_pages([req])
+            fits = (
+                planned_pages + need + reserve + self.estimate.reserve_pages(q.running)
+                <= self.kv.available_pages
+            )
+            if not fits or (chunks and q.chunked is not None):
+                self.kv.release(req)  # nothing computed yet: this only unlocks the prefix
+                break
+            q.waiting.popleft()
+            self._on_admit(req, cached)
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+            planned_pages += need
+            if chunks:
+                q.chunked = req
+            else:
+                q.running.append(req)
+        if not reqs:
+            return None
+        return ScheduledBatch.allocate(ForwardMode.EXTEND, reqs, lens, self.kv)
+
+    def refuse_unadmittable(self) -> list[Req]:
+        """Nothing runs, yet the head of the queue cannot be admitted: it can never fit; fail it alone."""
+        q = self.queues
+        if not q.waiting or q.running or q.chunked:
+            return []
+        req = q.waiting.popleft()
+        req.finish(
+            {
+                "type": "abort",
+                "message": f"request needs more KV memory than the pool's {self.kv.pool.num_tokens} tokens",
+            }
+        )
+        return [req]
+
+    # ------------------------------------------------------------------ helpers
+    def _prefix_limit(self, req: Req) -> int:
+        """How much of the request the cache may serve: never its last token (whose logits sample),
+        and on first admission nothing from where input logprobs were asked for."""
+        limit = len(req.fill_ids) - 1
+        if req.return_logprob and not req.admitted_once:
+            limit = min(limit, req.input_logprob_start)
+        return limit
+
+    def _on_admit(self, req: Req, cached: int) -> None:
+        req.admit_order = next(self._admissions)
+        if not req.admitted_once:
+            req.admitted_once = True
+            req.cached_tokens = cached
+            self.stats.prefill_tokens_cached += cached
+            self.stats.prompt_tokens += req.prompt_len
+            if req.return_logprob:
+                req.input_logprob_next = req.input_logprob_start
+                req.input_logprobs, req.input_top_logprobs = [None], [None]
+
+    def _pages_to_extend(self, req: Req, n: int) -> int:
+        return self.kv.pages_for(req.kv_len + n) - len(req.kv_pages)
+
+    def _sort_waiting_by_prefix(self) -> None:
+        waiting = self.queues.waiting
+        head = [waiting.popleft() for _ in range(min(len(waiting), LPM_MAX_SORT))]
+        head.sort(key=lambda r: -self.kv.match_len(r.fill_ids[: self._prefix_limit(r)]))
+        waiting.extendleft(reversed(head))
+
+
+def _shares_uncached_prefix(req: Req, cached: int, batch: list[Req]) -> bool:
+    head = req.fill_ids[: cached + IN_BATCH_PREFIX_TOKENS]
+    return len(head) == cached + IN_BATCH_PREFIX_TOKENS and any(
+        r.fill_ids[: len(head)] == head for r in batch
+    )
