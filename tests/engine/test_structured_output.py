@@ -20,7 +20,7 @@ import pytest
 
 from engine import Engine
 from engine.frontend.input_processor import InputProcessor
-from tests.core import InProcessCore
+from tests.engine.core import InProcessCore
 
 # the tiny model would fill any whitespace allowance with "\n" and "\r": compact JSON only
 CORE_ARGS = {"dtype": "float32", "constrained_json_disable_any_whitespace": True}

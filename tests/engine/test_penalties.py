@@ -18,7 +18,7 @@ from engine.runtime.messages import TokenizedRequest
 from engine.sampling.penalties import PenaltyState
 from engine.sampling_params import SamplingParams
 from engine.scheduler.req import Req
-from tests.core import InProcessCore
+from tests.engine.core import InProcessCore
 from tests.tiny_models import load_hf_model, random_prompts, special_token_ids
 
 VOCAB = 64

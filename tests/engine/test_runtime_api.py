@@ -8,7 +8,7 @@ import time
 import pytest
 
 from engine import Engine
-from tests.core import InProcessCore
+from tests.engine.core import InProcessCore
 from tests.tiny_models import random_prompts, special_token_ids
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from tests.core import InProcessCore
+from tests.engine.core import InProcessCore
 from tests.tiny_models import random_prompts, special_token_ids
 
 LENGTHS = [1, 4, 9, 17, 30, 44, 61, 80, 3, 25, 50, 12]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine
-from tests.core import InProcessCore
+from tests.engine.core import InProcessCore
 from tests.tiny_models import random_prompts, special_token_ids
 
 LENGTHS = [1, 2, 5, 9, 17, 31, 47, 64, 80, 99, 120, 160, 200, 250] * 3  # 42 prompts

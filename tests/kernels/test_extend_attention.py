@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from kernels.extend_attention import extend_attention, extend_attention_ref
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.kernels.conftest import DEVICE, rel_err
 
 
 def make_batch(
@@ -66,11 +65,6 @@ def make_batch(
         scaling=head_dim**-0.5,
     )
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def check(args, tol, **kernel_kwargs):

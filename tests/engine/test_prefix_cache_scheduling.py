@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine
-from tests.core import InProcessCore
+from tests.engine.core import InProcessCore
 from tests.tiny_models import hf_greedy, load_hf_model, random_prompts, special_token_ids
 
 MAX_NEW = 20

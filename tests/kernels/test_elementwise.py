@@ -22,10 +22,8 @@ from kernels.activation import silu_and_mul, silu_and_mul_reference
 from kernels.kv_store import store_kv, store_kv_reference
 from kernels.norm import rmsnorm, rmsnorm_reference
 from kernels.rotary import apply_rotary, apply_rotary_reference
+from tests.kernels.conftest import DEVICE
 
-# The cases not marked gpu run on the GPU too when there is one (conftest only picks the
-# interpreter without CUDA).
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32 = {"rtol": 1e-6, "atol": 1e-6}
 EPS = 1e-6
 

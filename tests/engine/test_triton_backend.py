@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.core import InProcessCore
+from tests.engine.core import InProcessCore
 from tests.tiny_models import hf_greedy, random_prompts, special_token_ids
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import Engine
-from tests.core import InProcessCore
+from tests.engine.core import InProcessCore
 from tests.tiny_models import make_tiny_model, random_prompts, special_token_ids
 
 LENGTHS = [1, 5, 17, 40, 90]

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from kernels.kv_indices import gather_kv_indices, gather_kv_indices_reference
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.kernels.conftest import DEVICE
 
 
 @pytest.mark.parametrize("lens", [[1], [5, 0, 700, 512, 1, 1030], [0, 0]])

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import Engine
 from engine.model_config import ModelConfig
-from tests.core import InProcessCore
+from tests.engine.core import InProcessCore
 from tests.tiny_models import (
     VOCAB_SIZE,
     hf_greedy,

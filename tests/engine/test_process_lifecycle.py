@@ -47,7 +47,7 @@ from engine import Engine
 from engine.runtime.children import ChildProcesses
 from tests.tiny_models import hf_greedy
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"
 MAX_NEW = 8
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}

@@ -19,16 +19,11 @@ from kernels.decode_attention import (
     decode_attention,
     decode_attention_ref,
 )
+from tests.kernels.conftest import DEVICE, rel_err
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float32 on the interpreter (and on the GPU, whose dots run in IEEE fp32 for fp32 inputs).
 TOL_FP32 = 1e-5
 TOL_16BIT = 1e-2
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def make_batch(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import Engine
-from tests.core import InProcessCore
+from tests.engine.core import InProcessCore
 from tests.tiny_models import hf_greedy, random_prompts, special_token_ids
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
