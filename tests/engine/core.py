@@ -35,22 +35,46 @@ class InProcessCore:
             args, config, load_tokenizer(args), self.scheduler.max_total_tokens
         )
 
+    @property
+    def model(self):
+        return self.scheduler.runner.model
+
     def requests(
-        self, input_ids: list[list[int]], sampling_params: dict | list[dict]
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict | list[dict],
+        return_logprob: bool = False,
     ) -> list[TokenizedRequest]:
         """The messages the caller's process would send for these prompts."""
-        call = self.inputs.make_call(None, input_ids, sampling_params, False, None, None, None)
+        call = self.inputs.make_call(
+            None, input_ids, sampling_params, return_logprob, None, None, None
+        )
         return call.requests
 
-    def submit(self, input_ids: list[list[int]], sampling_params: dict | list[dict]) -> list[Req]:
+    def submit(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict | list[dict],
+        return_logprob: bool = False,
+    ) -> list[Req]:
         """Queue the prompts in the scheduler; its Req of each."""
-        return [self.scheduler.add_request(r) for r in self.requests(input_ids, sampling_params)]
+        requests = self.requests(input_ids, sampling_params, return_logprob)
+        return [self.scheduler.add_request(r) for r in requests]
+
+    def generate(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict | list[dict],
+        return_logprob: bool = False,
+    ) -> list[Req]:
+        """Generate to completion; each prompt's finished Req (output_ids, output_logprobs, ...)."""
+        reqs = self.submit(input_ids, sampling_params, return_logprob)
+        while self.scheduler.has_work():
+            self.scheduler.step()
+        return reqs
 
     def run(
         self, input_ids: list[list[int]], sampling_params: dict | list[dict]
     ) -> list[list[int]]:
         """Generate to completion; the output token ids per prompt."""
-        reqs = self.submit(input_ids, sampling_params)
-        while self.scheduler.has_work():
-            self.scheduler.step()
-        return [req.output_ids for req in reqs]
+        return [req.output_ids for req in self.generate(input_ids, sampling_params)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from engine import Engine
 from engine.detokenizer import Detokenizer
 from engine.runtime.messages import DecodeSpec, ReqOutput
 from engine.tokenization import IncrementalDecoder, stop_prefix_len
@@ -138,9 +137,8 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def engine(llama_dir):
-    with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=2048) as e:
-        yield e
+def engine(llama_engine):
+    return llama_engine
 
 
 def _boundary_stop(tok, ids):

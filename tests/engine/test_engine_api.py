@@ -16,9 +16,8 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def engine(llama_dir):
-    with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=4096) as e:
-        yield e
+def engine(llama_engine):
+    return llama_engine
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +109,10 @@ def test_min_new_tokens_equals_transformers(engine, prompts, llama_dir):
     assert len(out["output_ids"]) > step + 1
 
 
-def test_eos_from_generation_config(prompts, llama_dir, tmp_path):
+def test_eos_from_generation_config(engine, prompts, llama_dir, tmp_path):
     """EOS ids come from generation_config.json; ignore_eos runs past them."""
     folder = shutil.copytree(llama_dir, tmp_path / "m")
-    with Engine(model_path=str(folder), dtype="float32", max_total_tokens=1024) as e:
-        token, step, ref = _first_new_token(e, prompts[0])
+    token, step, ref = _first_new_token(engine, prompts[0])  # the copy's weights are these
     gen = json.loads((folder / "generation_config.json").read_text())
     gen["eos_token_id"] = [token]
     (folder / "generation_config.json").write_text(json.dumps(gen))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine
+from engine import Engine, ModelConfig
 from tests.engine.core import InProcessCore
 from tests.tiny_models import hf_greedy, random_prompts, special_token_ids
 
@@ -21,11 +21,13 @@ LOGPROB_TOL = 1e-4
 def arch_case(request):
     """(model folder, engine, prompts, transformers' greedy tokens and logprobs) per architecture."""
     model_dir = request.getfixturevalue(f"{request.param}_dir")
+    vocab_size = ModelConfig.from_folder(str(model_dir)).vocab_size
+    prompts = random_prompts(vocab_size, LENGTHS, seed=7, avoid_ids=special_token_ids())
+    refs = [hf_greedy(model_dir, p, MAX_NEW) for p in prompts]
+    if request.param == "llama":  # the session's shared engine: its pool holds every prompt
+        yield model_dir, request.getfixturevalue("llama_engine"), prompts, refs
+        return
     with Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=8192) as engine:
-        prompts = random_prompts(
-            engine.model_config.vocab_size, LENGTHS, seed=7, avoid_ids=special_token_ids()
-        )
-        refs = [hf_greedy(model_dir, p, MAX_NEW) for p in prompts]
         yield model_dir, engine, prompts, refs
 
 
@@ -88,19 +90,17 @@ def test_pool_just_large_enough_for_longest_request(arch_case):
     """With room for one long request at a time, requests wait their turn and none fails."""
     model_dir, _, prompts, refs = arch_case
     longest = max(len(p) for p in prompts) + MAX_NEW
-    with Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=longest) as small:
-        outs = small.generate(input_ids=prompts, sampling_params=GREEDY)
-        assert small.get_server_info()["max_total_num_tokens"] == longest
-    for out, (ref_tokens, _) in zip(outs, refs):
-        assert out["output_ids"] == ref_tokens
+    small = InProcessCore(model_dir, dtype="float32", max_total_tokens=longest)
+    assert small.scheduler.max_total_tokens == longest
+    for tokens, (ref_tokens, _) in zip(small.run(prompts, GREEDY), refs):
+        assert tokens == ref_tokens
 
 
 def test_sharded_checkpoint_equals_single_file(llama_sharded_dir, llama_dir):
     prompts = random_prompts(300, [4, 60], seed=3, avoid_ids=special_token_ids())
     assert len(list(llama_sharded_dir.glob("*.safetensors"))) > 1
-    with Engine(
-        model_path=str(llama_sharded_dir), dtype="float32", max_total_tokens=1024
-    ) as engine:
-        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-    for prompt, out in zip(prompts, outs):
-        assert out["output_ids"] == hf_greedy(llama_dir, prompt, MAX_NEW)[0]
+    outs = InProcessCore(llama_sharded_dir, dtype="float32", max_total_tokens=1024).run(
+        prompts, GREEDY
+    )
+    for prompt, tokens in zip(prompts, outs):
+        assert tokens == hf_greedy(llama_dir, prompt, MAX_NEW)[0]

@@ -3,12 +3,18 @@
 Every behaviour is checked against an independent reference: transformers run on the same folder
 (tokens and logprobs), the safetensors file itself (shapes, names), or an exact fragment of the
 error message that a user would need to fix the folder.
+
+What is checked here is the model a folder loads into, so most tests load and generate with the
+in-process core (the scheduler and model runner the engine's scheduler process runs). Through
+`Engine` go the checks of what only the caller sees: an error raised while the scheduler
+process loads (the same ValueError, unchanged), the caller's context checks, and log records.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -22,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from engine import Engine
 from engine.model_config import ModelConfig
 from tests.engine.core import InProcessCore
+from tests.engine.processes import engine_children_of, wait_gone
 from tests.tiny_models import (
     VOCAB_SIZE,
     hf_greedy,
@@ -49,14 +56,9 @@ LLAMA3 = {
 }
 
 
-def engine_generate(model_dir, prompts, **engine_kwargs):
-    kwargs = {"dtype": "float32", "max_total_tokens": 2048, **engine_kwargs}
-    with Engine(model_path=str(model_dir), **kwargs) as engine:
-        return engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-
-
 def engine_tokens(model_dir, prompts, **engine_kwargs):
-    return [o["output_ids"] for o in engine_generate(model_dir, prompts, **engine_kwargs)]
+    kwargs = {"dtype": "float32", "max_total_tokens": 2048, **engine_kwargs}
+    return InProcessCore(model_dir, **kwargs).run(prompts, GREEDY)
 
 
 def copy_folder(src: Path, dst: Path) -> Path:
@@ -168,22 +170,22 @@ def test_legacy_rope_config_layout(case, tmp_path):
 SHORT_PROMPTS = random_prompts(VOCAB_SIZE, [3, 40, 120], seed=5, avoid_ids=special_token_ids())
 
 
-def assert_matches_transformers(model_dir, outs, prompts):
-    for prompt, out in zip(prompts, outs):
+def assert_matches_transformers(model_dir, reqs, prompts):
+    for prompt, req in zip(prompts, reqs):
         ref_tokens, ref_logprobs = hf_greedy(model_dir, prompt, MAX_NEW)
-        assert out["output_ids"] == ref_tokens, f"{len(prompt)}-token prompt"
-        for step, (lp, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+        assert req.output_ids == ref_tokens, f"{len(prompt)}-token prompt"
+        assert len(req.output_logprobs) == MAX_NEW
+        for step, (lp, tok) in enumerate(zip(req.output_logprobs, req.output_ids)):
             assert abs(lp - ref_logprobs[step][tok].item()) < LOGPROB_TOL, (len(prompt), step)
 
 
 def test_tied_embeddings_without_lm_head_tensor(qwen3_dir):
     with safe_open(str(qwen3_dir / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys())
-    with Engine(model_path=str(qwen3_dir), dtype="float32", max_total_tokens=1024) as engine:
-        model = InProcessCore.like(engine).scheduler.runner.model
-        assert model.lm_head.weight is model.embed_tokens.weight
-        outs = engine.generate(input_ids=SHORT_PROMPTS, sampling_params=GREEDY, return_logprob=True)
-    assert_matches_transformers(qwen3_dir, outs, SHORT_PROMPTS)
+    core = InProcessCore(qwen3_dir, dtype="float32", max_total_tokens=1024)
+    assert core.model.lm_head.weight is core.model.embed_tokens.weight
+    reqs = core.generate(SHORT_PROMPTS, GREEDY, return_logprob=True)
+    assert_matches_transformers(qwen3_dir, reqs, SHORT_PROMPTS)
 
 
 def test_tied_checkpoint_that_also_stores_lm_head(qwen3_dir, tmp_path):
@@ -196,22 +198,20 @@ def test_tied_checkpoint_that_also_stores_lm_head(qwen3_dir, tmp_path):
     edit_weights(model_dir, add_lm_head)
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" in set(f.keys())
-    with Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=1024) as engine:
-        model = InProcessCore.like(engine).scheduler.runner.model
-        assert model.lm_head.weight is model.embed_tokens.weight
-        outs = engine.generate(input_ids=SHORT_PROMPTS, sampling_params=GREEDY, return_logprob=True)
-    assert_matches_transformers(model_dir, outs, SHORT_PROMPTS)
+    core = InProcessCore(model_dir, dtype="float32", max_total_tokens=1024)
+    assert core.model.lm_head.weight is core.model.embed_tokens.weight
+    reqs = core.generate(SHORT_PROMPTS, GREEDY, return_logprob=True)
+    assert_matches_transformers(model_dir, reqs, SHORT_PROMPTS)
 
 
 def test_untied_lm_head_is_loaded_separately(llama_dir):
     with safe_open(str(llama_dir / "model.safetensors"), "pt") as f:
         lm_head, embed = f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight")
     assert not torch.equal(lm_head, embed)
-    with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=256) as engine:
-        model = InProcessCore.like(engine).scheduler.runner.model
-        assert model.lm_head.weight is not model.embed_tokens.weight
-        assert torch.equal(model.lm_head.weight, lm_head)
-        assert torch.equal(model.embed_tokens.weight, embed)
+    model = InProcessCore(llama_dir, dtype="float32", max_total_tokens=256).model
+    assert model.lm_head.weight is not model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, lm_head)
+    assert torch.equal(model.embed_tokens.weight, embed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,12 +233,12 @@ def bf16_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("qwen2_bf16"), "qwen2", dtype=torch.bfloat16)
 
 
-def model_dtypes(engine) -> set[torch.dtype]:
-    return {p.dtype for p in InProcessCore.like(engine).scheduler.runner.model.parameters()}
+def model_dtypes(core: InProcessCore) -> set[torch.dtype]:
+    return {p.dtype for p in core.model.parameters()}
 
 
-def kv_dtypes(engine) -> set[torch.dtype]:
-    pool = InProcessCore.like(engine).scheduler.runner.kv_pool
+def kv_dtypes(core: InProcessCore) -> set[torch.dtype]:
+    pool = core.scheduler.runner.kv_pool
     return {pool.dtype, *(b.dtype for b in pool.k_buffers), *(b.dtype for b in pool.v_buffers)}
 
 
@@ -246,11 +246,11 @@ def test_dtype_auto_follows_config_and_matches_transformers_bf16(bf16_dir):
     assert json.loads((bf16_dir / "config.json").read_text())["dtype"] == "bfloat16"
     prompts = random_prompts(VOCAB_SIZE, [6, 50, 150], seed=9, avoid_ids=special_token_ids())
     sampling = {**GREEDY, "max_new_tokens": BF16_STEPS}
-    with Engine(model_path=str(bf16_dir), dtype="auto", max_total_tokens=1024) as engine:
-        assert engine.model_config.dtype == torch.bfloat16
-        assert model_dtypes(engine) == {torch.bfloat16}
-        assert kv_dtypes(engine) == {torch.bfloat16}
-        outs = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True)
+    core = InProcessCore(bf16_dir, dtype="auto", max_total_tokens=1024)
+    assert core.scheduler.config.dtype == torch.bfloat16
+    assert model_dtypes(core) == {torch.bfloat16}
+    assert kv_dtypes(core) == {torch.bfloat16}
+    reqs = core.generate(prompts, sampling, return_logprob=True)
 
     refs = {
         dt: AutoModelForCausalLM.from_pretrained(
@@ -259,14 +259,15 @@ def test_dtype_auto_follows_config_and_matches_transformers_bf16(bf16_dir):
         for dt in (torch.bfloat16, torch.float32)
     }
     err = {torch.bfloat16: 0.0, torch.float32: 0.0}
-    for prompt, out in zip(prompts, outs):
-        tokens = out["output_ids"]
+    for prompt, req in zip(prompts, reqs):
+        tokens = req.output_ids
         # teacher-forced on the engine's tokens, so a bf16 near-tie cannot desynchronise the runs
         ids = torch.tensor([prompt + tokens])
         for dt, model in refs.items():
             with torch.no_grad():
                 ref = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-            for step, (lp, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+            assert len(req.output_logprobs) == len(tokens) == BF16_STEPS
+            for step, (lp, tok) in enumerate(zip(req.output_logprobs, tokens)):
                 row = ref[len(prompt) - 1 + step]
                 err[dt] += abs(lp - row[tok].item())
                 if dt == torch.bfloat16:
@@ -287,12 +288,11 @@ def test_dtype_auto_follows_config_and_matches_transformers_bf16(bf16_dir):
 )
 def test_dtype_argument_overrides_config(fixture, dtype, expected, request):
     model_dir = request.getfixturevalue(fixture)
-    with Engine(model_path=str(model_dir), dtype=dtype, max_total_tokens=256) as engine:
-        assert engine.model_config.dtype == expected
-        assert model_dtypes(engine) == {expected}
-        assert kv_dtypes(engine) == {expected}
-        out = engine.generate(input_ids=SHORT_PROMPTS[1], sampling_params=GREEDY)
-    assert len(out["output_ids"]) == MAX_NEW
+    core = InProcessCore(model_dir, dtype=dtype, max_total_tokens=256)
+    assert core.scheduler.config.dtype == expected
+    assert model_dtypes(core) == {expected}
+    assert kv_dtypes(core) == {expected}
+    assert len(core.run([SHORT_PROMPTS[1]], GREEDY)[0]) == MAX_NEW
 
 
 def test_legacy_torch_dtype_key(bf16_dir, tmp_path):
@@ -317,31 +317,25 @@ def test_dummy_weights_need_no_checkpoint(llama_dir, tmp_path):
         f.unlink()
     assert not list(model_dir.glob("*.safetensors"))
 
-    with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=256) as real:
-        real_shapes = {
-            n: p.shape
-            for n, p in InProcessCore.like(real).scheduler.runner.model.named_parameters()
-        }  # loading checks every shape against the checkpoint's
-    with Engine(
-        model_path=str(model_dir), dtype="float32", max_total_tokens=256, load_format="dummy"
-    ) as engine:
-        model = InProcessCore.like(engine).scheduler.runner.model
-        params = dict(model.named_parameters())
-        assert {n: p.shape for n, p in params.items()} == real_shapes
-        cfg = engine.model_config
-        assert params["embed_tokens.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
-        for name, p in params.items():
-            if "norm" in name:
-                assert torch.all(p == 1.0), name
-            else:
-                assert 0.01 < p.float().std().item() < 0.03, name  # N(0, 0.02)
-        outs = engine.generate(input_ids=SHORT_PROMPTS, sampling_params=GREEDY)
-    for out in outs:
-        assert len(out["output_ids"]) == MAX_NEW
-        assert all(0 <= t < cfg.vocab_size for t in out["output_ids"])
+    real = InProcessCore(llama_dir, dtype="float32", max_total_tokens=256)
+    # loading checks every shape against the checkpoint's
+    real_shapes = {n: p.shape for n, p in real.model.named_parameters()}
+    core = InProcessCore(model_dir, dtype="float32", max_total_tokens=256, load_format="dummy")
+    params = dict(core.model.named_parameters())
+    assert {n: p.shape for n, p in params.items()} == real_shapes
+    cfg = core.scheduler.config
+    assert params["embed_tokens.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
+    for name, p in params.items():
+        if "norm" in name:
+            assert torch.all(p == 1.0), name
+        else:
+            assert 0.01 < p.float().std().item() < 0.03, name  # N(0, 0.02)
+    for tokens in core.run(SHORT_PROMPTS, GREEDY):
+        assert len(tokens) == MAX_NEW
+        assert all(0 <= t < cfg.vocab_size for t in tokens)
 
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
-        Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=256)
+        InProcessCore(model_dir, dtype="float32", max_total_tokens=256)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,27 +435,47 @@ ERROR_CASES = {
 }
 
 
+def load_error(model_dir) -> ValueError:
+    """What loading the folder raises (in this process: the loader of the scheduler process)."""
+    with pytest.raises(ValueError) as info:
+        InProcessCore(model_dir, dtype="float32", max_total_tokens=256)
+    return info.value
+
+
 @pytest.mark.parametrize("case", list(ERROR_CASES))
 def test_broken_folder_error_names_the_problem(case, llama_dir, tmp_path):
     breaker, fragments = ERROR_CASES[case]
     model_dir = copy_folder(llama_dir, tmp_path / case)
     breaker(model_dir)
-    with pytest.raises(ValueError) as info:
-        Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=256)
-    message = str(info.value)
+    message = str(load_error(model_dir))
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
     if case in ("no_safetensors", "truncated_file", "corrupt_header"):
         assert str(model_dir) in message
 
 
+@pytest.mark.parametrize("case", ["no_safetensors", "shape_mismatch_fused", "hidden_act"])
+def test_a_loading_error_reaches_engine_unchanged(case, llama_dir, tmp_path):
+    """In an Engine the loader runs in the scheduler process: its error must reach the caller
+    as the same ValueError, word for word, and leave no child process behind."""
+    breaker, fragments = ERROR_CASES[case]
+    model_dir = copy_folder(llama_dir, tmp_path / case)
+    breaker(model_dir)
+    running_before = set(engine_children_of(os.getpid()))  # e.g. the session's shared engine
+    with pytest.raises(ValueError) as info:
+        Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=256)
+    assert str(info.value) == str(load_error(model_dir))
+    assert all(fragment in str(info.value) for fragment in fragments)
+    assert wait_gone(set(engine_children_of(os.getpid())) - running_before) == []
+
+
 def test_missing_fused_shard_is_reported(llama_dir, tmp_path):
     """Dropping one of q/k/v leaves the fused qkv_proj incomplete: reported, naming the layer."""
     model_dir = copy_folder(llama_dir, tmp_path / "no_k_proj")
     _drop("model.layers.0.self_attn.k_proj.weight")(model_dir)
-    with pytest.raises(ValueError, match="missing weights") as info:
-        Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=256)
-    assert re.search(r"layers\.0\.self_attn\.(k_proj|qkv_proj)", str(info.value)), info.value
+    error = load_error(model_dir)
+    assert "missing weights" in str(error)
+    assert re.search(r"layers\.0\.self_attn\.(k_proj|qkv_proj)", str(error)), error
 
 
 def test_index_naming_a_missing_shard(llama_sharded_dir, tmp_path):
@@ -469,9 +483,7 @@ def test_index_naming_a_missing_shard(llama_sharded_dir, tmp_path):
     shards = sorted(model_dir.glob("*.safetensors"))
     assert len(shards) > 2
     shards[1].unlink()
-    with pytest.raises(ValueError) as info:
-        Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=256)
-    message = str(info.value)
+    message = str(load_error(model_dir))
     assert shards[1].name in message
     assert "model.safetensors.index.json" in message
     # the other shards are not reported missing
@@ -484,8 +496,8 @@ def test_context_length_beyond_max_position_embeddings(llama_dir):
         Engine(model_path=str(llama_dir), context_length=max_pos + 1, max_total_tokens=256)
     assert f"context_length={max_pos + 1}" in str(info.value)
     assert str(max_pos) in str(info.value)
-    with Engine(model_path=str(llama_dir), context_length=max_pos, max_total_tokens=256) as e:
-        assert e.model_config.context_length == max_pos
+    core = InProcessCore(llama_dir, context_length=max_pos, max_total_tokens=256)
+    assert core.scheduler.config.context_length == max_pos
 
 
 # ---------------------------------------------------------------------------------------------

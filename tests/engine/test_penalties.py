@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from engine import Engine
 from engine.runtime.messages import TokenizedRequest
 from engine.sampling.penalties import PenaltyState
 from engine.sampling_params import SamplingParams
@@ -140,22 +139,22 @@ def test_greedy_with_penalties_equals_reference(llama_dir, prompts, tight):
 # n > 1
 
 
-def test_parallel_samples_are_grouped_seeded_and_share_the_prompt(llama_dir):
+def test_parallel_samples_are_grouped_seeded_and_share_the_prompt(llama_engine):
+    engine = llama_engine
     prompts = random_prompts(300, [40, 6], seed=3, avoid_ids=special_token_ids())
-    with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=4096) as engine:
-        sp = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "n": 3}
-        outs = engine.generate(input_ids=prompts, sampling_params={**sp, "sampling_seed": 11})
-        assert len(outs) == 6
-        # copy 0 of a seeded request is the request itself; the others draw differently
-        single = engine.generate(
-            input_ids=prompts[0], sampling_params={**sp, "n": 1, "sampling_seed": 11}
-        )
-        assert outs[0]["output_ids"] == single["output_ids"]
-        first = [tuple(o["output_ids"]) for o in outs[:3]]
-        assert len(set(first)) == 3, "three seeds, three different samples"
-        again = engine.generate(input_ids=prompts, sampling_params={**sp, "sampling_seed": 11})
-        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
-        # the 40-token prompt is computed once, then read from the cache by its other copies
-        assert max(o["meta_info"]["cached_tokens"] for o in outs[:3]) >= 32
-        one = engine.generate(input_ids=prompts[1], sampling_params={**sp, "temperature": 0.0})
-        assert len(one) == 3 and len({tuple(o["output_ids"]) for o in one}) == 1
+    sp = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "n": 3}
+    outs = engine.generate(input_ids=prompts, sampling_params={**sp, "sampling_seed": 11})
+    assert len(outs) == 6
+    # copy 0 of a seeded request is the request itself; the others draw differently
+    single = engine.generate(
+        input_ids=prompts[0], sampling_params={**sp, "n": 1, "sampling_seed": 11}
+    )
+    assert outs[0]["output_ids"] == single["output_ids"]
+    first = [tuple(o["output_ids"]) for o in outs[:3]]
+    assert len(set(first)) == 3, "three seeds, three different samples"
+    again = engine.generate(input_ids=prompts, sampling_params={**sp, "sampling_seed": 11})
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+    # the 40-token prompt is computed once, then read from the cache by its other copies
+    assert max(o["meta_info"]["cached_tokens"] for o in outs[:3]) >= 32
+    one = engine.generate(input_ids=prompts[1], sampling_params={**sp, "temperature": 0.0})
+    assert len(one) == 3 and len({tuple(o["output_ids"]) for o in one}) == 1

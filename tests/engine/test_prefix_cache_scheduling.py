@@ -212,27 +212,27 @@ def test_1000_requests_through_a_pool_for_5_percent(llama_dir):
     assert state["requests_finished"] == 1000
 
 
-def test_flush_cache_is_refused_while_requests_run(llama_dir):
+def test_flush_cache_is_refused_while_requests_run(llama_engine):
+    engine = llama_engine
     prompt = random_prompts(512, [50], seed=13, avoid_ids=special_token_ids())[0]
-    with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=4096) as engine:
-        engine.generate(input_ids=prompt, sampling_params=GREEDY)
-        assert engine.get_server_info()["internal_states"][0]["prefix_cache_tokens"] > 0
+    engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert engine.get_server_info()["internal_states"][0]["prefix_cache_tokens"] > 0
 
-        async def busy_flush():
-            task = asyncio.create_task(
-                engine.async_generate(
-                    input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 400}
-                )
+    async def busy_flush():
+        task = asyncio.create_task(
+            engine.async_generate(
+                input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 400}
             )
-            while engine.get_server_info()["internal_states"][0]["num_running_reqs"] == 0:
-                assert not task.done(), "the request ended before it was seen running"
-                await asyncio.sleep(0.01)
-            refused = engine.flush_cache()
-            await task
-            return refused
+        )
+        while engine.get_server_info()["internal_states"][0]["num_running_reqs"] == 0:
+            assert not task.done(), "the request ended before it was seen running"
+            await asyncio.sleep(0.01)
+        refused = engine.flush_cache()
+        await task
+        return refused
 
-        assert asyncio.run(busy_flush()) is False
-        assert engine.flush_cache() is True
-        assert engine.get_server_info()["internal_states"][0]["prefix_cache_tokens"] == 0
-        again = engine.generate(input_ids=prompt, sampling_params=GREEDY)
-        assert again["meta_info"]["cached_tokens"] == 0
+    assert asyncio.run(busy_flush()) is False
+    assert engine.flush_cache() is True
+    assert engine.get_server_info()["internal_states"][0]["prefix_cache_tokens"] == 0
+    again = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert again["meta_info"]["cached_tokens"] == 0

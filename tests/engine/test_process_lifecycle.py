@@ -45,6 +45,7 @@ from transformers import AutoTokenizer
 import engine.frontend.tokenizer_manager as tokenizer_manager
 from engine import Engine
 from engine.runtime.children import ChildProcesses
+from tests.engine.processes import alive, cmdline, engine_children_in, wait_gone
 from tests.tiny_models import hf_greedy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +54,6 @@ MAX_NEW = 8
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 ENGINE_KWARGS = {"dtype": "float32", "max_total_tokens": 1024}
 
-GONE_WITHIN_S = 5.0  # children must be gone this long after their parent / shutdown
 START_TIMEOUT_S = 120.0  # an engine start (~4 s here), generously bounded for a loaded machine
 SCRIPT_TIMEOUT_S = 180.0
 
@@ -63,53 +63,9 @@ SCRIPT_TIMEOUT_S = 180.0
 # ---------------------------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    """Is `pid` a running process? A zombie (exited, not yet reaped) or a missing one is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    for line in status.splitlines():
-        if line.startswith("State:"):
-            return line.split()[1] not in ("Z", "X")
-    return True
-
-
-def _wait_gone(pids, timeout: float = GONE_WITHIN_S) -> list[int]:
-    """Poll until every pid is gone or `timeout` passes; returns the pids still alive."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [p for p in pids if _alive(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
-def _child_processes_in(folder: str | Path) -> list[int]:
-    """Live `engine.runtime.child` processes whose config file lies in `folder`."""
-    folder = str(folder)
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        args = _cmdline(int(entry.name))
-        if "engine.runtime.child" in args and any(a.startswith(folder + os.sep) for a in args):
-            if _alive(int(entry.name)):
-                found.append(int(entry.name))
-    return found
-
-
 def _private_folder(pid: int) -> Path:
     """The engine's private ipc folder: the parent of the config path on a child's command line."""
-    args = _cmdline(pid)
+    args = cmdline(pid)
     assert "engine.runtime.child" in args, args
     return Path(args[-1]).parent
 
@@ -199,7 +155,7 @@ print(json.dumps({{"pids": pids, "output_ids": out["output_ids"]}}))
     printed = json.loads(lines[0])
     assert set(printed["pids"]) == {"scheduler", "detokenizer"}
     assert printed["output_ids"] == _expected_ids(llama_dir)
-    assert _wait_gone(printed["pids"].values()) == []
+    assert wait_gone(printed["pids"].values()) == []
 
 
 def test_script_raising_mid_generation_exits_nonzero_and_children_go(tmp_path, llama_dir):
@@ -225,7 +181,7 @@ for chunk in engine.generate("Hello world", params, stream=True):
     assert "boom" in proc.stderr
     assert proc.stdout.strip(), f"the script failed before generating:\n{proc.stderr}"
     pids = json.loads(proc.stdout.splitlines()[0])["pids"]
-    assert _wait_gone(pids.values()) == []
+    assert wait_gone(pids.values()) == []
 
 
 def test_sigkill_of_the_script_while_generating_takes_the_children_down(tmp_path, llama_dir):
@@ -263,19 +219,19 @@ while True:
         first = lines.get(timeout=SCRIPT_TIMEOUT_S)
         assert first is not None, "the script ended before printing its children's pids"
         pids = json.loads(first)["pids"]
-        assert all(_alive(p) for p in pids.values())
+        assert all(alive(p) for p in pids.values())
         private = _private_folder(pids["scheduler"])
         # one full generation is done and the next one is running
         assert lines.get(timeout=SCRIPT_TIMEOUT_S) == "tick\n"
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=10) == -signal.SIGKILL
-        assert _wait_gone(pids.values()) == []
+        assert wait_gone(pids.values()) == []
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
         for pid in pids.values():  # never leave orphans behind, even when the test fails
-            if _alive(pid) and "engine.runtime.child" in _cmdline(pid):
+            if alive(pid) and "engine.runtime.child" in cmdline(pid):
                 os.kill(pid, signal.SIGKILL)
         if private is not None:  # nobody is left to remove a SIGKILLed engine's folder
             shutil.rmtree(private, ignore_errors=True)
@@ -332,7 +288,7 @@ def test_killing_a_child_fails_the_caller_fast_and_shutdown_still_works(llama_di
             _bounded(engine.get_server_info, 10, "get_server_info")
     finally:
         _bounded(engine.shutdown, 30, "shutdown()")
-    assert _wait_gone(pids.values()) == []
+    assert wait_gone(pids.values()) == []
     _bounded(engine.shutdown, 30, "second shutdown()")  # still idempotent after a failure
 
 
@@ -393,7 +349,7 @@ def test_a_request_submitted_as_the_engine_fails_gets_runtime_error(
     finally:
         lock.go.set()
         _bounded(engine.shutdown, 30, "shutdown()")
-    assert _wait_gone(pids.values()) == []
+    assert wait_gone(pids.values()) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,17 +370,17 @@ def test_private_folder_is_0700_while_running_and_removed_after_shutdown(llama_d
     finally:
         _bounded(engine.shutdown, 30, "shutdown()")
     assert not folder.exists()
-    assert _wait_gone(pids.values()) == []
-    assert _child_processes_in(folder) == []
+    assert wait_gone(pids.values()) == []
+    assert engine_children_in(folder) == []
 
 
 def test_shutdown_stops_children_is_idempotent_and_later_calls_raise(llama_dir):
     engine = _start(llama_dir)
     pids = engine.get_server_info()["pids"]
-    assert all(_alive(p) for p in pids.values())
+    assert all(alive(p) for p in pids.values())
     _bounded(engine.shutdown, 30, "shutdown()")
     # shutdown() waits for the children: they are gone when it returns, no polling needed
-    assert [p for p in pids.values() if _alive(p)] == []
+    assert [p for p in pids.values() if alive(p)] == []
     _bounded(engine.shutdown, 10, "second shutdown()")
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate(PROMPT, GREEDY)
@@ -439,9 +395,9 @@ def test_shutdown_stops_children_is_idempotent_and_later_calls_raise(llama_dir):
 def test_context_manager_stops_children(llama_dir):
     with _start(llama_dir) as engine:
         pids = engine.get_server_info()["pids"]
-        assert all(_alive(p) for p in pids.values())
+        assert all(alive(p) for p in pids.values())
         assert engine.generate(PROMPT, GREEDY)["output_ids"]
-    assert [p for p in pids.values() if _alive(p)] == []
+    assert [p for p in pids.values() if alive(p)] == []
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate(PROMPT, GREEDY)
     engine.shutdown()  # still idempotent after the context manager
@@ -456,7 +412,7 @@ def test_deleting_the_last_reference_stops_children(llama_dir):
     del engine
     gc.collect()
     assert ref() is None, "something still holds the Engine"
-    assert _wait_gone(pids.values()) == []
+    assert wait_gone(pids.values()) == []
     assert not folder.exists()
 
 
@@ -509,8 +465,8 @@ def test_startup_failure_in_the_scheduler_raises_and_leaves_no_child(
     private, children = started[0]
     pids = [p.pid for p in children.procs.values()]
     assert len(pids) == 2, "both children should have been started"
-    assert _wait_gone(pids) == []
-    assert _child_processes_in(private) == []
+    assert wait_gone(pids) == []
+    assert engine_children_in(private) == []
     assert not Path(private).exists()
 
 

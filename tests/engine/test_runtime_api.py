@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from engine import Engine
 from tests.engine.core import InProcessCore
 from tests.tiny_models import random_prompts, special_token_ids
 
@@ -16,9 +15,8 @@ LONG = {"temperature": 0.0, "max_new_tokens": 900, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def engine(llama_dir):
-    with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=4096) as e:
-        yield e
+def engine(llama_engine):
+    return llama_engine
 
 
 @pytest.fixture(scope="module")
