@@ -18,6 +18,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# Architectures that only embed: no LM head, no KV cache (engine/models/ builds them)
+ENCODER_ARCHITECTURES = frozenset({"BertModel"})
 
 _DTYPES = {
     "float32": torch.float32,
@@ -98,6 +100,11 @@ class ModelConfig:
         return config
 
     # ------------------------------------------------------------------ shape
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder (BERT) only embeds: it has no LM head and no KV cache."""
+        return self.architecture in ENCODER_ARCHITECTURES
+
     @property
     def hidden_size(self) -> int:
         return int(self.hf["hidden_size"])

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.batch.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionLayer(Protocol):

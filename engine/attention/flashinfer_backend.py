@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionLayer
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from kernels.kv_indices import gather_kv_indices
 
 _WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-k scratch

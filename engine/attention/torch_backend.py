@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionLayer
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.batch.forward_batch import ForwardBatch, ForwardMode
 
 
 class TorchAttnBackend(AttentionBackend):

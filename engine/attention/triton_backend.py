@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionLayer
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
+from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.transfer import to_device
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention

@@ -28,7 +28,6 @@ from engine.frontend.results import Channel
 from engine.frontend.score import ScoreResult, make_score_call, score_result
 from engine.frontend.tokenizer_manager import TokenizerManager
 from engine.model_config import ModelConfig
-from engine.models import is_encoder
 from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -53,7 +52,7 @@ class Engine:
         )
         if args.tp_size > 1:
             self.model_config.check_tensor_parallel(args.tp_size)
-        if is_encoder(self.model_config) and not args.is_embedding:
+        if self.model_config.is_encoder and not args.is_embedding:
             raise ValueError(
                 f"is_embedding must be True for {self.model_config.architecture}: an encoder "
                 "model only embeds (encode()), it cannot generate."

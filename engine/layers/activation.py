@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.fused import use_triton
+from kernels.dispatch import use_triton
 
 
 class SiluAndMul(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from engine.attention.backend import AttentionBackend
-    from engine.runner.forward_batch import ForwardBatch
+    from engine.batch.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):

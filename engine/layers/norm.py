@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.fused import use_triton
+from kernels.dispatch import use_triton
 
 
 class RMSNorm(nn.Module):

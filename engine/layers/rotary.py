@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers.fused import use_triton
 from engine.layers.norm import RMSNorm
+from kernels.dispatch import use_triton
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -1,2 +1,3 @@
-"""KV memory of the scheduler process: the paged pool, the page allocator, the request->slot
-table and the radix prefix cache. The scheduler loop is its only owner."""
+"""KV memory's data structures in the scheduler process: the paged K/V pool, the page allocator,
+the request->slot table and the radix prefix cache. The scheduler's KVCache
+(engine/scheduler/kv_cache.py) is their only user that allocates or frees."""

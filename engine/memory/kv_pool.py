@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.fused import use_triton
+from kernels.dispatch import use_triton
 
 
 class KVPool:

@@ -19,11 +19,6 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 }
 
 
-def is_encoder(config: ModelConfig) -> bool:
-    """An encoder (BERT) only embeds: it has no LM head and no KV cache."""
-    return bool(getattr(ARCHITECTURES.get(config.architecture), "is_encoder", False))
-
-
 def model_class(config: ModelConfig) -> type[nn.Module]:
     try:
         return ARCHITECTURES[config.architecture]

@@ -128,9 +128,8 @@ class BertEncoder(nn.Module):
 
 
 class BertModel(nn.Module):
-    is_encoder = (
-        True  # no KV cache, bidirectional: run by engine.runner.embedding_runner, not ModelRunner
-    )
+    # NOTE: an encoder (ModelConfig.ENCODER_ARCHITECTURES): no KV cache, bidirectional, run by
+    # engine/runner/embedding_runner.py, never by ModelRunner
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

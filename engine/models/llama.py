@@ -22,7 +22,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.runner.forward_batch import ForwardBatch
+    from engine.batch.forward_batch import ForwardBatch
 
 
 class LlamaAttention(nn.Module):

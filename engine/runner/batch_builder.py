@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.batch.forward_batch import ForwardBatch, ForwardMode
+from engine.batch.scheduled_batch import ScheduledBatch
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
-from engine.scheduler.batch import ScheduledBatch
 from engine.transfer import to_device
 
 

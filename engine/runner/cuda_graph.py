@@ -28,9 +28,9 @@ from collections.abc import Callable
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,8 @@ import logging
 
 import torch
 
+from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.model_config import ModelConfig
-from engine.models import model_class
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
 from engine.runner.loader import load_model
 from engine.runner.model_runner import ModelRunner
 from engine.runner.pooling import PoolingConfig, pool
@@ -31,7 +30,7 @@ class EmbeddingRunner:
     def __init__(self, args: ServerArgs, config: ModelConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.is_encoder = bool(getattr(model_class(config), "is_encoder", False))
+        self.is_encoder = config.is_encoder
         self.pooling = PoolingConfig.from_folder(config.path, self.is_encoder)
         self.runner: ModelRunner | None = None
         if self.is_encoder:

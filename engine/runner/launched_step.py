@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.scheduler.req import Req
+from engine.batch.req import Req
 
 
 @dataclass

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from engine.batch.forward_batch import ForwardMode
+from engine.batch.req import Req
+from engine.batch.scheduled_batch import ScheduledBatch
 from engine.runner.batch_builder import LogitPlan
-from engine.runner.forward_batch import ForwardMode
 from engine.runner.launched_step import InputLogprobs, LaunchedStep
 from engine.sampling.grammar import GrammarMasks
 from engine.sampling.penalties import PenaltyState
 from engine.sampling.sampler import SamplingBatch, sample
-from engine.scheduler.batch import ScheduledBatch
-from engine.scheduler.req import Req
 from engine.transfer import to_device
 
 

@@ -22,6 +22,8 @@ import os
 import torch
 
 from engine.attention import create_backend
+from engine.batch.forward_batch import ForwardBatch, ForwardMode
+from engine.batch.scheduled_batch import ScheduledBatch
 from engine.layers.attention import attention_layers, use_backend
 from engine.layers.distributed import agree_min
 from engine.memory.kv_pool import KVPool
@@ -29,11 +31,9 @@ from engine.memory.req_to_token import ReqToTokenPool
 from engine.model_config import ModelConfig
 from engine.runner.batch_builder import build_forward_batch
 from engine.runner.cuda_graph import DecodeCudaGraphs
-from engine.runner.forward_batch import ForwardBatch, ForwardMode
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model
 from engine.runner.logits_step import LogitsStep
-from engine.scheduler.batch import ScheduledBatch
 from engine.server_args import ServerArgs
 from engine.transfer import to_device
 

@@ -1,16 +1,20 @@
-"""Entry point of the scheduler and detokenizer processes: `python -m engine.runtime.child ROLE CONFIG`.
+"""What every child process does around its work: read its config, tie its life to the
+parent's, forward its log records, and report a failure to the caller instead of dying quietly.
 
-Started with subprocess, not multiprocessing, so the caller's `__main__` is never re-imported:
-a user script needs no `if __name__ == "__main__":` guard.
+Each process folder has its own entry point that calls `run_child` with its process class:
+`python -m engine.scheduler ROLE CONFIG` and `python -m engine.detokenizer ROLE CONFIG`
+(engine/runtime/children.py starts them). Started with subprocess, not multiprocessing, so
+the caller's `__main__` is never re-imported: a user script needs no
+`if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
-import sys
 import threading
 import traceback
+from typing import Protocol
 
 import zmq
 
@@ -18,7 +22,18 @@ from engine.runtime.ipc import ChildConfig, ForwardingLogHandler, push_socket, w
 from engine.runtime.messages import ChildError
 
 
-def main(role: str, config_path: str) -> int:
+class ChildProcess(Protocol):
+    """A process's work: built from its config and sockets, then run until the process ends."""
+
+    def __init__(
+        self, config: ChildConfig, ctx: zmq.Context, to_tokenizer: zmq.Socket, lock: threading.Lock
+    ) -> None: ...
+
+    def run(self) -> None: ...
+
+
+def run_child(role: str, config_path: str, process: type[ChildProcess]) -> int:
+    """Run `process` as child `role`; the exit code (1 after reporting a failure)."""
     try:
         with open(config_path, "rb") as f:
             config: ChildConfig = pickle.load(f)
@@ -32,16 +47,7 @@ def main(role: str, config_path: str) -> int:
     root.handlers[:] = [ForwardingLogHandler(to_tokenizer, send_lock)]
     root.setLevel(config.args.log_level.upper())
     try:
-        if role.startswith("scheduler"):
-            from engine.scheduler.process import SchedulerProcess
-
-            SchedulerProcess(config, ctx, to_tokenizer, send_lock).run()
-        elif role == "detokenizer":
-            from engine.detokenizer import DetokenizerProcess
-
-            DetokenizerProcess(config, ctx, to_tokenizer, send_lock).run()
-        else:
-            raise ValueError(f"unknown child role {role!r}")
+        process(config, ctx, to_tokenizer, send_lock).run()
     except BaseException as e:  # report anything, then exit non-zero
         with send_lock:
             to_tokenizer.send_pyobj(
@@ -50,7 +56,3 @@ def main(role: str, config_path: str) -> int:
         to_tokenizer.close()  # lingers until the report has left
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,4 +1,5 @@
-"""Start, watch and stop the scheduler and detokenizer processes."""
+"""Start, watch and stop the scheduler and detokenizer processes (each runs its folder's
+`__main__`: `python -m engine.scheduler` / `python -m engine.detokenizer`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from engine.server_args import ServerArgs
 
 # the folder holding the `engine` package (this file is engine/runtime/children.py)
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+# the module each kind of child runs (`python -m MODULE ROLE CONFIG`)
+CHILD_MODULES = {"scheduler": "engine.scheduler", "detokenizer": "engine.detokenizer"}
 
 
 def roles(tp_size: int) -> list[tuple[str, int]]:
@@ -37,8 +42,9 @@ class ChildProcesses:
                 config_path.write_bytes(
                     pickle.dumps(ChildConfig(role, args, endpoints, read_fd, os.getpid(), rank))
                 )
+                module = CHILD_MODULES[role.split("-")[0]]
                 self.procs[role] = subprocess.Popen(
-                    [sys.executable, "-m", "engine.runtime.child", role, str(config_path)],
+                    [sys.executable, "-m", module, role, str(config_path)],
                     pass_fds=(read_fd,),
                     stdin=subprocess.DEVNULL,
                     env=env,

@@ -30,8 +30,8 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from engine.batch.req import Req
     from engine.sampling_params import SamplingParams
-    from engine.scheduler.req import Req
     from engine.server_args import ServerArgs
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")

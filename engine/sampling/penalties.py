@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.scheduler.req import Req
+from engine.batch.req import Req
 from engine.transfer import to_device
 
 

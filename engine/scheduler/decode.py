@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 
-from engine.memory.kv_cache import KVCache
-from engine.runner.forward_batch import ForwardMode
-from engine.scheduler.batch import ScheduledBatch
+from engine.batch.forward_batch import ForwardMode
+from engine.batch.req import Req
+from engine.batch.scheduled_batch import ScheduledBatch
+from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate
 from engine.scheduler.queues import RequestQueues
-from engine.scheduler.req import Req
 from engine.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,9 @@ class DecodePlanner:
         if not reqs:
             return None
         self.stats.decode_steps += 1
-        return ScheduledBatch.allocate(ForwardMode.DECODE, reqs, [1] * len(reqs), self.kv)
+        starts = [r.kv_len for r in reqs]
+        slots = self.kv.extend_by_one(reqs)  # new pages in one allocation
+        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), starts, slots)
 
     def retract(self, req: Req) -> None:
         """Put an admitted request back at the head of the queue; its KV stays in the prefix cache."""

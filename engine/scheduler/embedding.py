@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.batch.req import Req
 from engine.model_config import ModelConfig
 from engine.runner.embedding_runner import EmbeddingRunner
 from engine.runner.pooling import finish_embeddings
 from engine.runtime.messages import TokenizedRequest
-from engine.scheduler.req import Req
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
 from engine.transfer import to_device

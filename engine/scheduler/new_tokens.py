@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from engine.memory.kv_cache import KVCache
-from engine.scheduler.req import Req
+from engine.batch.req import Req
+from engine.scheduler.kv_cache import KVCache
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1

@@ -4,8 +4,8 @@ logprobs) new since the last one it sent, once finished or, for streams, every
 
 from __future__ import annotations
 
+from engine.batch.req import Req
 from engine.runtime.messages import DecodeSpec, ReqOutput
-from engine.scheduler.req import Req
 
 
 def outputs_to_send(reqs: list[Req], stream_interval: int) -> list[ReqOutput]:

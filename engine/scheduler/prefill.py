@@ -17,12 +17,12 @@ from __future__ import annotations
 import itertools
 import math
 
-from engine.memory.kv_cache import KVCache
-from engine.runner.forward_batch import ForwardMode
-from engine.scheduler.batch import ScheduledBatch
+from engine.batch.forward_batch import ForwardMode
+from engine.batch.req import Req
+from engine.batch.scheduled_batch import ScheduledBatch
+from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate
 from engine.scheduler.queues import RequestQueues
-from engine.scheduler.req import Req
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
 
@@ -107,7 +107,11 @@ class PrefillPlanner:
                 q.running.append(req)
         if not reqs:
             return None
-        return ScheduledBatch.allocate(ForwardMode.EXTEND, reqs, lens, self.kv)
+        # NOTE: pages are allocated only now, after every admitted prefix was matched and locked:
+        # an allocation may evict cached prefixes, never one this batch is about to read
+        starts = [r.kv_len for r in reqs]
+        slots = [s for req, n in zip(reqs, lens) for s in self.kv.extend(req, n)]
+        return ScheduledBatch(ForwardMode.EXTEND, reqs, lens, starts, slots)
 
     def refuse_unadmittable(self) -> list[Req]:
         """Nothing runs, yet the head of the queue cannot be admitted: it can never fit; fail it alone."""

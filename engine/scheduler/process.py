@@ -12,6 +12,7 @@ import threading
 
 import zmq
 
+from engine.batch.req import Req
 from engine.model_config import ModelConfig
 from engine.runtime.ipc import ChildConfig, pull_socket, push_socket, recv_all
 from engine.runtime.messages import (
@@ -25,7 +26,6 @@ from engine.runtime.messages import (
 from engine.scheduler.embedding import EmbeddingScheduler
 from engine.scheduler.output import outputs_to_send
 from engine.scheduler.profile import HostProfile
-from engine.scheduler.req import Req
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.tp_group import TPGroup
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.scheduler.req import Req
+from engine.batch.req import Req
 
 
 @dataclass

@@ -29,19 +29,19 @@ import time
 
 import torch
 
-from engine.memory.kv_cache import KVCache
+from engine.batch.forward_batch import ForwardMode
+from engine.batch.req import Req
+from engine.batch.scheduled_batch import ScheduledBatch
 from engine.model_config import ModelConfig
-from engine.runner.forward_batch import ForwardMode
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.model_runner import ModelRunner
 from engine.runtime.messages import TokenizedRequest
 from engine.sampling.grammar import GrammarBackend, grammar_key
-from engine.scheduler.batch import ScheduledBatch
 from engine.scheduler.decode import DecodePlanner
+from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate
 from engine.scheduler.prefill import PrefillPlanner
 from engine.scheduler.queues import RequestQueues
-from engine.scheduler.req import Req
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
 from engine.tokenization import IncrementalDecoder, load_tokenizer

@@ -6,10 +6,10 @@ import dataclasses
 
 import torch
 
+from engine.batch.req import Req
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
 from engine.runtime.messages import TokenizedRequest
-from engine.scheduler.req import Req
 from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
 from engine.tokenization import load_tokenizer

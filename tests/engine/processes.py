@@ -6,6 +6,8 @@ import os
 import time
 from pathlib import Path
 
+from engine.runtime.children import CHILD_MODULES
+
 GONE_WITHIN_S = 5.0  # children must be gone this long after their parent / shutdown
 
 
@@ -39,8 +41,15 @@ def cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
+def is_engine_child(args: list[str]) -> bool:
+    """Is this command line an engine child's (`python -m engine.scheduler|engine.detokenizer ...`)?"""
+    return any(
+        args[i : i + 2] == ["-m", m] for m in CHILD_MODULES.values() for i in range(len(args))
+    )
+
+
 def engine_children_in(folder: str | Path) -> list[int]:
-    """Live `engine.runtime.child` processes whose config file lies in `folder`."""
+    """Live engine children whose config file lies in `folder`."""
     return [
         pid
         for pid in _engine_children()
@@ -49,13 +58,13 @@ def engine_children_in(folder: str | Path) -> list[int]:
 
 
 def engine_children_of(parent: int) -> list[int]:
-    """Live `engine.runtime.child` processes started by process `parent`."""
+    """Live engine children started by process `parent`."""
     return [pid for pid in _engine_children() if _parent_of(pid) == parent]
 
 
 def _engine_children() -> list[int]:
     pids = (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
-    return [pid for pid in pids if "engine.runtime.child" in cmdline(pid) and alive(pid)]
+    return [pid for pid in pids if is_engine_child(cmdline(pid)) and alive(pid)]
 
 
 def _parent_of(pid: int) -> int | None:

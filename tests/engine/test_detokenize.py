@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detokenizer import Detokenizer
+from engine.detokenizer.detokenizer import Detokenizer
 from engine.runtime.messages import DecodeSpec, ReqOutput
 from engine.tokenization import IncrementalDecoder, stop_prefix_len
 

@@ -7,13 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.memory.kv_cache import KVCache
+from engine.batch.req import Req
 from engine.memory.kv_pool import KVPool
 from engine.memory.page_allocator import PageAllocator
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.runtime.messages import TokenizedRequest
 from engine.sampling_params import SamplingParams
-from engine.scheduler.req import Req
+from engine.scheduler.kv_cache import KVCache
 
 
 @settings(max_examples=200, deadline=None)

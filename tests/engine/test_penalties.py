@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from engine.batch.req import Req
 from engine.runtime.messages import TokenizedRequest
 from engine.sampling.penalties import PenaltyState
 from engine.sampling_params import SamplingParams
-from engine.scheduler.req import Req
 from tests.engine.core import InProcessCore
 from tests.tiny_models import load_hf_model, random_prompts, special_token_ids
 

@@ -1,7 +1,7 @@
 """The life of the engine's child processes: start, run, die, and always go away.
 
-The engine runs a scheduler process and a detokenizer process (``python -m engine.runtime.child
-ROLE CONFIG``). These tests check, on CPU, that:
+The engine runs a scheduler process and a detokenizer process (``python -m engine.scheduler`` and
+``python -m engine.detokenizer``). These tests check, on CPU, that:
 
 * a user script needs no ``if __name__ == "__main__":`` guard, and its children go away when it
   exits normally, raises, or is killed with SIGKILL (the lifeline);
@@ -45,7 +45,7 @@ from transformers import AutoTokenizer
 import engine.frontend.tokenizer_manager as tokenizer_manager
 from engine import Engine
 from engine.runtime.children import ChildProcesses
-from tests.engine.processes import alive, cmdline, engine_children_in, wait_gone
+from tests.engine.processes import alive, cmdline, engine_children_in, is_engine_child, wait_gone
 from tests.tiny_models import hf_greedy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ SCRIPT_TIMEOUT_S = 180.0
 def _private_folder(pid: int) -> Path:
     """The engine's private ipc folder: the parent of the config path on a child's command line."""
     args = cmdline(pid)
-    assert "engine.runtime.child" in args, args
+    assert is_engine_child(args), args
     return Path(args[-1]).parent
 
 
@@ -231,7 +231,7 @@ while True:
             proc.kill()
             proc.wait(timeout=10)
         for pid in pids.values():  # never leave orphans behind, even when the test fails
-            if alive(pid) and "engine.runtime.child" in cmdline(pid):
+            if alive(pid) and is_engine_child(cmdline(pid)):
                 os.kill(pid, signal.SIGKILL)
         if private is not None:  # nobody is left to remove a SIGKILLed engine's folder
             shutil.rmtree(private, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Whether a tensor takes the Triton kernels of `kernels/` (CUDA with triton installed) or plain PyTorch.
 
-The layers call this per forward; both paths compute the same function (the kernels' tests
-compare them), so the CPU reference and the GPU fast path are one program.
+The engine's layers and KV pool call this per forward; both paths compute the same function
+(the kernels' tests compare them), so the CPU reference and the GPU fast path are one program.
 """
 
 from __future__ import annotations

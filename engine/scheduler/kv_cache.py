@@ -1,8 +1,8 @@
 """KV memory of requests: their pages and table rows, and the prefix cache behind them.
 
-The scheduler is the only caller. A page belongs either to one request (pages it computed)
-or to the radix cache (shared prefixes, read by the requests that locked them). When a
-request leaves — finished, retracted or aborted — the page-aligned part of what it computed
+The scheduler loop is the only caller: this is how it owns KV memory. A page belongs either to
+one request (pages it computed) or to the radix cache (shared prefixes, read by the requests
+that locked them). When a request leaves — finished, retracted or aborted — the page-aligned part of what it computed
 moves into the cache; duplicates of what the cache already holds and the partial last page
 are freed. Running short of free pages evicts unlocked cached prefixes first.
 """
@@ -20,7 +20,7 @@ from engine.memory.req_to_token import ReqToTokenPool
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
-    from engine.scheduler.req import Req
+    from engine.batch.req import Req
 
 
 class KVCache:

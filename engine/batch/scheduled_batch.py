@@ -1,0 +1,23 @@
+"""What one forward computes, as the scheduler decided it: which requests, how many new tokens
+each, and the pool slots their K/V go to.
+
+NOTE: the scheduler is the only owner of KV memory: its planners allocate the slots when they
+build a batch. The model runner turns the batch into device tensors
+(engine/runner/batch_builder.py) and writes the slots into the request->slot table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.batch.forward_batch import ForwardMode
+from engine.batch.req import Req
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]  # new tokens per request this step (all 1 in decode)
+    starts: list[int]  # each request's first new position (its KV length before this step)
+    slots: list[int]  # pool slot of each new token, requests in order

@@ -1,0 +1,1 @@
+"""The detokenizer process: token ids in, text deltas out, stop strings held back and trimmed."""
