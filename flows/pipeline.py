@@ -32,13 +32,14 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import OUTPUT_COLUMNS, RunConfig
-from flows.generation import WORK_ONLY_COLUMNS, Generated, RequestOptions, generate_rows
+from flows.config import RunConfig
+from flows.generation import Generated, RequestOptions, generate_rows
 from flows.identity import run_identity
 from flows.parallel import generate_in_parallel
 from flows.preflight import Checked, preflight
 from flows.progress import Progress, artifact_key
 from flows.prompts import PromptRenderer
+from flows.rows import input_columns, output_schema, work_table
 from flows.sources import read_rows, row_ids
 from flows.store import CheckpointStore, row_seed, write_parquet
 
@@ -230,11 +231,10 @@ def _plan_requests(
     renderer: PromptRenderer,
 ) -> Work:
     samples = config.samples_per_row
-    inputs = table
-    if config.source.id_column == "id":  # it becomes the output's id column, not a copy of it
-        inputs = inputs.drop_columns(["id"])
-    inputs = inputs.rename_columns([output_column(config, c) for c in inputs.column_names])
-    take, request_ids, source_ids, sample_nos, prompts, seeds = [], [], [], [], [], []
+    requests: dict[str, list[Any]] = {
+        n: [] for n in ("id", "source_id", "sample", "prompt", "seed")
+    }
+    take: list[int] = []
     all_ids: list[str] = []
     for index, (row_id, row) in enumerate(zip(ids.to_pylist(), _pylist(table))):
         prompt = None
@@ -245,53 +245,19 @@ def _plan_requests(
                 continue
             prompt = prompt if prompt is not None else renderer.render(row)
             take.append(index)
-            request_ids.append(rid)
-            source_ids.append(row_id)
-            sample_nos.append(sample)
-            prompts.append(prompt)
-            seeds.append(row_seed(config.seed, rid))
-    todo = inputs.take(pa.array(take, pa.int64()))
-    head = [("id", pa.array(request_ids, pa.string()))]
-    if samples > 1:
-        head += [("source_id", pa.array(source_ids, pa.string())),
-                 ("sample", pa.array(sample_nos, pa.int64()))]  # fmt: skip
-    tail = [("prompt", pa.array(prompts, pa.string())), ("seed", pa.array(seeds, pa.int64()))]
-    todo = pa.Table.from_arrays(
-        [a for _, a in head] + todo.columns + [a for _, a in tail],
-        names=[n for n, _ in head] + todo.column_names + [n for n, _ in tail],
+            requests["id"].append(rid)
+            requests["source_id"].append(row_id)
+            requests["sample"].append(sample)
+            requests["prompt"].append(prompt)
+            requests["seed"].append(row_seed(config.seed, rid))
+    inputs = input_columns(config, table).take(pa.array(take, pa.int64()))
+    todo = work_table(config, inputs, requests)
+    return Work(
+        pa.array(all_ids, pa.string()),
+        todo,
+        output_schema(config, todo.schema),
+        done_before=len(all_ids) - len(requests["id"]),
     )
-    schema = pa.schema(
-        [todo.schema.field(n) for n in todo.column_names if n not in WORK_ONLY_COLUMNS]
-        + _result_fields(config)
-    )
-    all_array = pa.array(all_ids, pa.string())
-    return Work(all_array, todo, schema, done_before=len(all_ids) - len(request_ids))
-
-
-def output_column(config: RunConfig, column: str) -> str:
-    """An input column keeps its name in the output unless the flow writes a column of that name."""
-    reserved = {*OUTPUT_COLUMNS, *WORK_ONLY_COLUMNS, *config.added_columns()}
-    if config.samples_per_row > 1:
-        reserved |= {"source_id", "sample"}
-    return f"input_{column}" if column in reserved else column
-
-
-def _result_fields(config: RunConfig) -> list[pa.Field]:
-    fields = [
-        pa.field("text", pa.string()),
-        pa.field("finish_reason", pa.string()),
-        pa.field("prompt_tokens", pa.int64()),
-        pa.field("completion_tokens", pa.int64()),
-        pa.field("cached_tokens", pa.int64()),
-        pa.field("latency", pa.float64()),
-    ]
-    if config.logprobs:
-        fields.append(pa.field("logprobs", pa.list_(pa.float64())))
-    if config.top_logprobs:
-        entry = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
-        fields.append(pa.field("top_logprobs", pa.list_(pa.list_(entry))))
-    fields.append(pa.field("error", pa.string()))
-    return fields
 
 
 def _tokenizer(config: RunConfig) -> Any:

@@ -140,7 +140,7 @@ def test_progress_draws_a_bar_on_a_terminal_and_logs_lines_elsewhere(caplog):
 
 
 def test_input_columns_named_like_the_flows_columns_are_kept_as_input_name(llama_dir, tmp_path):
-    from flows.pipeline import output_column
+    from flows.rows import output_column
     from flows.synthesize import SynthesizeConfig
 
     config = load_config(base_config(llama_dir, tmp_path / "q.jsonl", tmp_path))
