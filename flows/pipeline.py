@@ -206,8 +206,7 @@ def _tokenizer(config: RunConfig) -> Any:
     """The engine's tokenizer, loaded as the engine loads it; only chat prompts need one."""
     if not config.prompt.chat:
         return None
-    from engine.server_args import ServerArgs
-    from engine.tokenization import load_tokenizer
+    from engine import ServerArgs, load_tokenizer
 
     return load_tokenizer(ServerArgs.from_kwargs(**config.engine.arguments()))
 
