@@ -20,9 +20,8 @@ from prefect.utilities.templating import apply_values
 
 from deployments.serve import PREFECT_FILE, ROOT, load_deployments
 from flows.catalog import FLOWS
-from tests.flow_fixtures import (
+from tests.flows.fixtures import (
     flow_env,
-    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
     question_rows,
     wait_until,
     write_jsonl,

@@ -29,14 +29,13 @@ from flows.cli import describe
 from flows.config import ConfigError, load_config
 from flows.pipeline import generate_batch
 from flows.store import CheckpointStore, row_seed
-from tests.flow_fixtures import (
+from tests.flows.fixtures import (
     alive,
     base_config,
     engine_children,
     expected_prompt,
     flow_env,
     leftover_temp_files,
-    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
     question_rows,
     run_folder,
     wait_until,

@@ -29,13 +29,12 @@ from flows.parallel import engine_arguments, split_rows
 from flows.pipeline import generate_batch
 from flows.preflight import preflight
 from flows.store import CheckpointStore
-from tests.flow_fixtures import (
+from tests.flows.fixtures import (
     alive,
     base_config,
     engine_children,
     flow_env,
     leftover_temp_files,
-    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
     question_rows,
     run_folder,
     wait_until,

@@ -18,13 +18,9 @@ from flows.config import ConfigError, load_config
 from flows.evaluate import EvaluateSpec, extract_answer, is_correct
 from flows.preflight import preflight
 from flows.store import row_seed
-from tests.flow_fixtures import (
-    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
-    question_rows,
-    write_jsonl,
-)
+from tests.flows.fixtures import question_rows, write_jsonl
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # words the tiny random model happens to emit after these prompts, so that some answers name one
 CHOICES = ["morning", "over", "query"]
 

@@ -17,7 +17,7 @@ from flows.preflight import preflight
 from flows.progress import Progress
 from flows.prompts import PromptRenderer, template_names
 from flows.sources import content_digest, read_rows, row_ids
-from tests.flow_fixtures import base_config, question_rows, write_jsonl
+from tests.flows.fixtures import base_config, question_rows, write_jsonl
 
 ROWS = [{"qid": "a", "text": "x", "n": 1}, {"qid": "b", "text": "y", "n": 2}]
 

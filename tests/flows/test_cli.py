@@ -14,10 +14,9 @@ import yaml
 
 from flows.cli import main
 from flows.config import ConfigError, load_config
-from tests.flow_fixtures import (
+from tests.flows.fixtures import (
     base_config,
     flow_env,
-    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
     question_rows,
     run_folder,
     write_jsonl,

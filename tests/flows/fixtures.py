@@ -1,11 +1,5 @@
-"""Fixtures and helpers for the flow tests: one real Prefect server per test session, input files,
-configs on the tiny models of tests/conftest.py, and checks on processes and run folders.
-
-Test modules import the fixtures they use (`from tests.flow_fixtures import prefect_api_fixture`,
-which pytest knows as `prefect_api`).
-pytest registers an imported fixture once per importing module, so the Prefect server behind
-`prefect_api` is a process-wide singleton: it starts once (~15 s) however many modules use it.
-"""
+"""Helpers of the flow tests (their fixtures are in conftest.py): input files, configs on the
+tiny models of tests/conftest.py, and checks on processes and run folders."""
 
 from __future__ import annotations
 
@@ -13,8 +7,6 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +14,10 @@ import pytest
 
 from tests.tiny_models import _WORDS
 
-_SERVER: dict[str, Any] = {}
-
-
-@pytest.fixture(scope="session", name="prefect_api")
-def prefect_api_fixture() -> Iterator[str]:
-    """The URL of a temporary Prefect server (SQLite) that every flow in the session reports to."""
-    if "url" not in _SERVER:
-        # the server's telemetry write races its own start-up on SQLite ("database is locked")
-        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        from prefect.settings import PREFECT_API_URL
-        from prefect.testing.utilities import prefect_test_harness
-
-        stack = ExitStack()
-        stack.enter_context(prefect_test_harness(server_startup_timeout=120))
-        _SERVER.update(url=PREFECT_API_URL.value(), stack=stack)
-    yield _SERVER["url"]
-    if stack := _SERVER.pop("stack", None):  # once, at the session's end
-        stack.close()
-
 
 def flow_env(api_url: str, **extra: str) -> dict[str, str]:
     """The environment of a subprocess that reports to the session's Prefect server."""
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     return {
         **os.environ,
         "PREFECT_API_URL": api_url,

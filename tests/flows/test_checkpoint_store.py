@@ -104,7 +104,7 @@ def test_sigkill_while_writing_leaves_only_whole_shards(tmp_path):
         for s in range(100000):
             store.write_shard([{{"id": f"{{s}}-{{i}}", "text": "y" * 2000, "tokens": i}} for i in range(200)])
     """)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
     try:
         assert proc.stdout.readline().strip() == b"ready"
@@ -167,7 +167,7 @@ from flows.store import CheckpointStore
 CheckpointStore({str(tmp_path)!r}, "run", {IDENTITY!r}).lock()
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     assert subprocess.run([sys.executable, "-c", script], env=env).returncode == -signal.SIGKILL
     assert second.writer() is None
     second.lock()  # a writer killed while holding the lock left nothing behind

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from demo.data import review_matches
-from tests.flow_fixtures import flow_env, prefect_api_fixture  # noqa: F401
+from tests.flows.fixtures import flow_env
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def gristmill(api_url: str, tmp_path: Path, *args: str) -> str:
