@@ -69,6 +69,40 @@ def expected_prompt(row: dict[str, Any]) -> str:
     return f"Question {row['qid']}: {row['question']}"
 
 
+# ---------------------------------------------------------------------- what the Prefect server saw
+def settled_task_runs(flow_run_id: Any, timeout: float = 30.0) -> list[Any]:
+    """A flow run's task runs, once the server has a final state for each.
+
+    Task runs reach the server as events, which this process sends in the background and the
+    server records a moment later: a flow run can return before its task runs are recorded."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()  # send what this process has not sent yet
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            )
+            if all(r.state and r.state.is_final() for r in runs) or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.05)
+
+
+def flow_run_logs(flow_run_id: Any) -> str:
+    """A flow run's log messages, all that this process sent for it (they go in batches)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return "\n".join(log.message for log in logs)
+
+
 # ---------------------------------------------------------------------- run folders and processes
 def run_folder(output_dir: Path, run_name: str = "questions") -> Path:
     folders = [p for p in (Path(output_dir) / run_name).glob("*") if p.is_dir()]

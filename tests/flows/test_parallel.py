@@ -37,6 +37,7 @@ from tests.flows.fixtures import (
     leftover_temp_files,
     question_rows,
     run_folder,
+    settled_task_runs,
     wait_until,
     write_jsonl,
 )
@@ -117,9 +118,7 @@ def test_each_part_is_a_task_run_of_a_nested_flow_on_dask(two_workers):
                 parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
             )
         )
-        parts = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id={"any_": [nested.id]})  # type: ignore[arg-type]
-        )
+    parts = settled_task_runs(nested.id)
     assert nested.state.is_completed()
     assert sorted((p.name, p.state.type.value) for p in parts) == [
         ("generate-part-0", "COMPLETED"),

@@ -16,12 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (
-    FlowRunFilter,
-    FlowRunFilterId,
-    LogFilter,
-    LogFilterFlowRunId,
-)
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 import flows.generation
 from engine import Engine
@@ -35,9 +30,11 @@ from tests.flows.fixtures import (
     engine_children,
     expected_prompt,
     flow_env,
+    flow_run_logs,
     leftover_temp_files,
     question_rows,
     run_folder,
+    settled_task_runs,
     wait_until,
     write_jsonl,
 )
@@ -96,17 +93,9 @@ def folder_bytes(folder: Path) -> dict[str, str]:
 
 
 def task_runs(flow_run_id) -> dict[str, str]:
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        )
+    """{step: its final state} of a flow run."""
+    runs = settled_task_runs(flow_run_id)
     return {run.name.rsplit("-", 1)[0]: run.state.type.value for run in runs}
-
-
-def run_logs(flow_run_id) -> str:
-    with get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    return "\n".join(log.message for log in logs)
 
 
 # ---------------------------------------------------------------------- a whole run
@@ -300,7 +289,7 @@ def test_a_changed_config_writes_a_new_folder_and_leaves_the_old_one(greedy_run,
     new_folder = uninterrupted["folder"]
     assert new_folder.parent == old_folder.parent and new_folder != old_folder
     assert folder_bytes(old_folder) == uninterrupted["greedy_before"]
-    logs = run_logs(uninterrupted["flow_run_id"])
+    logs = flow_run_logs(uninterrupted["flow_run_id"])
     assert "config changed" in logs and old_folder.name in logs
 
 
