@@ -1,14 +1,27 @@
 """Fixtures of the flow tests. The tiny model folders (llama_dir, ...) come from tests/conftest.py.
 
-What is slow to make is made once per session (under xdist, once per worker): the Prefect server.
+What is slow to make is made once per session (under xdist, once per worker): the Prefect
+server, an engine on the tiny llama, and one plain run of the generate flow over 300 questions,
+which test_pipeline checks and test_parallel compares its Dask runs with.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.flows.fixtures import (
+    QUESTION_ROWS,
+    base_config,
+    engine_arguments,
+    question_rows,
+    run_folder,
+    write_jsonl,
+)
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +46,38 @@ def prefect_api() -> Iterator[str]:
         temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
     ):
         yield PREFECT_API_URL.value()
+
+
+# ---------------------------------------------------------------------- the engine
+@pytest.fixture(scope="session")
+def llama_engine(llama_dir: Path) -> Iterator[Any]:
+    """An engine on the tiny llama with the arguments of every config here (engine_arguments):
+    the engine called directly, which the flows' rows must equal."""
+    from engine import Engine
+
+    with Engine(**engine_arguments(llama_dir)) as engine:
+        yield engine
+
+
+# ---------------------------------------------------------------------- the shared run
+@pytest.fixture(scope="session")
+def questions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """QUESTION_ROWS question rows as JSONL (ids in column qid): the input of base_config's runs."""
+    path = tmp_path_factory.mktemp("input") / "questions.jsonl"
+    return write_jsonl(path, question_rows(QUESTION_ROWS))
+
+
+@pytest.fixture(scope="session")
+def greedy_run(
+    prefect_api: str, llama_dir: Path, questions: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, dict[str, Any], Path, Any]:
+    """base_config over the questions, run by the generate flow on an engine it starts and stops
+    itself: (config, summary, run folder, flow run id). Nothing may write into its folder."""
+    from flows.config import load_config
+    from flows.pipeline import generate_batch
+
+    out = tmp_path_factory.mktemp("greedy")
+    config = load_config(base_config(llama_dir, questions, out))
+    state = generate_batch(config=config, return_state=True)
+    assert state.is_completed(), state.message
+    return config, state.result(), run_folder(out), state.state_details.flow_run_id

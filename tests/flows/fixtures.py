@@ -27,6 +27,9 @@ def flow_env(api_url: str, **extra: str) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- inputs
+QUESTION_ROWS = 300  # the rows of the session's question file (conftest.py: questions)
+
+
 def question_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [
@@ -52,7 +55,7 @@ def base_config(model_dir: Path, source: Path, output_dir: Path, **fields: Any) 
     config: dict[str, Any] = {
         "run_name": "questions",
         "output_dir": str(output_dir),
-        "engine": {"model_path": str(model_dir), "max_total_tokens": 8192},
+        "engine": engine_arguments(model_dir),
         "source": {"path": str(source), "id_column": "qid"},
         "prompt": {"template": "Question {{ qid }}: {{ question }}"},
         "sampling": {"temperature": 0, "max_new_tokens": 8},
@@ -62,6 +65,11 @@ def base_config(model_dir: Path, source: Path, output_dir: Path, **fields: Any) 
     for key, value in fields.items():
         config[key] = {**config[key], **value} if isinstance(value, dict) else value
     return config
+
+
+def engine_arguments(model_dir: Path) -> dict[str, Any]:
+    """The engine of every config here, as its flow passes it to Engine(...)."""
+    return {"model_path": str(model_dir), "max_total_tokens": 8192}
 
 
 def expected_prompt(row: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ from flows.pipeline import generate_batch
 from flows.preflight import preflight
 from flows.store import CheckpointStore
 from tests.flows.fixtures import (
+    QUESTION_ROWS,
     alive,
     base_config,
     engine_children,
@@ -39,25 +40,20 @@ from tests.flows.fixtures import (
     run_folder,
     settled_task_runs,
     wait_until,
-    write_jsonl,
 )
 
-ROWS = 300
+ROWS = QUESTION_ROWS
 # what a row is; latency and cached_tokens depend on what else was in the engine at the time
 KEEP = ["id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"]
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("input") / "questions.jsonl", question_rows(ROWS))
-
-
-@pytest.fixture(scope="module")
-def config_for(llama_dir, source):
-    """The module's one config (one fingerprint), with its speed settings and workers varied."""
+def config_for(llama_dir, questions):
+    """The module's one config (one fingerprint: greedy_run's), with its speed settings and
+    workers varied."""
 
     def make(out: Path, workers: int = 1, **fields) -> dict:
-        return base_config(llama_dir, source, out, **fields) | {"parallel": {"workers": workers}}
+        return base_config(llama_dir, questions, out, **fields) | {"parallel": {"workers": workers}}
 
     return make
 
@@ -77,11 +73,12 @@ def shard_rows(out: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(prefect_api, config_for, tmp_path_factory):
-    """The same config on one engine in the flow's own process: what every run must write."""
-    out = tmp_path_factory.mktemp("one-worker")
-    run(config_for(out))
-    table = output(out).select(KEEP)
+def reference(greedy_run, config_for):
+    """The same config on one engine in the flow's own process (greedy_run, conftest.py): what
+    every run must write."""
+    config, _, folder, _ = greedy_run
+    assert config == load_config(config_for(config.output_dir)), "this module's config, 1 worker"
+    table = pq.read_table(folder / "output.parquet").select(KEEP)
     assert table.num_rows == ROWS
     return table
 

@@ -25,6 +25,7 @@ from flows.config import ConfigError, load_config
 from flows.pipeline import generate_batch
 from flows.store import CheckpointStore, row_seed
 from tests.flows.fixtures import (
+    QUESTION_ROWS,
     alive,
     base_config,
     engine_children,
@@ -36,10 +37,9 @@ from tests.flows.fixtures import (
     run_folder,
     settled_task_runs,
     wait_until,
-    write_jsonl,
 )
 
-ROWS = 300
+ROWS = QUESTION_ROWS
 SAMPLED = {"temperature": 1.0, "top_k": 40, "max_new_tokens": 12}
 
 
@@ -49,19 +49,19 @@ def rows():
 
 
 @pytest.fixture(scope="module")
-def source(rows, tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("input") / "questions.jsonl", rows)
+def source(questions):
+    """The session's question file: its rows are `rows`."""
+    return questions
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir, rows):
+def reference(llama_engine, rows):
     """The engine called directly, one batch per question: the outputs every run must equal."""
     prompts = [expected_prompt(r) for r in rows]
-    with Engine(model_path=str(llama_dir), max_total_tokens=8192) as engine:
-        greedy = engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8})
-        sampled = engine.generate(
-            prompts, [{**SAMPLED, "sampling_seed": row_seed(7, r["qid"])} for r in rows]
-        )
+    greedy = llama_engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8})
+    sampled = llama_engine.generate(
+        prompts, [{**SAMPLED, "sampling_seed": row_seed(7, r["qid"])} for r in rows]
+    )
     return {"greedy": greedy, "sampled": sampled}
 
 
@@ -99,15 +99,7 @@ def task_runs(flow_run_id) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- a whole run
-@pytest.fixture(scope="module")
-def greedy_run(prefect_api, llama_dir, source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("greedy")
-    config = load_config(base_config(llama_dir, source, out))
-    state = generate_batch(config=config, return_state=True)
-    assert state.is_completed(), state.message
-    return config, state.result(), run_folder(out), state.state_details.flow_run_id
-
-
+# greedy_run (conftest.py): the base config over `source`, on an engine of the flow's own
 def test_300_rows_equal_the_engines_greedy_outputs(greedy_run, rows, reference):
     config, summary, folder, _ = greedy_run
     table = pq.read_table(folder / "output.parquet")

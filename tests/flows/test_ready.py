@@ -11,7 +11,6 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from engine import Engine
 from flows.annotate import AnnotateSpec, constraint_params, match_choice
 from flows.catalog import FLOWS
 from flows.config import ConfigError, load_config
@@ -25,10 +24,10 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CHOICES = ["morning", "over", "query"]
 
 
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    with Engine(model_path=str(llama_dir), max_total_tokens=8192) as engine:
-        yield engine
+@pytest.fixture
+def engine(llama_engine):
+    """The engine called directly (conftest.py)."""
+    return llama_engine
 
 
 @pytest.fixture(scope="module")
