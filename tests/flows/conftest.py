@@ -18,6 +18,7 @@ from tests.flows.fixtures import (
     QUESTION_ROWS,
     base_config,
     engine_arguments,
+    lent_engine,
     question_rows,
     run_folder,
     write_jsonl,
@@ -57,6 +58,19 @@ def llama_engine(llama_dir: Path) -> Iterator[Any]:
 
     with Engine(**engine_arguments(llama_dir)) as engine:
         yield engine
+
+
+@pytest.fixture
+def resident_engine(llama_engine: Any, llama_dir: Path) -> Iterator[list[dict[str, Any]]]:
+    """The flows this test runs in its own process use the session's engine instead of starting
+    one each (~4 s, more on a busy machine); yields the arguments each flow asked for.
+
+    For tests of what flows write. How a flow's own engine lives and dies (started in
+    init_engine, stopped by shutdown after a failure, gone with a SIGKILLed flow or Dask worker)
+    is checked with engines of their own: greedy_run and test_pipeline's exception and SIGKILL
+    tests, test_parallel's workers, test_deployments and test_demo_flows."""
+    with lent_engine(llama_engine, engine_arguments(llama_dir)) as asked:
+        yield asked
 
 
 # ---------------------------------------------------------------------- the shared run

@@ -7,6 +7,8 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,39 @@ def engine_arguments(model_dir: Path) -> dict[str, Any]:
 def expected_prompt(row: dict[str, Any]) -> str:
     """The base config's template, rendered by plain Python (the reference for Jinja's output)."""
     return f"Question {row['qid']}: {row['question']}"
+
+
+# ---------------------------------------------------------------------- a resident engine
+class _Lent:
+    """An engine as a flow holds it when it is lent: all of it but shutdown (its owner stops it)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@contextmanager
+def lent_engine(engine: Any, arguments: dict[str, Any]) -> Iterator[list[dict[str, Any]]]:
+    """While in the block, a flow's init_engine gets `engine` instead of starting its own.
+
+    Yields the arguments each flow asked for. NOTE: a flow must ask for exactly `arguments`,
+    the ones `engine` was started with, or the test fails there: a lent engine never stands in
+    for another."""
+    asked: list[dict[str, Any]] = []
+
+    def lend(**kwargs: Any) -> _Lent:
+        assert kwargs == arguments, f"the flow asked for another engine: {kwargs}"
+        asked.append(kwargs)
+        return _Lent(engine)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("engine.Engine", lend)
+        yield asked
 
 
 # ---------------------------------------------------------------------- what the Prefect server saw

@@ -27,7 +27,7 @@ def summary_lines(text: str) -> dict[str, str]:
     return dict(line.split(None, 1) for line in text.splitlines() if line.strip())
 
 
-def test_run_status_show_and_fresh(prefect_api, llama_dir, tmp_path, capsys):
+def test_run_status_show_and_fresh(prefect_api, llama_dir, tmp_path, capsys, resident_engine):
     rows = question_rows(40, 5)
     source = write_jsonl(tmp_path / "questions.jsonl", rows)
     config_file = tmp_path / "run.yaml"

@@ -220,7 +220,7 @@ def fail_the_120th_request(monkeypatch) -> None:
 
 
 def test_resumed_on_2_workers_one_killed_dask_reruns_its_part_and_every_row_is_written_once(
-    prefect_api, config_for, reference, tmp_path, monkeypatch
+    prefect_api, config_for, reference, tmp_path, monkeypatch, resident_engine
 ):
     out = tmp_path / "runs"
     fail_the_120th_request(monkeypatch)
@@ -250,7 +250,7 @@ def test_resumed_on_2_workers_one_killed_dask_reruns_its_part_and_every_row_is_w
 
 
 def test_when_dask_gives_up_on_a_killed_worker_the_run_fails_and_a_1_worker_rerun_finishes(
-    prefect_api, config_for, reference, tmp_path
+    prefect_api, config_for, reference, tmp_path, resident_engine
 ):
     out = tmp_path / "runs"
     killed = KilledRun(

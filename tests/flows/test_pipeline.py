@@ -28,11 +28,13 @@ from tests.flows.fixtures import (
     QUESTION_ROWS,
     alive,
     base_config,
+    engine_arguments,
     engine_children,
     expected_prompt,
     flow_env,
     flow_run_logs,
     leftover_temp_files,
+    lent_engine,
     question_rows,
     run_folder,
     settled_task_runs,
@@ -148,11 +150,14 @@ def sampled_config(llama_dir, source):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(greedy_run, sampled_config, rows, reference):
+def uninterrupted(greedy_run, sampled_config, rows, reference, llama_engine, llama_dir):
     """The sampled config run straight through, beside the greedy run's results: a changed config."""
     config, _, greedy_folder, _ = greedy_run
     greedy_before = folder_bytes(greedy_folder)
-    state = generate_batch(config=load_config(sampled_config(config.output_dir)), return_state=True)
+    with lent_engine(llama_engine, engine_arguments(llama_dir)):
+        state = generate_batch(
+            config=load_config(sampled_config(config.output_dir)), return_state=True
+        )
     assert state.is_completed(), state.message
     folder = Path(state.result()["output"]).parent
     table = pq.read_table(folder / "output.parquet")
@@ -170,6 +175,7 @@ def test_sigkill_mid_generate_then_rerun_gives_the_uninterrupted_rows(
     sampled_config,
     uninterrupted,
     tmp_path,
+    resident_engine,
 ):
     out = tmp_path / "runs"
     config_file = tmp_path / "config.yaml"

@@ -25,8 +25,8 @@ CHOICES = ["morning", "over", "query"]
 
 
 @pytest.fixture
-def engine(llama_engine):
-    """The engine called directly (conftest.py)."""
+def engine(llama_engine, resident_engine):
+    """The engine called directly, which the flows of the test use too (conftest.py)."""
     return llama_engine
 
 
