@@ -135,14 +135,16 @@ def test_summary_and_progress_are_prefect_artifacts(greedy_run):
 # ---------------------------------------------------------------------- crash and resume
 @pytest.fixture(scope="module")
 def sampled_config(llama_dir, source):
-    def make(out: Path, max_in_flight: int = 64):
+    """The sampled config; shard_size and max_in_flight only change speed (not the fingerprint)."""
+
+    def make(out: Path, max_in_flight: int = 64, shard_size: int = 25):
         return base_config(
             llama_dir,
             source,
             out,
             seed=7,
             sampling=SAMPLED,
-            shard_size=25,
+            shard_size=shard_size,
             max_in_flight=max_in_flight,
         )
 
@@ -179,8 +181,9 @@ def test_sigkill_mid_generate_then_rerun_gives_the_uninterrupted_rows(
 ):
     out = tmp_path / "runs"
     config_file = tmp_path / "config.yaml"
-    # one row in flight: slow enough, on any machine, to be killed with shards landed and to go
-    config_file.write_text(yaml.safe_dump(sampled_config(out, max_in_flight=1)))
+    # one row in flight: slow enough, on any machine, to be killed with shards landed and to go;
+    # small shards, so the first lands early (the rerun resumes with shards of 25)
+    config_file.write_text(yaml.safe_dump(sampled_config(out, max_in_flight=1, shard_size=5)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "run", str(config_file)],
         env=flow_env(prefect_api),
@@ -211,14 +214,14 @@ def test_sigkill_mid_generate_then_rerun_gives_the_uninterrupted_rows(
 
     folder = run_folder(out)
     landed = len(list((folder / "shards").glob("*.parquet")))
-    assert 1 <= landed < ROWS // 25, "killed mid-generate: some shards landed, not all"
+    assert 1 <= landed < ROWS // 5, "killed mid-generate: some shards landed, not all"
     assert not (folder / "output.parquet").exists()
 
     state = generate_batch(config=load_config(sampled_config(out)), return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    assert summary["rows_from_earlier_runs"] == 25 * landed
-    assert summary["rows_generated_now"] == ROWS - 25 * landed
+    assert summary["rows_from_earlier_runs"] == 5 * landed
+    assert summary["rows_generated_now"] == ROWS - 5 * landed
     resumed = pq.read_table(folder / "output.parquet")
     assert len(set(resumed.column("id").to_pylist())) == resumed.num_rows == ROWS
     keep = ["id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"]
