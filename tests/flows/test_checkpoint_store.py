@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.store import CheckpointStore, fingerprint, row_seed
+from tests.flows.fixtures import wait_until
 
 IDENTITY = {"model": "tiny", "sampling": {"temperature": 0}, "template": "{q}", "seed": 1}
 
@@ -108,7 +109,9 @@ def test_sigkill_while_writing_leaves_only_whole_shards(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
     try:
         assert proc.stdout.readline().strip() == b"ready"
-        time.sleep(1.5)
+        shards = tmp_path / "run"
+        wait_until(lambda: any(shards.glob("*/shards/shard-*.parquet")), 60, "a first shard")
+        time.sleep(0.1)  # into a later shard's write
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
