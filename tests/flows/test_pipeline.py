@@ -238,6 +238,7 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
     reference,
     tmp_path,
     monkeypatch,
+    llama_engine,
 ):
     started: list[Engine] = []
 
@@ -275,9 +276,11 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
     assert 113 <= done <= 120, "the finished rows were written before the failure propagated"
 
     monkeypatch.undo()
-    state = generate_batch(
-        config=config.model_copy(update={"max_in_flight": 64}), return_state=True
-    )
+    # the failed run's own engine was the one to check; the rerun may borrow the session's
+    with lent_engine(llama_engine, engine_arguments(llama_dir)):
+        state = generate_batch(
+            config=config.model_copy(update={"max_in_flight": 64}), return_state=True
+        )
     assert state.is_completed(), state.message
     assert state.result()["rows_from_earlier_runs"] == done
     assert run_folder(tmp_path) == folder, "max_in_flight is not in the fingerprint: same folder"
