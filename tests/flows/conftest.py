@@ -1,8 +1,9 @@
 """Fixtures of the flow tests. The tiny model folders (llama_dir, ...) come from tests/conftest.py.
 
 What is slow to make is made once per session (under xdist, once per worker): the Prefect
-server, an engine on the tiny llama, and one plain run of the generate flow over 300 questions,
-which test_pipeline checks and test_parallel compares its Dask runs with.
+server, an engine on the tiny llama (which flows borrow where the engine's own life is not the
+point), and one plain run of the generate flow over 300 questions, which test_pipeline checks
+and test_parallel compares its Dask runs with.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def resident_engine(llama_engine: Any, llama_dir: Path) -> Iterator[list[dict[st
 
     For tests of what flows write. How a flow's own engine lives and dies (started in
     init_engine, stopped by shutdown after a failure, gone with a SIGKILLed flow or Dask worker)
-    is checked with engines of their own: greedy_run and test_pipeline's exception and SIGKILL
-    tests, test_parallel's workers, test_deployments and test_demo_flows."""
+    is checked with engines of their own: test_pipeline's exception and SIGKILL tests,
+    test_parallel's workers, test_deployments and test_demo_flows."""
     with lent_engine(llama_engine, engine_arguments(llama_dir)) as asked:
         yield asked
 
@@ -83,15 +84,20 @@ def questions(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def greedy_run(
-    prefect_api: str, llama_dir: Path, questions: Path, tmp_path_factory: pytest.TempPathFactory
+    prefect_api: str,
+    llama_engine: Any,
+    llama_dir: Path,
+    questions: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Any, dict[str, Any], Path, Any]:
-    """base_config over the questions, run by the generate flow on an engine it starts and stops
-    itself: (config, summary, run folder, flow run id). Nothing may write into its folder."""
+    """base_config over the questions, run by the generate flow on the session's engine:
+    (config, summary, run folder, flow run id). Nothing may write into its folder."""
     from flows.config import load_config
     from flows.pipeline import generate_batch
 
     out = tmp_path_factory.mktemp("greedy")
     config = load_config(base_config(llama_dir, questions, out))
-    state = generate_batch(config=config, return_state=True)
+    with lent_engine(llama_engine, engine_arguments(llama_dir)):
+        state = generate_batch(config=config, return_state=True)
     assert state.is_completed(), state.message
     return config, state.result(), run_folder(out), state.state_details.flow_run_id

@@ -101,7 +101,7 @@ def task_runs(flow_run_id) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- a whole run
-# greedy_run (conftest.py): the base config over `source`, on an engine of the flow's own
+# greedy_run (conftest.py): the base config over `source`, run by the generate flow
 def test_300_rows_equal_the_engines_greedy_outputs(greedy_run, rows, reference):
     config, summary, folder, _ = greedy_run
     table = pq.read_table(folder / "output.parquet")
