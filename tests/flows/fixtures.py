@@ -113,23 +113,31 @@ def lent_engine(engine: Any, arguments: dict[str, Any]) -> Iterator[list[dict[st
 
 
 # ---------------------------------------------------------------------- what the Prefect server saw
-def settled_task_runs(flow_run_id: Any, timeout: float = 30.0) -> list[Any]:
-    """A flow run's task runs, once the server has a final state for each.
+def settled_task_runs(flow_run_id: Any, *names: str, timeout: float = 30.0) -> list[Any]:
+    """A flow run's task runs, once the server has recorded one for each of `names` (a task's
+    name, or its run name without the random suffix) and a final state for every one it has.
 
-    Task runs reach the server as events, which this process sends in the background and the
-    server records a moment later: a flow run can return before its task runs are recorded."""
+    Task runs reach the server as events, which their process sends in the background and the
+    server records a moment later: a flow run can return before its task runs are recorded, and
+    the last one may be missing yet while the others look final. After `timeout` they are
+    returned as they are, for the test's assertion to fail on."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.events.worker import EventsWorker
 
     EventsWorker.drain_all()  # send what this process has not sent yet
+
+    def settled(runs: list[Any]) -> bool:
+        seen = {r.name for r in runs} | {r.name.rsplit("-", 1)[0] for r in runs}
+        return set(names) <= seen and all(r.state and r.state.is_final() for r in runs)
+
     deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
         while True:
             runs = client.read_task_runs(
                 flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
             )
-            if all(r.state and r.state.is_final() for r in runs) or time.monotonic() > deadline:
+            if settled(runs) or time.monotonic() > deadline:
                 return runs
             time.sleep(0.05)
 

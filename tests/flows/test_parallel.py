@@ -115,7 +115,7 @@ def test_each_part_is_a_task_run_of_a_nested_flow_on_dask(two_workers):
                 parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
             )
         )
-    parts = settled_task_runs(nested.id)
+    parts = settled_task_runs(nested.id, "generate-part-0", "generate-part-1")
     assert nested.state.is_completed()
     assert sorted((p.name, p.state.type.value) for p in parts) == [
         ("generate-part-0", "COMPLETED"),

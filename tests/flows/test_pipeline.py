@@ -94,9 +94,9 @@ def folder_bytes(folder: Path) -> dict[str, str]:
     }
 
 
-def task_runs(flow_run_id) -> dict[str, str]:
-    """{step: its final state} of a flow run."""
-    runs = settled_task_runs(flow_run_id)
+def task_runs(flow_run_id, *steps: str) -> dict[str, str]:
+    """{step: its final state} of a flow run, once the server has (at least) `steps`."""
+    runs = settled_task_runs(flow_run_id, *steps)
     return {run.name.rsplit("-", 1)[0]: run.state.type.value for run in runs}
 
 
@@ -264,7 +264,7 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
     flow_run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(flow_run_id).state.is_failed()
-    steps = task_runs(flow_run_id)
+    steps = task_runs(flow_run_id, "generate", "shutdown")
     assert steps["generate"] == "FAILED" and steps["shutdown"] == "COMPLETED"
     assert "collect" not in steps
     (engine,) = started
@@ -364,7 +364,7 @@ def test_a_config_that_does_not_fit_fails_in_configure_before_the_engine_starts(
     state = generate_batch(config=config, return_state=True)
     assert state.is_failed() and message in state.message
     assert "invalid config:" in state.message and message.split(":")[0] in state.message
-    assert task_runs(state.state_details.flow_run_id) == {
+    assert task_runs(state.state_details.flow_run_id, "configure", "shutdown") == {
         "configure": "FAILED",
         "shutdown": "COMPLETED",
     }
