@@ -69,7 +69,7 @@ def resident_engine(llama_engine: Any, llama_dir: Path) -> Iterator[list[dict[st
     For tests of what flows write. How a flow's own engine lives and dies (started in
     init_engine, stopped by shutdown after a failure, gone with a SIGKILLed flow or Dask worker)
     is checked with engines of their own: test_pipeline's exception and SIGKILL tests,
-    test_parallel's workers, test_deployments and test_demo_flows."""
+    test_parallel's workers and test_deployments."""
     with lent_engine(llama_engine, engine_arguments(llama_dir)) as asked:
         yield asked
 

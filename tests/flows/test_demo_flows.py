@@ -1,5 +1,6 @@
 """The three demo configs on the built-in demo model, through the `gristmill` command (its main,
-in this process: the command in a process of its own is test_cli's and test_pipeline's).
+in this process: the command in a process of its own is test_cli's and test_pipeline's). The
+three runs share one engine on the demo model, with the demo configs' engine arguments.
 
 `gristmill run` with no config is the README's second command: it must finish with an eval
 score well above chance and its results in Parquet. The references are the demo generator's
@@ -18,18 +19,29 @@ import pytest
 
 from demo.data import review_matches
 from flows.cli import main
+from tests.flows.fixtures import lent_engine
 
 ROOT = Path(__file__).resolve().parents[2]
+DEMO_ENGINE = {"model_path": "demo/model", "dtype": "float32"}  # the demo configs' engine section
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    from engine import Engine
+
+    with Engine(**{**DEMO_ENGINE, "model_path": str(ROOT / DEMO_ENGINE["model_path"])}) as engine:
+        yield engine
 
 
 @pytest.fixture
-def gristmill(prefect_api, tmp_path, capsys, monkeypatch) -> Callable[..., str]:
+def gristmill(prefect_api, demo_engine, tmp_path, capsys, monkeypatch) -> Callable[..., str]:
     """`gristmill run ARGS` from the repository root (as the README runs it), results under
     tmp_path: what it prints."""
     monkeypatch.chdir(ROOT)
 
     def run(*args: str) -> str:
-        code = main(["run", *args, "--set", f"output_dir={tmp_path}"])
+        with lent_engine(demo_engine, DEMO_ENGINE):
+            code = main(["run", *args, "--set", f"output_dir={tmp_path}"])
         printed = capsys.readouterr()
         assert code == 0, printed.err[-3000:]
         return printed.out
