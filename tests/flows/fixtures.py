@@ -1,5 +1,6 @@
 """Helpers of the flow tests (their fixtures are in conftest.py): input files, configs on the
-tiny models of tests/conftest.py, and checks on processes and run folders."""
+tiny models of tests/conftest.py, lending a flow a running engine, reading what the Prefect server
+recorded, and checks on processes and run folders."""
 
 from __future__ import annotations
 
