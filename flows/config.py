@@ -28,12 +28,6 @@ import jinja2
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# Columns the flows write; an input column with one of these names is kept as `input_<name>`.
-OUTPUT_COLUMNS = (
-    "id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens",
-    "cached_tokens", "latency", "logprobs", "top_logprobs", "error",
-)  # fmt: skip
-
 
 class ConfigError(ValueError):
     """A config that cannot run; `problems` are (field path, message) pairs."""

@@ -26,7 +26,8 @@ from pydantic import Field, field_validator, model_validator
 
 from flows.annotate import match_choice
 from flows.config import RunConfig, Section
-from flows.pipeline import output_column, run_steps
+from flows.pipeline import run_steps
+from flows.rows import output_column
 
 
 class EvaluateSpec(Section):

@@ -28,10 +28,9 @@ from typing import Any
 import pyarrow as pa
 
 from flows.progress import Progress
+from flows.rows import refused_row, result_row
 
 logger = logging.getLogger(__name__)
-
-WORK_ONLY_COLUMNS = ("seed",)  # in the work table, not in output rows
 
 
 @dataclass
@@ -58,8 +57,7 @@ class RequestOptions:
 
 
 async def request(engine: Any, row: dict[str, Any], options: RequestOptions) -> dict[str, Any]:
-    """One row through the engine: the output row (the work row's columns plus the results)."""
-    out = {k: v for k, v in row.items() if k not in WORK_ONLY_COLUMNS}
+    """One work row through the engine: its output row (flows/rows.py)."""
     try:
         result = await engine.async_generate(
             prompt=row["prompt"],
@@ -68,24 +66,8 @@ async def request(engine: Any, row: dict[str, Any], options: RequestOptions) -> 
             top_logprobs_num=options.top_logprobs or None,
         )
     except ValueError as e:  # refused before it was queued: this row fails, the run goes on
-        return {**out, "finish_reason": "error", "error": str(e)}
-    meta = result["meta_info"]
-    out.update(
-        text=result["text"],
-        finish_reason=(meta.get("finish_reason") or {}).get("type"),
-        prompt_tokens=meta["prompt_tokens"],
-        completion_tokens=meta["completion_tokens"],
-        cached_tokens=meta["cached_tokens"],
-        latency=meta["e2e_latency"],
-    )
-    if options.logprobs:
-        out["logprobs"] = [lp for lp, _, _ in meta["output_token_logprobs"]]
-    if options.top_logprobs:
-        out["top_logprobs"] = [
-            [{"token_id": t, "logprob": lp} for lp, t, _ in top]
-            for top in meta["output_top_logprobs"]
-        ]
-    return out
+        return refused_row(row, e)
+    return result_row(row, result, logprobs=options.logprobs, top_logprobs=options.top_logprobs)
 
 
 async def generate_rows(

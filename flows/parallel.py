@@ -43,13 +43,12 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig
 from flows.generation import Generated, RequestOptions, generate_rows
+from flows.plan import RunPlan, Work
 from flows.progress import Progress
 from flows.store import CheckpointStore
 
 if TYPE_CHECKING:
     from prefect_dask import DaskTaskRunner
-
-    from flows.pipeline import RunPlan, Work
 
 POLL_SECONDS = 1.0  # how often the flow process looks for new shards while the parts run
 

@@ -3,8 +3,9 @@
     configure ─► init_engine ─► prepare_prompts ─► generate ─► collect ─► shutdown
 
 One engine per flow run stays resident from init_engine to shutdown, and shutdown runs whether
-or not a step failed. Rows land in the checkpoint store (flows/store.py) as they finish, so a
-rerun of the same config after a crash, a failure or a cancel does only the rows still missing.
+or not a step failed. The steps hand on what they decided as a RunPlan and a Work (flows/plan.py).
+Rows land in the checkpoint store (flows/store.py) as they finish, so a rerun of the same config
+after a crash, a failure or a cancel does only the rows still missing.
 With `parallel.workers` > 1 (or a Dask `parallel.address`) no engine runs in the flow's process:
 generate hands the rows to engines on Dask workers (flows/parallel.py), which write the same
 shards, and collect merges and checks them as it does its own.
@@ -21,9 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -32,37 +32,45 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import OUTPUT_COLUMNS, RunConfig
-from flows.generation import WORK_ONLY_COLUMNS, Generated, RequestOptions, generate_rows
+from flows.config import RunConfig
+from flows.generation import Generated, RequestOptions, generate_rows
 from flows.identity import run_identity
 from flows.parallel import generate_in_parallel
-from flows.preflight import Checked, preflight
+from flows.plan import Finish, RunPlan, Work, plan_requests
+from flows.preflight import preflight
 from flows.progress import Progress, artifact_key
 from flows.prompts import PromptRenderer
 from flows.sources import read_rows, row_ids
-from flows.store import CheckpointStore, row_seed, write_parquet
-
-# A flow's last word on the merged rows: (config, rows in input order) -> (rows, extra summary).
-Finish = Callable[[Any, pa.Table], tuple[pa.Table, dict[str, Any]]]
+from flows.store import CheckpointStore, write_parquet
 
 
-@dataclass
-class RunPlan:
-    config: RunConfig
-    checked: Checked
-    store: CheckpointStore
+# ---------------------------------------------------------------------- the flow
+@flow(name="generate-batch", flow_run_name="{config.run_name}")
+def generate_batch(config: RunConfig, fresh: bool = False) -> dict[str, Any]:
+    """Generate a completion for every row of an input file: resumable, each row written once."""
+    return run_steps(config, fresh)
 
 
-@dataclass
-class Work:
-    ids: pa.Array  # every request id of the run, in input order
-    todo: pa.Table  # the requests still to make: id, input columns, prompt, seed
-    schema: pa.Schema  # of an output row, as the shards hold it
-    done_before: int
-
-    @property
-    def total(self) -> int:
-        return len(self.ids)
+def run_steps(
+    config: RunConfig, fresh: bool = False, finish: Finish | None = None
+) -> dict[str, Any]:
+    """The six steps in order; the body of every gristmill flow. On Dask workers the engines
+    start and stop inside generate, one per worker, instead of in init_engine and shutdown."""
+    plan, engine = None, None
+    try:
+        plan = configure(config)
+        if config.parallel.on_dask:
+            work = prepare_prompts(plan, None, fresh)
+            generated = generate_in_parallel(plan, work)
+        else:
+            engine = init_engine(plan)
+            work = prepare_prompts(plan, engine, fresh)
+            generated = generate(plan, engine, work)
+        return collect(plan, work, generated, finish)
+    finally:
+        shutdown(engine)
+        if plan is not None:
+            plan.store.unlock()
 
 
 # ---------------------------------------------------------------------- the steps
@@ -108,7 +116,7 @@ def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
     ids = row_ids(table, config.source.id_column)
     tokenizer = engine.tokenizer_manager.tokenizer if engine is not None else _tokenizer(config)
     renderer = PromptRenderer(config.prompt, config.template_variables(), tokenizer)
-    work = _plan_requests(config, table, ids, scan.done_ids, renderer)
+    work = plan_requests(config, table, ids, scan.done_ids, renderer)
     store.write_json(
         "run.json", {"config": config.model_dump(mode="json"), "total_rows": work.total}
     )
@@ -193,120 +201,14 @@ def shutdown(engine: Any) -> None:
     get_run_logger().info("engine stopped")
 
 
-def run_steps(
-    config: RunConfig, fresh: bool = False, finish: Finish | None = None
-) -> dict[str, Any]:
-    """The six steps in order; the body of every gristmill flow. On Dask workers the engines
-    start and stop inside generate, one per worker, instead of in init_engine and shutdown."""
-    plan, engine = None, None
-    try:
-        plan = configure(config)
-        if config.parallel.on_dask:
-            work = prepare_prompts(plan, None, fresh)
-            generated = generate_in_parallel(plan, work)
-        else:
-            engine = init_engine(plan)
-            work = prepare_prompts(plan, engine, fresh)
-            generated = generate(plan, engine, work)
-        return collect(plan, work, generated, finish)
-    finally:
-        shutdown(engine)
-        if plan is not None:
-            plan.store.unlock()
-
-
-@flow(name="generate-batch", flow_run_name="{config.run_name}")
-def generate_batch(config: RunConfig, fresh: bool = False) -> dict[str, Any]:
-    """Generate a completion for every row of an input file: resumable, each row written once."""
-    return run_steps(config, fresh)
-
-
 # ---------------------------------------------------------------------- helpers
-def _plan_requests(
-    config: RunConfig,
-    table: pa.Table,
-    ids: pa.Array,
-    done: set[str],
-    renderer: PromptRenderer,
-) -> Work:
-    samples = config.samples_per_row
-    inputs = table
-    if config.source.id_column == "id":  # it becomes the output's id column, not a copy of it
-        inputs = inputs.drop_columns(["id"])
-    inputs = inputs.rename_columns([output_column(config, c) for c in inputs.column_names])
-    take, request_ids, source_ids, sample_nos, prompts, seeds = [], [], [], [], [], []
-    all_ids: list[str] = []
-    for index, (row_id, row) in enumerate(zip(ids.to_pylist(), _pylist(table))):
-        prompt = None
-        for sample in range(samples):
-            rid = row_id if samples == 1 else f"{row_id}/{sample}"
-            all_ids.append(rid)
-            if rid in done:
-                continue
-            prompt = prompt if prompt is not None else renderer.render(row)
-            take.append(index)
-            request_ids.append(rid)
-            source_ids.append(row_id)
-            sample_nos.append(sample)
-            prompts.append(prompt)
-            seeds.append(row_seed(config.seed, rid))
-    todo = inputs.take(pa.array(take, pa.int64()))
-    head = [("id", pa.array(request_ids, pa.string()))]
-    if samples > 1:
-        head += [("source_id", pa.array(source_ids, pa.string())),
-                 ("sample", pa.array(sample_nos, pa.int64()))]  # fmt: skip
-    tail = [("prompt", pa.array(prompts, pa.string())), ("seed", pa.array(seeds, pa.int64()))]
-    todo = pa.Table.from_arrays(
-        [a for _, a in head] + todo.columns + [a for _, a in tail],
-        names=[n for n, _ in head] + todo.column_names + [n for n, _ in tail],
-    )
-    schema = pa.schema(
-        [todo.schema.field(n) for n in todo.column_names if n not in WORK_ONLY_COLUMNS]
-        + _result_fields(config)
-    )
-    all_array = pa.array(all_ids, pa.string())
-    return Work(all_array, todo, schema, done_before=len(all_ids) - len(request_ids))
-
-
-def output_column(config: RunConfig, column: str) -> str:
-    """An input column keeps its name in the output unless the flow writes a column of that name."""
-    reserved = {*OUTPUT_COLUMNS, *WORK_ONLY_COLUMNS, *config.added_columns()}
-    if config.samples_per_row > 1:
-        reserved |= {"source_id", "sample"}
-    return f"input_{column}" if column in reserved else column
-
-
-def _result_fields(config: RunConfig) -> list[pa.Field]:
-    fields = [
-        pa.field("text", pa.string()),
-        pa.field("finish_reason", pa.string()),
-        pa.field("prompt_tokens", pa.int64()),
-        pa.field("completion_tokens", pa.int64()),
-        pa.field("cached_tokens", pa.int64()),
-        pa.field("latency", pa.float64()),
-    ]
-    if config.logprobs:
-        fields.append(pa.field("logprobs", pa.list_(pa.float64())))
-    if config.top_logprobs:
-        entry = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
-        fields.append(pa.field("top_logprobs", pa.list_(pa.list_(entry))))
-    fields.append(pa.field("error", pa.string()))
-    return fields
-
-
 def _tokenizer(config: RunConfig) -> Any:
     """The engine's tokenizer, loaded as the engine loads it; only chat prompts need one."""
     if not config.prompt.chat:
         return None
-    from engine.server_args import ServerArgs
-    from engine.tokenization import load_tokenizer
+    from engine import ServerArgs, load_tokenizer
 
     return load_tokenizer(ServerArgs.from_kwargs(**config.engine.arguments()))
-
-
-def _pylist(table: pa.Table) -> Iterator[dict[str, Any]]:
-    for batch in table.to_batches(max_chunksize=4096):
-        yield from batch.to_pylist()
 
 
 def _summary(

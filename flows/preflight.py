@@ -45,8 +45,7 @@ def preflight(config: RunConfig) -> Checked:
 
 
 def _check_engine(config: RunConfig, problems: list[tuple[str, str]]) -> str:
-    from engine.model_config import ModelConfig
-    from engine.server_args import ServerArgs
+    from engine import ModelConfig, ServerArgs  # lazily: importing the flows loads no torch
 
     args = config.engine.arguments()
     model_path = args.pop("model_path")
@@ -106,7 +105,7 @@ def _refusal(check: Any, *args: Any, **kwargs: Any) -> ValueError | None:
 
 
 def _check_sampling(config: RunConfig, problems: list[tuple[str, str]]) -> None:
-    from engine.sampling_params import SamplingParams
+    from engine import SamplingParams
 
     params = config.sampling.arguments()
     if "sampling_seed" in params:

@@ -20,9 +20,8 @@ from prefect.utilities.templating import apply_values
 
 from deployments.serve import PREFECT_FILE, ROOT, load_deployments
 from flows.catalog import FLOWS
-from tests.flow_fixtures import (
+from tests.flows.fixtures import (
     flow_env,
-    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
     question_rows,
     wait_until,
     write_jsonl,
@@ -99,7 +98,9 @@ def test_a_run_triggered_through_the_api_completes(prefect_api, llama_dir, tmp_p
             "output_dir": str(tmp_path / "runs"),
         }
         started = time.monotonic()
-        flow_run = run_deployment("evaluate/evaluate", parameters={"config": config}, timeout=300)
+        flow_run = run_deployment(
+            "evaluate/evaluate", parameters={"config": config}, timeout=300, poll_interval=0.5
+        )
         assert flow_run.state.is_completed(), (flow_run.state, time.monotonic() - started)
     finally:
         serve.terminate()

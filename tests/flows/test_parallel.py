@@ -29,35 +29,31 @@ from flows.parallel import engine_arguments, split_rows
 from flows.pipeline import generate_batch
 from flows.preflight import preflight
 from flows.store import CheckpointStore
-from tests.flow_fixtures import (
+from tests.flows.fixtures import (
+    QUESTION_ROWS,
     alive,
     base_config,
     engine_children,
     flow_env,
     leftover_temp_files,
-    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
     question_rows,
     run_folder,
+    settled_task_runs,
     wait_until,
-    write_jsonl,
 )
 
-ROWS = 300
+ROWS = QUESTION_ROWS
 # what a row is; latency and cached_tokens depend on what else was in the engine at the time
 KEEP = ["id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"]
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("input") / "questions.jsonl", question_rows(ROWS))
-
-
-@pytest.fixture(scope="module")
-def config_for(llama_dir, source):
-    """The module's one config (one fingerprint), with its speed settings and workers varied."""
+def config_for(llama_dir, questions):
+    """The module's one config (one fingerprint: greedy_run's), with its speed settings and
+    workers varied."""
 
     def make(out: Path, workers: int = 1, **fields) -> dict:
-        return base_config(llama_dir, source, out, **fields) | {"parallel": {"workers": workers}}
+        return base_config(llama_dir, questions, out, **fields) | {"parallel": {"workers": workers}}
 
     return make
 
@@ -77,11 +73,12 @@ def shard_rows(out: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(prefect_api, config_for, tmp_path_factory):
-    """The same config on one engine in the flow's own process: what every run must write."""
-    out = tmp_path_factory.mktemp("one-worker")
-    run(config_for(out))
-    table = output(out).select(KEEP)
+def reference(greedy_run, config_for):
+    """The same config on one engine in the flow's own process (greedy_run, conftest.py): what
+    every run must write."""
+    config, _, folder, _ = greedy_run
+    assert config == load_config(config_for(config.output_dir)), "this module's config, 1 worker"
+    table = pq.read_table(folder / "output.parquet").select(KEEP)
     assert table.num_rows == ROWS
     return table
 
@@ -118,9 +115,7 @@ def test_each_part_is_a_task_run_of_a_nested_flow_on_dask(two_workers):
                 parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
             )
         )
-        parts = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id={"any_": [nested.id]})  # type: ignore[arg-type]
-        )
+    parts = settled_task_runs(nested.id, "generate-part-0", "generate-part-1")
     assert nested.state.is_completed()
     assert sorted((p.name, p.state.type.value) for p in parts) == [
         ("generate-part-0", "COMPLETED"),
@@ -225,7 +220,7 @@ def fail_the_120th_request(monkeypatch) -> None:
 
 
 def test_resumed_on_2_workers_one_killed_dask_reruns_its_part_and_every_row_is_written_once(
-    prefect_api, config_for, reference, tmp_path, monkeypatch
+    prefect_api, config_for, reference, tmp_path, monkeypatch, resident_engine
 ):
     out = tmp_path / "runs"
     fail_the_120th_request(monkeypatch)
@@ -255,7 +250,7 @@ def test_resumed_on_2_workers_one_killed_dask_reruns_its_part_and_every_row_is_w
 
 
 def test_when_dask_gives_up_on_a_killed_worker_the_run_fails_and_a_1_worker_rerun_finishes(
-    prefect_api, config_for, reference, tmp_path
+    prefect_api, config_for, reference, tmp_path, resident_engine
 ):
     out = tmp_path / "runs"
     killed = KilledRun(

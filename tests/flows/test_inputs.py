@@ -17,7 +17,7 @@ from flows.preflight import preflight
 from flows.progress import Progress
 from flows.prompts import PromptRenderer, template_names
 from flows.sources import content_digest, read_rows, row_ids
-from tests.flow_fixtures import base_config, question_rows, write_jsonl
+from tests.flows.fixtures import base_config, question_rows, write_jsonl
 
 ROWS = [{"qid": "a", "text": "x", "n": 1}, {"qid": "b", "text": "y", "n": 2}]
 
@@ -140,7 +140,7 @@ def test_progress_draws_a_bar_on_a_terminal_and_logs_lines_elsewhere(caplog):
 
 
 def test_input_columns_named_like_the_flows_columns_are_kept_as_input_name(llama_dir, tmp_path):
-    from flows.pipeline import output_column
+    from flows.rows import output_column
     from flows.synthesize import SynthesizeConfig
 
     config = load_config(base_config(llama_dir, tmp_path / "q.jsonl", tmp_path))

@@ -14,10 +14,9 @@ import yaml
 
 from flows.cli import main
 from flows.config import ConfigError, load_config
-from tests.flow_fixtures import (
+from tests.flows.fixtures import (
     base_config,
     flow_env,
-    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
     question_rows,
     run_folder,
     write_jsonl,
@@ -28,7 +27,7 @@ def summary_lines(text: str) -> dict[str, str]:
     return dict(line.split(None, 1) for line in text.splitlines() if line.strip())
 
 
-def test_run_status_show_and_fresh(prefect_api, llama_dir, tmp_path, capsys):
+def test_run_status_show_and_fresh(prefect_api, llama_dir, tmp_path, capsys, resident_engine):
     rows = question_rows(40, 5)
     source = write_jsonl(tmp_path / "questions.jsonl", rows)
     config_file = tmp_path / "run.yaml"

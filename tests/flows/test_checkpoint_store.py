@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.store import CheckpointStore, fingerprint, row_seed
+from tests.flows.fixtures import wait_until
 
 IDENTITY = {"model": "tiny", "sampling": {"temperature": 0}, "template": "{q}", "seed": 1}
 
@@ -104,11 +105,13 @@ def test_sigkill_while_writing_leaves_only_whole_shards(tmp_path):
         for s in range(100000):
             store.write_shard([{{"id": f"{{s}}-{{i}}", "text": "y" * 2000, "tokens": i}} for i in range(200)])
     """)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
     try:
         assert proc.stdout.readline().strip() == b"ready"
-        time.sleep(1.5)
+        shards = tmp_path / "run"
+        wait_until(lambda: any(shards.glob("*/shards/shard-*.parquet")), 60, "a first shard")
+        time.sleep(0.1)  # into a later shard's write
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
@@ -167,7 +170,7 @@ from flows.store import CheckpointStore
 CheckpointStore({str(tmp_path)!r}, "run", {IDENTITY!r}).lock()
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     assert subprocess.run([sys.executable, "-c", script], env=env).returncode == -signal.SIGKILL
     assert second.writer() is None
     second.lock()  # a writer killed while holding the lock left nothing behind

@@ -16,12 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (
-    FlowRunFilter,
-    FlowRunFilterId,
-    LogFilter,
-    LogFilterFlowRunId,
-)
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 import flows.generation
 from engine import Engine
@@ -29,21 +24,24 @@ from flows.cli import describe
 from flows.config import ConfigError, load_config
 from flows.pipeline import generate_batch
 from flows.store import CheckpointStore, row_seed
-from tests.flow_fixtures import (
+from tests.flows.fixtures import (
+    QUESTION_ROWS,
     alive,
     base_config,
+    engine_arguments,
     engine_children,
     expected_prompt,
     flow_env,
+    flow_run_logs,
     leftover_temp_files,
-    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
+    lent_engine,
     question_rows,
     run_folder,
+    settled_task_runs,
     wait_until,
-    write_jsonl,
 )
 
-ROWS = 300
+ROWS = QUESTION_ROWS
 SAMPLED = {"temperature": 1.0, "top_k": 40, "max_new_tokens": 12}
 
 
@@ -53,19 +51,19 @@ def rows():
 
 
 @pytest.fixture(scope="module")
-def source(rows, tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("input") / "questions.jsonl", rows)
+def source(questions):
+    """The session's question file: its rows are `rows`."""
+    return questions
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir, rows):
+def reference(llama_engine, rows):
     """The engine called directly, one batch per question: the outputs every run must equal."""
     prompts = [expected_prompt(r) for r in rows]
-    with Engine(model_path=str(llama_dir), max_total_tokens=8192) as engine:
-        greedy = engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8})
-        sampled = engine.generate(
-            prompts, [{**SAMPLED, "sampling_seed": row_seed(7, r["qid"])} for r in rows]
-        )
+    greedy = llama_engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8})
+    sampled = llama_engine.generate(
+        prompts, [{**SAMPLED, "sampling_seed": row_seed(7, r["qid"])} for r in rows]
+    )
     return {"greedy": greedy, "sampled": sampled}
 
 
@@ -96,30 +94,14 @@ def folder_bytes(folder: Path) -> dict[str, str]:
     }
 
 
-def task_runs(flow_run_id) -> dict[str, str]:
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        )
+def task_runs(flow_run_id, *steps: str) -> dict[str, str]:
+    """{step: its final state} of a flow run, once the server has (at least) `steps`."""
+    runs = settled_task_runs(flow_run_id, *steps)
     return {run.name.rsplit("-", 1)[0]: run.state.type.value for run in runs}
 
 
-def run_logs(flow_run_id) -> str:
-    with get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    return "\n".join(log.message for log in logs)
-
-
 # ---------------------------------------------------------------------- a whole run
-@pytest.fixture(scope="module")
-def greedy_run(prefect_api, llama_dir, source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("greedy")
-    config = load_config(base_config(llama_dir, source, out))
-    state = generate_batch(config=config, return_state=True)
-    assert state.is_completed(), state.message
-    return config, state.result(), run_folder(out), state.state_details.flow_run_id
-
-
+# greedy_run (conftest.py): the base config over `source`, run by the generate flow
 def test_300_rows_equal_the_engines_greedy_outputs(greedy_run, rows, reference):
     config, summary, folder, _ = greedy_run
     table = pq.read_table(folder / "output.parquet")
@@ -153,14 +135,16 @@ def test_summary_and_progress_are_prefect_artifacts(greedy_run):
 # ---------------------------------------------------------------------- crash and resume
 @pytest.fixture(scope="module")
 def sampled_config(llama_dir, source):
-    def make(out: Path, max_in_flight: int = 64):
+    """The sampled config; shard_size and max_in_flight only change speed (not the fingerprint)."""
+
+    def make(out: Path, max_in_flight: int = 64, shard_size: int = 25):
         return base_config(
             llama_dir,
             source,
             out,
             seed=7,
             sampling=SAMPLED,
-            shard_size=25,
+            shard_size=shard_size,
             max_in_flight=max_in_flight,
         )
 
@@ -168,11 +152,14 @@ def sampled_config(llama_dir, source):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(greedy_run, sampled_config, rows, reference):
+def uninterrupted(greedy_run, sampled_config, rows, reference, llama_engine, llama_dir):
     """The sampled config run straight through, beside the greedy run's results: a changed config."""
     config, _, greedy_folder, _ = greedy_run
     greedy_before = folder_bytes(greedy_folder)
-    state = generate_batch(config=load_config(sampled_config(config.output_dir)), return_state=True)
+    with lent_engine(llama_engine, engine_arguments(llama_dir)):
+        state = generate_batch(
+            config=load_config(sampled_config(config.output_dir)), return_state=True
+        )
     assert state.is_completed(), state.message
     folder = Path(state.result()["output"]).parent
     table = pq.read_table(folder / "output.parquet")
@@ -190,11 +177,13 @@ def test_sigkill_mid_generate_then_rerun_gives_the_uninterrupted_rows(
     sampled_config,
     uninterrupted,
     tmp_path,
+    resident_engine,
 ):
     out = tmp_path / "runs"
     config_file = tmp_path / "config.yaml"
-    # one row in flight: slow enough, on any machine, to be killed with shards landed and to go
-    config_file.write_text(yaml.safe_dump(sampled_config(out, max_in_flight=1)))
+    # one row in flight: slow enough, on any machine, to be killed with shards landed and to go;
+    # small shards, so the first lands early (the rerun resumes with shards of 25)
+    config_file.write_text(yaml.safe_dump(sampled_config(out, max_in_flight=1, shard_size=5)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "run", str(config_file)],
         env=flow_env(prefect_api),
@@ -225,14 +214,14 @@ def test_sigkill_mid_generate_then_rerun_gives_the_uninterrupted_rows(
 
     folder = run_folder(out)
     landed = len(list((folder / "shards").glob("*.parquet")))
-    assert 1 <= landed < ROWS // 25, "killed mid-generate: some shards landed, not all"
+    assert 1 <= landed < ROWS // 5, "killed mid-generate: some shards landed, not all"
     assert not (folder / "output.parquet").exists()
 
     state = generate_batch(config=load_config(sampled_config(out)), return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
-    assert summary["rows_from_earlier_runs"] == 25 * landed
-    assert summary["rows_generated_now"] == ROWS - 25 * landed
+    assert summary["rows_from_earlier_runs"] == 5 * landed
+    assert summary["rows_generated_now"] == ROWS - 5 * landed
     resumed = pq.read_table(folder / "output.parquet")
     assert len(set(resumed.column("id").to_pylist())) == resumed.num_rows == ROWS
     keep = ["id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"]
@@ -249,6 +238,7 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
     reference,
     tmp_path,
     monkeypatch,
+    llama_engine,
 ):
     started: list[Engine] = []
 
@@ -274,7 +264,7 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
     flow_run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(flow_run_id).state.is_failed()
-    steps = task_runs(flow_run_id)
+    steps = task_runs(flow_run_id, "generate", "shutdown")
     assert steps["generate"] == "FAILED" and steps["shutdown"] == "COMPLETED"
     assert "collect" not in steps
     (engine,) = started
@@ -286,9 +276,11 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
     assert 113 <= done <= 120, "the finished rows were written before the failure propagated"
 
     monkeypatch.undo()
-    state = generate_batch(
-        config=config.model_copy(update={"max_in_flight": 64}), return_state=True
-    )
+    # the failed run's own engine was the one to check; the rerun may borrow the session's
+    with lent_engine(llama_engine, engine_arguments(llama_dir)):
+        state = generate_batch(
+            config=config.model_copy(update={"max_in_flight": 64}), return_state=True
+        )
     assert state.is_completed(), state.message
     assert state.result()["rows_from_earlier_runs"] == done
     assert run_folder(tmp_path) == folder, "max_in_flight is not in the fingerprint: same folder"
@@ -301,7 +293,7 @@ def test_a_changed_config_writes_a_new_folder_and_leaves_the_old_one(greedy_run,
     new_folder = uninterrupted["folder"]
     assert new_folder.parent == old_folder.parent and new_folder != old_folder
     assert folder_bytes(old_folder) == uninterrupted["greedy_before"]
-    logs = run_logs(uninterrupted["flow_run_id"])
+    logs = flow_run_logs(uninterrupted["flow_run_id"])
     assert "config changed" in logs and old_folder.name in logs
 
 
@@ -372,7 +364,7 @@ def test_a_config_that_does_not_fit_fails_in_configure_before_the_engine_starts(
     state = generate_batch(config=config, return_state=True)
     assert state.is_failed() and message in state.message
     assert "invalid config:" in state.message and message.split(":")[0] in state.message
-    assert task_runs(state.state_details.flow_run_id) == {
+    assert task_runs(state.state_details.flow_run_id, "configure", "shutdown") == {
         "configure": "FAILED",
         "shutdown": "COMPLETED",
     }

@@ -11,28 +11,23 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from engine import Engine
 from flows.annotate import AnnotateSpec, constraint_params, match_choice
 from flows.catalog import FLOWS
 from flows.config import ConfigError, load_config
 from flows.evaluate import EvaluateSpec, extract_answer, is_correct
 from flows.preflight import preflight
 from flows.store import row_seed
-from tests.flow_fixtures import (
-    prefect_api_fixture,  # noqa: F401 (the prefect_api fixture)
-    question_rows,
-    write_jsonl,
-)
+from tests.flows.fixtures import question_rows, write_jsonl
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # words the tiny random model happens to emit after these prompts, so that some answers name one
 CHOICES = ["morning", "over", "query"]
 
 
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    with Engine(model_path=str(llama_dir), max_total_tokens=8192) as engine:
-        yield engine
+@pytest.fixture
+def engine(llama_engine, resident_engine):
+    """The engine called directly, which the flows of the test use too (conftest.py)."""
+    return llama_engine
 
 
 @pytest.fixture(scope="module")

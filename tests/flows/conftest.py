@@ -1,0 +1,103 @@
+"""Fixtures of the flow tests. The tiny model folders (llama_dir, ...) come from tests/conftest.py.
+
+What is slow to make is made once per session (under xdist, once per worker): the Prefect
+server, an engine on the tiny llama (which flows borrow where the engine's own life is not the
+point), and one plain run of the generate flow over 300 questions, which test_pipeline checks
+and test_parallel compares its Dask runs with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.flows.fixtures import (
+    QUESTION_ROWS,
+    base_config,
+    engine_arguments,
+    lent_engine,
+    question_rows,
+    run_folder,
+    write_jsonl,
+)
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[str]:
+    """The URL of a temporary Prefect server (SQLite) that every flow in the session reports to.
+
+    It takes ~15 s to start: one per session, on a free port of its own."""
+    # the server's telemetry write races its own start-up on SQLite ("database is locked")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        temporary_settings,
+    )
+    from prefect.testing.utilities import prefect_test_harness
+
+    # NOTE: a flow run's heartbeat thread sleeps in 1 s steps and is joined when the run ends,
+    # which adds up to a second to every flow run in this process. Heartbeats only let a server
+    # mark a crashed run; no test reads them (subprocesses keep them: None has no env spelling).
+    with (
+        prefect_test_harness(server_startup_timeout=120),
+        temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
+    ):
+        yield PREFECT_API_URL.value()
+
+
+# ---------------------------------------------------------------------- the engine
+@pytest.fixture(scope="session")
+def llama_engine(llama_dir: Path) -> Iterator[Any]:
+    """An engine on the tiny llama with the arguments of every config here (engine_arguments):
+    the engine called directly, which the flows' rows must equal."""
+    from engine import Engine
+
+    with Engine(**engine_arguments(llama_dir)) as engine:
+        yield engine
+
+
+@pytest.fixture
+def resident_engine(llama_engine: Any, llama_dir: Path) -> Iterator[list[dict[str, Any]]]:
+    """The flows this test runs in its own process use the session's engine instead of starting
+    one each (~4 s, more on a busy machine); yields the arguments each flow asked for.
+
+    For tests of what flows write. How a flow's own engine lives and dies (started in
+    init_engine, stopped by shutdown after a failure, gone with a SIGKILLed flow or Dask worker)
+    is checked with engines of their own: test_pipeline's exception and SIGKILL tests,
+    test_parallel's workers and test_deployments."""
+    with lent_engine(llama_engine, engine_arguments(llama_dir)) as asked:
+        yield asked
+
+
+# ---------------------------------------------------------------------- the shared run
+@pytest.fixture(scope="session")
+def questions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """QUESTION_ROWS question rows as JSONL (ids in column qid): the input of base_config's runs."""
+    path = tmp_path_factory.mktemp("input") / "questions.jsonl"
+    return write_jsonl(path, question_rows(QUESTION_ROWS))
+
+
+@pytest.fixture(scope="session")
+def greedy_run(
+    prefect_api: str,
+    llama_engine: Any,
+    llama_dir: Path,
+    questions: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Any, dict[str, Any], Path, Any]:
+    """base_config over the questions, run by the generate flow on the session's engine:
+    (config, summary, run folder, flow run id). Nothing may write into its folder."""
+    from flows.config import load_config
+    from flows.pipeline import generate_batch
+
+    out = tmp_path_factory.mktemp("greedy")
+    config = load_config(base_config(llama_dir, questions, out))
+    with lent_engine(llama_engine, engine_arguments(llama_dir)):
+        state = generate_batch(config=config, return_state=True)
+    assert state.is_completed(), state.message
+    return config, state.result(), run_folder(out), state.state_details.flow_run_id
