@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 from engine import Engine
 from engine.model_config import ModelConfig
 from tests.engine.core import InProcessCore
-from tests.engine.processes import engine_children_of, wait_gone
+from tests.processes import engine_children_of, wait_gone
 from tests.tiny_models import (
     VOCAB_SIZE,
     hf_greedy,

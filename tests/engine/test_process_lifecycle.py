@@ -45,7 +45,7 @@ from transformers import AutoTokenizer
 import engine.frontend.tokenizer_manager as tokenizer_manager
 from engine import Engine
 from engine.runtime.children import ChildProcesses
-from tests.engine.processes import alive, cmdline, engine_children_in, is_engine_child, wait_gone
+from tests.processes import alive, cmdline, engine_children_in, is_engine_child, wait_gone
 from tests.tiny_models import hf_greedy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -166,29 +166,6 @@ def leftover_temp_files(folder: Path) -> list[Path]:
     return [p for p in folder.rglob(".*") if p.is_file()]
 
 
-def engine_children(pid: int) -> list[int]:
-    """The engine processes (scheduler, detokenizer) started by process `pid` (Linux /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"engine.runtime.child" in cmdline:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Running and not a zombie (an exited child nobody has reaped yet counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def wait_until(condition: Any, timeout: float, what: str, every: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -31,9 +31,7 @@ from flows.preflight import preflight
 from flows.store import CheckpointStore
 from tests.flows.fixtures import (
     QUESTION_ROWS,
-    alive,
     base_config,
-    engine_children,
     flow_env,
     leftover_temp_files,
     question_rows,
@@ -41,6 +39,7 @@ from tests.flows.fixtures import (
     settled_task_runs,
     wait_until,
 )
+from tests.processes import alive, engine_children_of
 
 ROWS = QUESTION_ROWS
 # what a row is; latency and cached_tokens depend on what else was in the engine at the time
@@ -149,7 +148,7 @@ class KilledRun:
             part, pid = victim
             os.kill(pid, signal.SIGSTOP)  # freeze it, so the check below cannot race its end
             assert not self.parts[part] <= self._landed(), "the part ended before the kill"
-            self.victim_engine = engine_children(pid)
+            self.victim_engine = engine_children_of(pid)
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 300
             while self.proc.poll() is None and time.monotonic() < deadline:

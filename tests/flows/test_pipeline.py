@@ -26,10 +26,8 @@ from flows.pipeline import generate_batch
 from flows.store import CheckpointStore, row_seed
 from tests.flows.fixtures import (
     QUESTION_ROWS,
-    alive,
     base_config,
     engine_arguments,
-    engine_children,
     expected_prompt,
     flow_env,
     flow_run_logs,
@@ -40,6 +38,7 @@ from tests.flows.fixtures import (
     settled_task_runs,
     wait_until,
 )
+from tests.processes import alive, engine_children_of
 
 ROWS = QUESTION_ROWS
 SAMPLED = {"temperature": 1.0, "top_k": 40, "max_new_tokens": 12}
@@ -57,11 +56,11 @@ def source(questions):
 
 
 @pytest.fixture(scope="module")
-def reference(llama_engine, rows):
+def reference(flow_engine, rows):
     """The engine called directly, one batch per question: the outputs every run must equal."""
     prompts = [expected_prompt(r) for r in rows]
-    greedy = llama_engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8})
-    sampled = llama_engine.generate(
+    greedy = flow_engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8})
+    sampled = flow_engine.generate(
         prompts, [{**SAMPLED, "sampling_seed": row_seed(7, r["qid"])} for r in rows]
     )
     return {"greedy": greedy, "sampled": sampled}
@@ -152,11 +151,11 @@ def sampled_config(llama_dir, source):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(greedy_run, sampled_config, rows, reference, llama_engine, llama_dir):
+def uninterrupted(greedy_run, sampled_config, rows, reference, flow_engine, llama_dir):
     """The sampled config run straight through, beside the greedy run's results: a changed config."""
     config, _, greedy_folder, _ = greedy_run
     greedy_before = folder_bytes(greedy_folder)
-    with lent_engine(llama_engine, engine_arguments(llama_dir)):
+    with lent_engine(flow_engine, engine_arguments(llama_dir)):
         state = generate_batch(
             config=load_config(sampled_config(config.output_dir)), return_state=True
         )
@@ -197,7 +196,7 @@ def test_sigkill_mid_generate_then_rerun_gives_the_uninterrupted_rows(
             timeout=180,
             what="the first shard of the run in the subprocess",
         )
-        children = engine_children(proc.pid)
+        children = engine_children_of(proc.pid)
         with pytest.raises(ValueError, match=f"another run \\(pid {proc.pid}\\) is writing"):
             CheckpointStore.at(run_folder(out)).lock()  # a second run of this config would stop
         assert f"writer   pid {proc.pid} is writing to it now" in "\n".join(
@@ -238,7 +237,7 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
     reference,
     tmp_path,
     monkeypatch,
-    llama_engine,
+    flow_engine,
 ):
     started: list[Engine] = []
 
@@ -277,7 +276,7 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
 
     monkeypatch.undo()
     # the failed run's own engine was the one to check; the rerun may borrow the session's
-    with lent_engine(llama_engine, engine_arguments(llama_dir)):
+    with lent_engine(flow_engine, engine_arguments(llama_dir)):
         state = generate_batch(
             config=config.model_copy(update={"max_in_flight": 64}), return_state=True
         )
