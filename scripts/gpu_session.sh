@@ -15,26 +15,27 @@ if [ -f .fi/flashinfer-slim.tgz ]; then  # optional: FlashInfer unpacked beside 
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .fi/*.whl 2>&1 | grep -v WARNING
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# A pytest step keeps its whole log in $OUT/<step>.log and prints its failures and its count.
+tests() {
+  python3 -m pytest "$@" -q -p no:cacheprovider -W ignore >"$OUT/$s.log" 2>&1
+  grep -E "^(ERROR|FAILED)|^E  |passed|failed|error" "$OUT/$s.log" | tail -25
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for step in "${@:-kernels engine w1 w2}"; do
   for s in $step; do
     echo "=== $s ($(date -u +%H:%M:%S))"
     case $s in
-      kernels) python3 -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tail -4 ;;
-      gpu) python3 -m pytest tests/engine/test_gpu_path.py tests/engine/test_generate_vs_transformers.py \
-                -q -p no:cacheprovider -n 8 -W ignore 2>&1 | grep -v "^Loading\|Writing" | tail -15 ;;
-      engine) python3 -m pytest tests/engine/test_generate_vs_transformers.py tests/engine/test_runtime_api.py tests/engine/test_prefix_cache_scheduling.py \
-                -q -p no:cacheprovider -n 8 -W ignore 2>&1 | grep -v "^Loading\|Writing" | tail -4 ;;
-      issue7) python3 -m pytest tests/engine/test_structured_output.py::test_engine_masks_on_the_gpu tests/engine/test_score.py \
-                "tests/engine/test_gpu_path.py::test_bert_embeddings_on_the_gpu_match_sentence_transformers" \
-                -q -p no:cacheprovider -W ignore 2>&1 | grep -v "^Loading\|Writing" | tail -15 ;;
-      tp) python3 -m pytest tests/engine/test_tensor_parallel.py -q -s -p no:cacheprovider -W ignore 2>&1 \
-                | grep -v "^Loading\|Writing" | tail -15 ;;
+      kernels) tests tests/kernels ;;
+      gpu) tests tests/engine/test_gpu_path.py tests/engine/test_generate_vs_transformers.py -n 8 ;;
+      engine) tests tests/engine/test_generate_vs_transformers.py tests/engine/test_runtime_api.py \
+                tests/engine/test_prefix_cache_scheduling.py -n 8 ;;
+      issue7) tests tests/engine/test_structured_output.py::test_engine_masks_on_the_gpu tests/engine/test_score.py \
+                "tests/engine/test_gpu_path.py::test_bert_embeddings_on_the_gpu_match_sentence_transformers" ;;
+      tp) tests tests/engine/test_tensor_parallel.py -s ;;
       w2-tp2) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \
                 --engine-args '{"tp_size": 2}' --json "$OUT/w2-tp2.json" 2>&1 | grep "^|\|Error\|error" ;;
       w1-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -60 ;;
-      flashinfer) python3 -m pytest tests/engine/test_flashinfer_backend.py tests/kernels/test_kv_indices.py -q -s -p no:cacheprovider \
-                -W ignore 2>&1 | grep -v "^Loading\|Writing" | tail -25 ;;
+      flashinfer) tests tests/engine/test_flashinfer_backend.py tests/kernels/test_kv_indices.py -s ;;
       w1-flashinfer) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
                 --engine-args '{"attention_backend": "flashinfer"}' --json "$OUT/w1-flashinfer.json" 2>&1 | grep "^|\|Error" ;;
       splits) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_decode_splits.py 2>&1 | tail -8 ;;

@@ -19,10 +19,10 @@ from collections import defaultdict
 
 import torch
 
+from engine.batch.forward_batch import ForwardMode
 from engine.bench import dummy_folder, make_workload, measure_ceilings, weight_bytes
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
-from engine.batch.forward_batch import ForwardMode
 from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
 

@@ -7,12 +7,17 @@ import os
 import pytest
 import torch
 
-# Triton kernels run on the CPU through Triton's interpreter; it must be chosen before any
-# kernel module is imported (triton.jit reads it at decoration time).
 if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through Triton's interpreter; it must be chosen before any
+    # kernel module is imported (triton.jit reads it at decoration time).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # NOTE: the suite runs on two cores as two pytest-xdist workers, each with engines of two
+    # child processes: a thread per core in every process only makes the threads wait on each
+    # other. One thread each, for this process and (through the environment) its children.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from tests.tiny_models import build_tokenizer, make_tiny_model
+from tests.tiny_models import SHARED_ENGINE_ARGS, build_tokenizer, make_tiny_model
 
 SHARD_SIZE = "20KB"
 
@@ -66,3 +71,14 @@ def qwen3_dir(tmp_path_factory):
     return make_tiny_model(
         tmp_path_factory.mktemp("qwen3"), "qwen3", tie_word_embeddings=True, head_dim=16, seed=3
     )
+
+
+@pytest.fixture(scope="session")
+def shared_llama_engine(llama_dir):
+    """One engine on llama_dir for the whole session (under xdist, one per worker), borrowed by
+    the engine and flow tests whose point is not an engine's own start or end: starting one
+    costs each of its two child processes an import of torch and transformers."""
+    from engine import Engine
+
+    with Engine(model_path=str(llama_dir), **SHARED_ENGINE_ARGS) as engine:
+        yield engine

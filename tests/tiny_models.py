@@ -27,6 +27,11 @@ from pathlib import Path
 
 import torch
 
+# The arguments (besides model_path) of the session's shared engine on a tiny model
+# (tests/conftest.py: shared_llama_engine). The flow tests' configs ask for exactly these, so
+# their flows can borrow it; a tiny model's dtype is float32, so "auto" is float32.
+SHARED_ENGINE_ARGS = {"max_total_tokens": 8192}
+
 BOS = "<|bos|>"
 EOS = "<|eos|>"
 PAD = "<|pad|>"

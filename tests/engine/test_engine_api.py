@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine import Engine
+from tests.engine.core import InProcessCore
 from tests.tiny_models import hf_greedy, load_hf_model, random_prompts, special_token_ids
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
@@ -218,16 +219,16 @@ def test_top_k_one_equals_greedy(engine, prompts):
 
 
 def test_unseeded_sampling_is_reproducible_with_random_seed(llama_dir, prompts):
+    """random_seed seeds the requests that give no sampling_seed: an engine and a second
+    instance of its core (in this process), both started with random_seed=5, draw alike."""
     params = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}
-    runs = []
-    for _ in range(2):
-        with Engine(
-            model_path=str(llama_dir), dtype="float32", max_total_tokens=1024, random_seed=5
-        ) as e:
-            runs.append(
-                [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
-            )
-    assert runs[0] == runs[1]
+    args = {"dtype": "float32", "max_total_tokens": 1024, "random_seed": 5}
+    with Engine(model_path=str(llama_dir), **args) as e:
+        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    assert outs == InProcessCore(llama_dir, **args).run(prompts, params)
+    # and the seed matters: another one draws otherwise
+    other = InProcessCore(llama_dir, **{**args, "random_seed": 6}).run(prompts, params)
+    assert other != outs
 
 
 def test_server_info_and_lifecycle(llama_dir):

@@ -18,7 +18,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def scorer(request):
     model_dir = request.getfixturevalue(f"{request.param}_dir")
-    if request.param == "llama":  # the session's shared engine has these arguments
+    if request.param == "llama":  # the session's shared engine: float32 (the model's dtype)
         yield model_dir, request.getfixturevalue("llama_engine")
         return
     with Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=4096) as engine:

@@ -1,9 +1,9 @@
 """Fixtures of the flow tests. The tiny model folders (llama_dir, ...) come from tests/conftest.py.
 
 What is slow to make is made once per session (under xdist, once per worker): the Prefect
-server, an engine on the tiny llama (which flows borrow where the engine's own life is not the
-point), and one plain run of the generate flow over 300 questions, which test_pipeline checks
-and test_parallel compares its Dask runs with.
+server, the engine on the tiny llama (shared_llama_engine, tests/conftest.py, which flows
+borrow where the engine's own life is not the point), and one plain run of the generate flow
+over 300 questions, which test_pipeline checks and test_parallel compares its Dask runs with.
 """
 
 from __future__ import annotations
@@ -51,18 +51,8 @@ def prefect_api() -> Iterator[str]:
 
 
 # ---------------------------------------------------------------------- the engine
-@pytest.fixture(scope="session")
-def flow_engine(llama_dir: Path) -> Iterator[Any]:
-    """An engine on the tiny llama with the arguments of every config here (engine_arguments):
-    the engine called directly, which the flows' rows must equal."""
-    from engine import Engine
-
-    with Engine(**engine_arguments(llama_dir)) as engine:
-        yield engine
-
-
 @pytest.fixture
-def resident_engine(flow_engine: Any, llama_dir: Path) -> Iterator[list[dict[str, Any]]]:
+def resident_engine(shared_llama_engine: Any, llama_dir: Path) -> Iterator[list[dict[str, Any]]]:
     """The flows this test runs in its own process use the session's engine instead of starting
     one each (~4 s, more on a busy machine); yields the arguments each flow asked for.
 
@@ -70,7 +60,7 @@ def resident_engine(flow_engine: Any, llama_dir: Path) -> Iterator[list[dict[str
     init_engine, stopped by shutdown after a failure, gone with a SIGKILLed flow or Dask worker)
     is checked with engines of their own: test_pipeline's exception and SIGKILL tests,
     test_parallel's workers and test_deployments."""
-    with lent_engine(flow_engine, engine_arguments(llama_dir)) as asked:
+    with lent_engine(shared_llama_engine, engine_arguments(llama_dir)) as asked:
         yield asked
 
 
@@ -85,7 +75,7 @@ def questions(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def greedy_run(
     prefect_api: str,
-    flow_engine: Any,
+    shared_llama_engine: Any,
     llama_dir: Path,
     questions: Path,
     tmp_path_factory: pytest.TempPathFactory,
@@ -97,7 +87,7 @@ def greedy_run(
 
     out = tmp_path_factory.mktemp("greedy")
     config = load_config(base_config(llama_dir, questions, out))
-    with lent_engine(flow_engine, engine_arguments(llama_dir)):
+    with lent_engine(shared_llama_engine, engine_arguments(llama_dir)):
         state = generate_batch(config=config, return_state=True)
     assert state.is_completed(), state.message
     return config, state.result(), run_folder(out), state.state_details.flow_run_id

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.tiny_models import _WORDS
+from tests.tiny_models import _WORDS, SHARED_ENGINE_ARGS
 
 
 def flow_env(api_url: str, **extra: str) -> dict[str, str]:
@@ -72,7 +72,7 @@ def base_config(model_dir: Path, source: Path, output_dir: Path, **fields: Any) 
 
 def engine_arguments(model_dir: Path) -> dict[str, Any]:
     """The engine of every config here, as its flow passes it to Engine(...)."""
-    return {"model_path": str(model_dir), "max_total_tokens": 8192}
+    return {"model_path": str(model_dir), **SHARED_ENGINE_ARGS}
 
 
 def expected_prompt(row: dict[str, Any]) -> str:

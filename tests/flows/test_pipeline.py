@@ -56,11 +56,11 @@ def source(questions):
 
 
 @pytest.fixture(scope="module")
-def reference(flow_engine, rows):
+def reference(shared_llama_engine, rows):
     """The engine called directly, one batch per question: the outputs every run must equal."""
     prompts = [expected_prompt(r) for r in rows]
-    greedy = flow_engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8})
-    sampled = flow_engine.generate(
+    greedy = shared_llama_engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8})
+    sampled = shared_llama_engine.generate(
         prompts, [{**SAMPLED, "sampling_seed": row_seed(7, r["qid"])} for r in rows]
     )
     return {"greedy": greedy, "sampled": sampled}
@@ -151,11 +151,11 @@ def sampled_config(llama_dir, source):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(greedy_run, sampled_config, rows, reference, flow_engine, llama_dir):
+def uninterrupted(greedy_run, sampled_config, rows, reference, shared_llama_engine, llama_dir):
     """The sampled config run straight through, beside the greedy run's results: a changed config."""
     config, _, greedy_folder, _ = greedy_run
     greedy_before = folder_bytes(greedy_folder)
-    with lent_engine(flow_engine, engine_arguments(llama_dir)):
+    with lent_engine(shared_llama_engine, engine_arguments(llama_dir)):
         state = generate_batch(
             config=load_config(sampled_config(config.output_dir)), return_state=True
         )
@@ -237,7 +237,7 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
     reference,
     tmp_path,
     monkeypatch,
-    flow_engine,
+    shared_llama_engine,
 ):
     started: list[Engine] = []
 
@@ -276,7 +276,7 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
 
     monkeypatch.undo()
     # the failed run's own engine was the one to check; the rerun may borrow the session's
-    with lent_engine(flow_engine, engine_arguments(llama_dir)):
+    with lent_engine(shared_llama_engine, engine_arguments(llama_dir)):
         state = generate_batch(
             config=config.model_copy(update={"max_in_flight": 64}), return_state=True
         )

@@ -25,9 +25,9 @@ CHOICES = ["morning", "over", "query"]
 
 
 @pytest.fixture
-def engine(flow_engine, resident_engine):
+def engine(shared_llama_engine, resident_engine):
     """The engine called directly, which the flows of the test use too (conftest.py)."""
-    return flow_engine
+    return shared_llama_engine
 
 
 @pytest.fixture(scope="module")
