@@ -4,6 +4,7 @@ recorded, and checks on processes and run folders."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -172,3 +173,18 @@ def wait_until(condition: Any, timeout: float, what: str, every: float = 0.05) -
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(every)
+
+
+def fail_the_120th_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make this process's engine path fail mid-run (Dask workers are other processes)."""
+    import flows.generation
+
+    calls = itertools.count()
+    real_request = flows.generation.request
+
+    async def failing_request(engine: Any, row: dict[str, Any], options: Any) -> dict[str, Any]:
+        if next(calls) == 120:
+            raise RuntimeError("injected failure")
+        return await real_request(engine, row, options)
+
+    monkeypatch.setattr(flows.generation, "request", failing_request)

@@ -4,7 +4,6 @@ run fails and a rerun finishes it; a run resumes whatever its worker count was b
 
 from __future__ import annotations
 
-import itertools
 import os
 import pickle
 import re
@@ -22,7 +21,6 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
-import flows.generation
 from flows.config import ConfigError, load_config
 from flows.identity import run_identity
 from flows.parallel import engine_arguments, split_rows
@@ -32,6 +30,7 @@ from flows.store import CheckpointStore
 from tests.flows.fixtures import (
     QUESTION_ROWS,
     base_config,
+    fail_the_120th_request,
     flow_env,
     leftover_temp_files,
     question_rows,
@@ -203,19 +202,6 @@ class KilledRun:
             timeout=30,
             what="every process of the run (Dask workers, engines) to exit",
         )
-
-
-def fail_the_120th_request(monkeypatch) -> None:
-    """Make this process's engine path fail mid-run (Dask workers are other processes)."""
-    calls = itertools.count()
-    real_request = flows.generation.request
-
-    async def failing_request(engine, row, options):
-        if next(calls) == 120:
-            raise RuntimeError("injected failure")
-        return await real_request(engine, row, options)
-
-    monkeypatch.setattr(flows.generation, "request", failing_request)
 
 
 def test_resumed_on_2_workers_one_killed_dask_reruns_its_part_and_every_row_is_written_once(

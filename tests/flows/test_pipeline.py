@@ -4,7 +4,6 @@ own outputs, resume after SIGKILL and after a failed step, fingerprints, and con
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 import signal
@@ -18,7 +17,6 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-import flows.generation
 from engine import Engine
 from flows.cli import describe
 from flows.config import ConfigError, load_config
@@ -29,6 +27,7 @@ from tests.flows.fixtures import (
     base_config,
     engine_arguments,
     expected_prompt,
+    fail_the_120th_request,
     flow_env,
     flow_run_logs,
     leftover_temp_files,
@@ -246,16 +245,8 @@ def test_exception_in_generate_fails_the_run_shuts_the_engine_and_a_rerun_resume
             super().__init__(**kwargs)
             started.append(self)
 
-    calls = itertools.count()
-    real_request = flows.generation.request
-
-    async def failing_request(engine, row, options):
-        if next(calls) == 120:
-            raise RuntimeError("injected failure")
-        return await real_request(engine, row, options)
-
     monkeypatch.setattr("engine.Engine", RecordedEngine)
-    monkeypatch.setattr(flows.generation, "request", failing_request)
+    fail_the_120th_request(monkeypatch)
     config = load_config(base_config(llama_dir, source, tmp_path, shard_size=25, max_in_flight=8))
     state = generate_batch(config=config, return_state=True)
 
