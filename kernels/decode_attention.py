@@ -38,9 +38,16 @@ No host synchronisation: nothing here reads a device tensor on the host (no ``.i
 ``req_to_token``) the launch is the same every step and can be captured in a CUDA graph.
 Splits are aligned to ``BLOCK_N`` tokens; a split that starts past a request's length does
 nothing and stage 2 skips it, so a fixed, generous split count is correct for any length.
+
+Shared prefixes (kernels/shared_prefix_attention.py) reuse both stages: stage 1 can start each
+request at its own token offset (``HAS_START``: it walks ``[start_lens[b], seq_lens[b])``, split
+by that suffix's length), and stage 2 can merge extra scratch columns written by the
+shared-prefix stage (``HAS_PREFIX``). Without them the kernels are the plain ones above.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -68,6 +75,18 @@ _DOT_NUM_STAGES = 3
 _SMALL_BLOCK_N = 32
 _SMALL_NUM_STAGES = 2
 _NUM_WARPS = 4
+
+
+@triton.jit
+def _split_len(length, num_splits, min_split_len, BLOCK_N: tl.constexpr):
+    """Tokens per split of a ``length``-token range cut into ``num_splits``: rounded up to whole
+    tiles, so only the last tile of the range is partial, and at least ``min_split_len`` (a
+    multiple of BLOCK_N), so short ranges take fewer splits.
+
+    NOTE: the kernel that writes a split and stage 2, which decides whether that split was
+    written, must both size splits with this one function on the same arguments."""
+    split_len = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(split_len, min_split_len)
 
 
 @triton.jit
@@ -129,6 +148,7 @@ def _decode_stage1(
     ReqToToken,
     ReqPoolIdx,
     SeqLens,
+    StartLens,  # [B] first token each request walks (HAS_START), else unused
     MidO,
     MidLse,
     qk_scale,  # scaling * log2(e)
@@ -153,17 +173,21 @@ def _decode_stage1(
     BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_START: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    # Split size rounded up to whole tiles, so only the last tile of a request is partial, and
-    # at least min_split_len (a multiple of BLOCK_N), so short requests take fewer splits.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, min_split_len)
-    start = split * split_len
+    if HAS_START:
+        # Tokens [0, first) are read elsewhere (a shared prefix); the splits cut only the rest,
+        # so a short suffix behind a long prefix is not spread thin over many splits.
+        first = tl.minimum(tl.load(StartLens + b).to(tl.int32), seq_len)
+    else:
+        first = 0
+    split_len = _split_len(seq_len - first, num_kv_splits, min_split_len, BLOCK_N)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     if start < end:  # empty splits (short requests) write nothing; stage 2 skips them
@@ -231,8 +255,11 @@ def _decode_stage2(
     MidLse,
     Out,
     SeqLens,
+    PrefixLens,  # [B] tokens read by the shared-prefix stage (HAS_PREFIX), else unused
     num_kv_splits,
     min_split_len,
+    num_prefix_splits,
+    prefix_min_split_len,
     stride_mob,
     stride_moh,
     stride_mos,
@@ -244,13 +271,20 @@ def _decode_stage2(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    PREFIX_BLOCK_N: tl.constexpr,
+    MAX_PREFIX_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N  # as in stage 1
-    split_len = tl.maximum(split_len, min_split_len)
+    if HAS_PREFIX:
+        prefix_len = tl.load(PrefixLens + b).to(tl.int32)
+        suffix_len = seq_len - tl.minimum(prefix_len, seq_len)  # as stage 1 with HAS_START
+    else:
+        suffix_len = seq_len
+    split_len = _split_len(suffix_len, num_kv_splits, min_split_len, BLOCK_N)  # as in stage 1
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -261,10 +295,11 @@ def _decode_stage2(
     l_sum = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     # A compile-time trip count (one compilation for any split count up to MAX_SPLITS; also
-    # the interpreter, see stage 1); splits past num_kv_splits or past seq_len are skipped,
-    # the scratch of an empty split was never written.
+    # the interpreter, see stage 1); splits past num_kv_splits or past the tokens stage 1
+    # walked (seq_len, or the suffix with HAS_PREFIX) are skipped, the scratch of an empty
+    # split was never written.
     for s in range(0, MAX_SPLITS):
-        if (s < num_kv_splits) & (s * split_len < seq_len):
+        if (s < num_kv_splits) & (s * split_len < suffix_len):
             lse = tl.load(ml + s)
             o = tl.load(mo + s * stride_mos, mask=mask_d, other=0.0)
             m_new = tl.maximum(m, lse)
@@ -273,6 +308,25 @@ def _decode_stage2(
             acc = acc * alpha + w * o
             l_sum = l_sum * alpha + w
             m = m_new
+    if HAS_PREFIX:
+        # The shared-prefix stage's splits follow the suffix splits in the scratch; which ones
+        # were written follows from the prefix length alone (that stage sizes its splits from
+        # the item's prefix length, which equals prefix_lens[b] for every member). A request
+        # with prefix_len 0 belongs to no item, and none of its prefix columns is read.
+        prefix_split_len = _split_len(
+            prefix_len, num_prefix_splits, prefix_min_split_len, PREFIX_BLOCK_N
+        )
+        for p in range(0, MAX_PREFIX_SPLITS):
+            if (p < num_prefix_splits) & (p * prefix_split_len < prefix_len):
+                col = num_kv_splits + p
+                lse = tl.load(ml + col)
+                o = tl.load(mo + col * stride_mos, mask=mask_d, other=0.0)
+                m_new = tl.maximum(m, lse)
+                alpha = tl.exp2(m - m_new)
+                w = tl.exp2(lse - m_new)
+                acc = acc * alpha + w * o
+                l_sum = l_sum * alpha + w
+                m = m_new
 
     # seq_len == 0 (e.g. a padding row of a fixed-size batch) gives zeros, not NaN.
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)  # acc is 0 there too
@@ -302,6 +356,189 @@ def choose_num_kv_splits(
     return max(1, min(MAX_KV_SPLITS, max(by_occupancy, by_balance), by_length))
 
 
+@dataclass(frozen=True)
+class _Tiles:
+    """Launch shape of stage 1 (and of the shared-prefix stage), chosen from dtype and shapes."""
+
+    BLOCK_H: int  # query rows of a stage-1 program (the GQA group, padded for tl.dot)
+    BLOCK_N: int  # tokens per K/V tile
+    BLOCK_D: int
+    num_stages: int
+    use_dot: bool
+    dot_precision: str
+
+
+def _tiles(q: torch.Tensor, group: int, use_dot: bool) -> _Tiles:
+    D = q.shape[-1]
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    num_stages = _SMALL_NUM_STAGES
+    if use_dot:
+        BLOCK_H = max(16, triton.next_power_of_2(group))
+        BLOCK_N = _SMALL_BLOCK_N
+        if q.element_size() <= 2 and BLOCK_D <= 128:
+            BLOCK_N, num_stages = _DOT_BLOCK_N, _DOT_NUM_STAGES
+    else:
+        BLOCK_H = triton.next_power_of_2(group)
+        # The broadcast product is [BLOCK_H, BLOCK_N, BLOCK_D]: keep it at most 8192 floats.
+        BLOCK_N = max(16, min(64, 8192 // (BLOCK_H * BLOCK_D)))
+    # fp32 inputs: exact fp32 products (the default would be TF32 on the GPU); ignored for
+    # 16-bit inputs, whose products are exact in the fp32 accumulator anyway.
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    return _Tiles(BLOCK_H, BLOCK_N, BLOCK_D, num_stages, use_dot, dot_precision)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    # The kernels index the last dimension with stride 1 (and the token columns of req_to_token).
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_and_prepare(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shape checks of the decode inputs; returns (q, k_buffer, v_buffer, req_to_token, out)
+    with unit last-dimension strides, ``out`` allocated when not given."""
+    B, Hq, D = q.shape
+    num_slots, Hkv, Dk = k_buffer.shape
+    assert Dk == D and v_buffer.shape == k_buffer.shape, "k/v buffers must be [slots, Hkv, D]"
+    assert Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
+    assert req_to_token.dim() == 2 and req_pool_indices.shape == (B,) and seq_lens.shape == (B,)
+    q, k_buffer, v_buffer, req_to_token = map(
+        _last_dim_contiguous, (q, k_buffer, v_buffer, req_to_token)
+    )
+    if out is None:
+        out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+    else:
+        assert out.shape == (B, Hq, D) and out.dtype == q.dtype and out.stride(-1) == 1
+    return q, k_buffer, v_buffer, req_to_token, out
+
+
+def _kv_split_plan(
+    num_kv_splits: int | None,
+    max_seq_len: int | None,
+    min_split_tokens: int | None,
+    batch_size: int,
+    num_kv_heads: int,
+    device: torch.device,
+) -> tuple[int, int | None]:
+    """(split count, min tokens per split) of stage 1 from the caller's arguments."""
+    if num_kv_splits is None and max_seq_len is None:
+        num_kv_splits = MAX_KV_SPLITS
+        min_split_tokens = _GRAPH_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens
+    elif num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(batch_size, num_kv_heads, max_seq_len, device)
+    assert num_kv_splits >= 1
+    return num_kv_splits, min_split_tokens
+
+
+def _launch_stage1(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start_lens: torch.Tensor | None,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    scaling: float,
+    num_kv_splits: int,
+    min_split_len: int,
+    tiles: _Tiles,
+) -> None:
+    """Stage 1 into split columns ``[0, num_kv_splits)`` of the scratch; with ``start_lens``
+    each request walks only ``[start_lens[b], seq_lens[b])``."""
+    B, Hq, D = q.shape
+    Hkv = k_buffer.shape[1]
+    _decode_stage1[(B, Hkv, num_kv_splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        seq_lens if start_lens is None else start_lens,  # never read without HAS_START
+        mid_o,
+        mid_lse,
+        float(scaling) * _LOG2E,
+        num_kv_splits,
+        min_split_len,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        G=Hq // Hkv,
+        HEAD_DIM=D,
+        BLOCK_H=tiles.BLOCK_H,
+        BLOCK_N=tiles.BLOCK_N,
+        BLOCK_D=tiles.BLOCK_D,
+        USE_DOT=tiles.use_dot,
+        DOT_PRECISION=tiles.dot_precision,
+        HAS_START=start_lens is not None,
+        num_warps=_NUM_WARPS,
+        num_stages=tiles.num_stages,
+    )
+
+
+def _launch_stage2(
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    out: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_kv_splits: int,
+    min_split_len: int,
+    tiles: _Tiles,
+    prefix_lens: torch.Tensor | None = None,
+    num_prefix_splits: int = 0,
+    prefix_min_split_len: int = 0,
+    prefix_block_n: int = 16,
+) -> None:
+    """Merge of the written split columns of every (request, query head) into ``out``. With
+    ``prefix_lens``, stage 1 ran with them as ``start_lens`` and columns ``num_kv_splits +
+    [0, num_prefix_splits)`` hold the shared-prefix splits (sized with ``prefix_block_n``)."""
+    B, Hq, D = out.shape
+    _decode_stage2[(B, Hq)](
+        mid_o,
+        mid_lse,
+        out,
+        seq_lens,
+        seq_lens if prefix_lens is None else prefix_lens,  # never read without HAS_PREFIX
+        num_kv_splits,
+        min_split_len,
+        num_prefix_splits,
+        prefix_min_split_len,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=D,
+        BLOCK_N=tiles.BLOCK_N,
+        BLOCK_D=tiles.BLOCK_D,
+        MAX_SPLITS=max(MAX_KV_SPLITS, triton.next_power_of_2(num_kv_splits)),
+        HAS_PREFIX=prefix_lens is not None,
+        PREFIX_BLOCK_N=prefix_block_n,
+        # One compilation for any prefix split count up to 8 (the trip count is compile-time).
+        MAX_PREFIX_SPLITS=max(8, triton.next_power_of_2(max(1, num_prefix_splits))),
+        num_warps=1 if tiles.BLOCK_D <= 64 else 2,
+    )
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -329,112 +566,39 @@ def decode_attention(
     dimension contiguous, written in full and returned. ``use_dot``: tensor-core path (group
     padded to 16 rows, the default) or broadcast path (``False``).
     """
+    q, k_buffer, v_buffer, req_to_token, out = _check_and_prepare(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out
+    )
     B, Hq, D = q.shape
-    num_slots, Hkv, Dk = k_buffer.shape
-    assert Dk == D and v_buffer.shape == k_buffer.shape, "k/v buffers must be [slots, Hkv, D]"
-    assert Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
-    assert req_to_token.dim() == 2 and req_pool_indices.shape == (B,) and seq_lens.shape == (B,)
-    G = Hq // Hkv
-
-    # The kernels index the last dimension with stride 1 (and the token columns of req_to_token).
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k_buffer.stride(-1) != 1:
-        k_buffer = k_buffer.contiguous()
-    if v_buffer.stride(-1) != 1:
-        v_buffer = v_buffer.contiguous()
-    if req_to_token.stride(-1) != 1:
-        req_to_token = req_to_token.contiguous()
-
-    if out is None:
-        out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
-    else:
-        assert out.shape == (B, Hq, D) and out.dtype == q.dtype and out.stride(-1) == 1
+    Hkv = k_buffer.shape[1]
     if B == 0:
         return out
-
-    if num_kv_splits is None and max_seq_len is None:
-        num_kv_splits = MAX_KV_SPLITS
-        min_split_tokens = _GRAPH_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens
-    elif num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(B, Hkv, max_seq_len, q.device)
-    assert num_kv_splits >= 1
-
+    num_kv_splits, min_split_tokens = _kv_split_plan(
+        num_kv_splits, max_seq_len, min_split_tokens, B, Hkv, q.device
+    )
     if use_dot is None:
         use_dot = True  # measured faster for every G, G == 1 included (module docstring)
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    num_stages = _SMALL_NUM_STAGES
-    if use_dot:
-        BLOCK_H = max(16, triton.next_power_of_2(G))
-        BLOCK_N = _SMALL_BLOCK_N
-        if q.element_size() <= 2 and BLOCK_D <= 128:
-            BLOCK_N, num_stages = _DOT_BLOCK_N, _DOT_NUM_STAGES
-    else:
-        BLOCK_H = triton.next_power_of_2(G)
-        # The broadcast product is [BLOCK_H, BLOCK_N, BLOCK_D]: keep it at most 8192 floats.
-        BLOCK_N = max(16, min(64, 8192 // (BLOCK_H * BLOCK_D)))
-    # fp32 inputs: exact fp32 products (the default would be TF32 on the GPU); ignored for
-    # 16-bit inputs, whose products are exact in the fp32 accumulator anyway.
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    min_split_len = triton.cdiv(min_split_tokens or 0, BLOCK_N) * BLOCK_N
+    tiles = _tiles(q, Hq // Hkv, use_dot)
+    min_split_len = triton.cdiv(min_split_tokens or 0, tiles.BLOCK_N) * tiles.BLOCK_N
 
     mid_o = torch.empty((B, Hq, num_kv_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B, Hq, num_kv_splits), dtype=torch.float32, device=q.device)
-
-    _decode_stage1[(B, Hkv, num_kv_splits)](
+    _launch_stage1(
         q,
         k_buffer,
         v_buffer,
         req_to_token,
         req_pool_indices,
         seq_lens,
+        None,
         mid_o,
         mid_lse,
-        float(scaling) * _LOG2E,
+        scaling,
         num_kv_splits,
         min_split_len,
-        q.stride(0),
-        q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        req_to_token.stride(0),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        G=G,
-        HEAD_DIM=D,
-        BLOCK_H=BLOCK_H,
-        BLOCK_N=BLOCK_N,
-        BLOCK_D=BLOCK_D,
-        USE_DOT=use_dot,
-        DOT_PRECISION=dot_precision,
-        num_warps=_NUM_WARPS,
-        num_stages=num_stages,
+        tiles,
     )
-    _decode_stage2[(B, Hq)](
-        mid_o,
-        mid_lse,
-        out,
-        seq_lens,
-        num_kv_splits,
-        min_split_len,
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=D,
-        BLOCK_N=BLOCK_N,
-        BLOCK_D=BLOCK_D,
-        MAX_SPLITS=max(MAX_KV_SPLITS, triton.next_power_of_2(num_kv_splits)),
-        num_warps=1 if BLOCK_D <= 64 else 2,
-    )
+    _launch_stage2(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, tiles)
     return out
 
 

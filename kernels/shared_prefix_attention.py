@@ -1,0 +1,354 @@
+"""Decode attention for batches whose requests share long cached prefixes ("cascade" decoding).
+
+The workload: thousands of requests start with the same cached tokens (a long instruction, a
+few-shot block) and each has a short suffix of its own. Plain decode attention
+(kernels/decode_attention.py) reads a request's whole sequence from the pool, so the shared
+prefix's K/V is read once per request per step: with a 2000-token prefix and 100-token
+suffixes, 95% of the bytes of a memory-bound kernel are the same prefix read again.
+
+Here the prefix and the suffix of a request are attended separately and merged, which is
+exact: for a query, softmax attention over the union of two disjoint token sets is the
+combination of the two partial results weighted by their sums of exponentials
+(``o = (o_1 * l_1 + o_2 * l_2) / (l_1 + l_2)`` with ``l = exp(lse)``), the same merge that
+flash-decoding already does across sequence splits. So the whole function is flash-decoding
+with extra split columns:
+
+* Suffix: stage 1 of decode_attention with a per-request start (``HAS_START``), grid
+  ``(B, Hkv, num_kv_splits)``: request ``b`` walks ``[prefix_lens[b], seq_lens[b])``, split by
+  the suffix's length, into scratch columns ``[0, num_kv_splits)``.
+* Prefix, grid ``(I, Hkv, prefix_splits)``: one program per (work item, kv head, slice of the
+  prefix). A work item is a prefix and up to ``item_size`` requests that share it. The program
+  stacks the query vectors of all of them for the kv head's ``G`` query heads into one
+  ``[item_size * G, D]`` tile (row ``j * G + g``: member ``j``, query head ``kvh * G + g``;
+  rows of absent members are zero) and walks its slice of the prefix in ``[BLOCK_N, D]`` K/V
+  tiles, each read once for every member: ``tl.dot`` does the scores of all members at once,
+  and the K/V bytes per request drop by the item size. Online softmax in float32 with exp2, as
+  in stage 1 (it is the same tile function). Each member's normalised partial output and
+  log2-sum-exp go to scratch column ``num_kv_splits + split`` of that member.
+* Merge: stage 2 of decode_attention (``HAS_PREFIX``) over both sets of columns.
+
+Scratch: ``mid_o`` float32 ``[B, Hq, num_kv_splits + prefix_splits, D]``, ``mid_lse`` float32
+``[B, Hq, num_kv_splits + prefix_splits]``. Nothing marks an empty split: a column is written
+exactly when its split has tokens, and stage 2 recomputes which from ``seq_lens`` and
+``prefix_lens`` with the same split sizing (``_split_len``), so no column needs to be
+initialised. A request with ``seq_len == 0`` and no prefix gives zeros.
+
+Prefix splits. The prefix stage has ``I * Hkv`` independent programs before splitting; with one
+big group that is a handful of items, so the prefix is also cut into splits: by default
+``_PREFIX_SPLITS`` (8) splits of at least ``_PREFIX_MIN_SPLIT_TOKENS`` (512) tokens, so a
+2000-token prefix takes 4, a 300-token one 1 and a 10000-token one 8. Each used split costs
+every member one partial ``[Hq, D]`` float32 result written and read back, which is why splits
+have a floor. On an H100 (bf16, D=128, Hkv=8, 256 requests behind one 2000-token prefix, CUDA
+graphs) 2, 4 and 8 splits took 95 / 86 / 93 us for G=2 (8 items) and 106 / 113 / 122 us for
+G=4 (16 items): the more items, the fewer splits pay; 4 is the compromise.
+
+Item size. The rows of a prefix program are ``item_size * G``; more rows means fewer items and
+so fewer reads of the prefix, but a ``[rows, D]`` float32 accumulator plus the ``[rows,
+BLOCK_N]`` scores must fit in registers. ``prefix_item_size`` aims at ``_PREFIX_ROWS`` (64)
+rows: 64 requests per item for G == 1, 32 for G == 2, 16 for G == 4, 8 for G == 8, at least
+one; ``tl.dot`` pads the rows to a power of two of at least 16. The kernel takes the item size
+from the shape of ``prefix_items``, so a caller may choose another. Measured as above, 64 rows
+beat 16, 32 and 128 for G=2 and G=4 (G=2, best split count each: 106 / 102 / 86 / 88 us).
+
+No host synchronisation: nothing reads a device tensor on the host and the grids depend only on
+shapes and Python ints, so with a fixed item capacity ``I`` (padding items have prefix length
+0 and do nothing) the whole launch can be captured once in a CUDA graph and replayed with any
+lengths, groups and members.
+
+Measured on an H100 (CUDA graphs, bf16, D=128, Hkv=8, 256 requests behind one 2000-token
+prefix, suffixes of 50..114 tokens, 8 padding items): plain decode_attention 326 us (the
+prefix's 8 MB per layer stays in L2, so plain already reads it at several TB/s), this function
+85 us for G=2 and 112 us for G=4 in the graph launch (num_kv_splits=None, max_seq_len=None),
+67 us and 91 us with num_kv_splits=1 or a max_seq_len hint of the longest suffix: the graph
+launch's ``MAX_KV_SPLITS`` suffix splits are mostly programs that exit at once, and at this
+batch size they cost about 20 us.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.decode_attention import (
+    _LOG2E,
+    _check_and_prepare,
+    _kv_split_plan,
+    _launch_stage1,
+    _launch_stage2,
+    _split_len,
+    _stage1_tile,
+    _tiles,
+)
+
+# Query rows a prefix program aims at (item_size * G); see prefix_item_size.
+_PREFIX_ROWS = 64
+# Default prefix splits and the least tokens each walks (module docstring).
+_PREFIX_SPLITS = 8
+_PREFIX_MIN_SPLIT_TOKENS = 512
+# Prefix stage launch settings for 16-bit inputs with D <= 128 (others: 32-token tiles, 2
+# stages, as stage 1), and warps for up to 64 rows (twice as many above). Measured on an H100
+# (bf16, D=128, Hkv=8, B=256 behind one 2000-token prefix, CUDA graphs): 64-token tiles, 3
+# stages, 4 warps were best or within 1% of best of {32, 64, 128} x {2, 3, 4} x {4, 8 warps}.
+_PREFIX_BLOCK_N = 64
+_PREFIX_NUM_STAGES = 3
+_PREFIX_NUM_WARPS = 4
+
+
+def prefix_item_size(group: int) -> int:
+    """Requests per work item for GQA group size ``group`` (``Hq // Hkv``): ``_PREFIX_ROWS //
+    group``, at least 1, so an item's query tile has about 64 rows (64 requests for G == 1,
+    32 for G == 2, 16 for G == 4, 8 for G == 8)."""
+    assert group >= 1
+    return max(1, _PREFIX_ROWS // group)
+
+
+@triton.jit
+def _prefix_stage(
+    Q,
+    K,
+    V,
+    ReqToToken,
+    Items,  # [I, 2 + ITEM_SIZE]: (req_to_token row, prefix length, members..., -1 padding)
+    MidO,
+    MidLse,
+    qk_scale,  # scaling * log2(e)
+    num_prefix_splits,
+    min_split_len,
+    split_base,  # scratch column of prefix split 0 (= num_kv_splits)
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_r2t,
+    stride_item,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    G: tl.constexpr,
+    ITEM_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    item = Items + i.to(tl.int64) * stride_item
+    prefix_len = tl.load(item + 1).to(tl.int32)
+    # NOTE: stage 2 sizes these splits from prefix_lens[b] of each member; the caller
+    # guarantees it equals this item's prefix length.
+    split_len = _split_len(prefix_len, num_prefix_splits, min_split_len, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, prefix_len)
+
+    if start < end:  # padding items (length 0) and splits past the prefix do nothing
+        row = tl.load(item).to(tl.int64)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        # Row m of the tile is query head kvh*G + m%G of member m//G.
+        members = tl.load(item + 2 + offs_m // G, mask=offs_m < ITEM_SIZE * G, other=-1)
+        mask_m = members >= 0
+        members = members.to(tl.int64)
+        heads = kvh * G + offs_m % G
+        row_mask = mask_m[:, None] & mask_d[None, :]
+        q = tl.load(
+            Q + members[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=row_mask,
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_D]; absent members' rows are 0: finite scores, never stored
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        slot_row = ReqToToken + row * stride_r2t
+        k_head = K + kvh.to(tl.int64) * stride_kh
+        v_head = V + kvh.to(tl.int64) * stride_vh
+        for n0 in range(start, end, BLOCK_N):  # software-pipelined, as in stage 1
+            m_i, l_i, acc = _stage1_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                n0,
+                end,
+                slot_row,
+                k_head,
+                v_head,
+                stride_kn,
+                stride_vn,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                True,
+                DOT_PRECISION,
+            )
+
+        col = split_base + split
+        mo = (
+            MidO
+            + members[:, None] * stride_mob
+            + heads[:, None] * stride_moh
+            + col * stride_mos
+            + offs_d[None, :]
+        )
+        tl.store(mo, acc / l_i[:, None], mask=row_mask)
+        ml = MidLse + members * stride_mlb + heads * stride_mlh + col
+        tl.store(ml, m_i + tl.log2(l_i), mask=mask_m)
+
+
+def shared_prefix_decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scaling: float,
+    prefix_lens: torch.Tensor,
+    prefix_items: torch.Tensor,
+    num_kv_splits: int | None = None,
+    max_seq_len: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    prefix_splits: int | None = None,
+) -> torch.Tensor:
+    """decode_attention with shared prefixes read once per work item; [B, Hq, D] in q.dtype.
+
+    The first seven arguments, ``num_kv_splits`` and ``out`` are those of
+    kernels.decode_attention.decode_attention, and so is the result: attention over each
+    request's whole ``seq_lens[b]`` tokens.
+
+    ``prefix_lens`` int64 [B] (device): the leading tokens request ``b`` reads through its work
+    item, 0 for a request in no item. ``prefix_items`` int64 [I, 2 + item_size] (device), one
+    work item per row: the req_to_token row that holds the prefix's slots, the prefix length P,
+    then the batch indices of up to item_size members, padded with -1. A row with P == 0 does
+    nothing (capacity padding, so that I can stay fixed under a CUDA graph). item_size is taken
+    from the shape; ``prefix_item_size(Hq // Hkv)`` is the tuned choice.
+
+    NOTE: invariants the caller guarantees (nothing checks them, that would need the host):
+    every member b of an item of prefix length P has prefix_lens[b] == P, and
+    req_to_token[req_pool_indices[b], :P] holds the same slots as req_to_token[item_row, :P];
+    every b with prefix_lens[b] > 0 is a member of exactly one item; prefix_lens[b] <
+    seq_lens[b] (the step's own token is in the suffix), or both are 0 for a padding request;
+    member indices are < B. Items and members may come in any order.
+
+    ``num_kv_splits`` / ``max_seq_len`` steer the suffix splits as in decode_attention; the
+    suffix is what stage 1 walks, so the best ``max_seq_len`` hint is the longest suffix
+    (any upper bound is correct). With neither, the graph launch: ``MAX_KV_SPLITS`` splits of
+    at least ``_GRAPH_SPLIT_TOKENS`` suffix tokens. ``prefix_splits``: slices of each prefix;
+    None is ``_PREFIX_SPLITS`` slices of at least ``_PREFIX_MIN_SPLIT_TOKENS`` tokens, a
+    number is exactly that many (tile-aligned, no floor).
+    """
+    q, k_buffer, v_buffer, req_to_token, out = _check_and_prepare(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out
+    )
+    B, Hq, D = q.shape
+    Hkv = k_buffer.shape[1]
+    G = Hq // Hkv
+    assert prefix_lens.shape == (B,), "prefix_lens must be [B]"
+    assert prefix_items.dim() == 2 and prefix_items.shape[1] >= 3, "items: [I, 2 + item_size]"
+    if prefix_items.stride(-1) != 1:
+        prefix_items = prefix_items.contiguous()
+    num_items = prefix_items.shape[0]
+    item_size = prefix_items.shape[1] - 2
+    if B == 0:
+        return out
+
+    num_kv_splits, min_split_tokens = _kv_split_plan(
+        num_kv_splits, max_seq_len, None, B, Hkv, q.device
+    )
+    if prefix_splits is None:
+        prefix_splits, prefix_min_tokens = _PREFIX_SPLITS, _PREFIX_MIN_SPLIT_TOKENS
+    else:
+        prefix_min_tokens = 0
+    assert prefix_splits >= 1
+
+    tiles = _tiles(q, G, use_dot=True)
+    min_split_len = triton.cdiv(min_split_tokens or 0, tiles.BLOCK_N) * tiles.BLOCK_N
+    BLOCK_M = max(16, triton.next_power_of_2(item_size * G))
+    PREFIX_BLOCK_N, prefix_stages = tiles.BLOCK_N, tiles.num_stages
+    if q.element_size() <= 2 and tiles.BLOCK_D <= 128:
+        PREFIX_BLOCK_N, prefix_stages = _PREFIX_BLOCK_N, _PREFIX_NUM_STAGES
+    prefix_min_split_len = triton.cdiv(prefix_min_tokens, PREFIX_BLOCK_N) * PREFIX_BLOCK_N
+
+    num_cols = num_kv_splits + prefix_splits
+    mid_o = torch.empty((B, Hq, num_cols, D), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((B, Hq, num_cols), dtype=torch.float32, device=q.device)
+
+    _launch_stage1(
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        prefix_lens,
+        mid_o,
+        mid_lse,
+        scaling,
+        num_kv_splits,
+        min_split_len,
+        tiles,
+    )
+    if num_items > 0:
+        _prefix_stage[(num_items, Hkv, prefix_splits)](
+            q,
+            k_buffer,
+            v_buffer,
+            req_to_token,
+            prefix_items,
+            mid_o,
+            mid_lse,
+            float(scaling) * _LOG2E,
+            prefix_splits,
+            prefix_min_split_len,
+            num_kv_splits,
+            q.stride(0),
+            q.stride(1),
+            k_buffer.stride(0),
+            k_buffer.stride(1),
+            v_buffer.stride(0),
+            v_buffer.stride(1),
+            req_to_token.stride(0),
+            prefix_items.stride(0),
+            mid_o.stride(0),
+            mid_o.stride(1),
+            mid_o.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            G=G,
+            ITEM_SIZE=item_size,
+            HEAD_DIM=D,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=PREFIX_BLOCK_N,
+            BLOCK_D=tiles.BLOCK_D,
+            DOT_PRECISION=tiles.dot_precision,
+            # The [BLOCK_M, BLOCK_D] float32 accumulator lives in registers.
+            num_warps=_PREFIX_NUM_WARPS * (1 if BLOCK_M <= 64 else 2),
+            num_stages=prefix_stages,
+        )
+    _launch_stage2(
+        mid_o,
+        mid_lse,
+        out,
+        seq_lens,
+        num_kv_splits,
+        min_split_len,
+        tiles,
+        prefix_lens=prefix_lens,
+        num_prefix_splits=prefix_splits,
+        prefix_min_split_len=prefix_min_split_len,
+        prefix_block_n=PREFIX_BLOCK_N,
+    )
+    return out

@@ -1,0 +1,382 @@
+"""Shared-prefix decode attention (kernels/shared_prefix_attention.py) against the float64
+reference of plain decode attention and against the plain decode_attention kernel.
+
+Each case builds a paged pool where groups of requests share a prefix: the members' rows of
+req_to_token start with the same slots and go on with slots of their own. The shared slots
+are also in the item's row, which is either one member's row or a row of its own (as a prefix
+cache node would have). Members are scattered over the batch in random order, groups may take
+several work items, some requests have no group, and the item table has padding rows.
+On a CPU-only machine the kernels run under Triton's interpreter, so those cases are tiny.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention, decode_attention_ref
+from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
+from tests.kernels.conftest import DEVICE, rel_err
+
+TOL_FP32 = 1e-5
+TOL_16BIT = 1e-2
+
+
+def make_shared_batch(
+    groups: list[tuple[int, list[int]]],
+    solo_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    item_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = DEVICE,
+    spare_items: int = 2,
+    item_row: str = "own",
+    junk_padding: bool = False,
+    num_slots: int | None = None,
+    num_rows: int | None = None,
+    max_context: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """A decode batch with shared prefixes and the work items that describe them.
+
+    ``groups``: (prefix length, the members' suffix lengths) per group; ``solo_lens``: whole
+    lengths of requests in no group. ``item_row``: "own" (the prefix slots in a row no request
+    uses) or "member" (the row of one member). ``spare_items`` padding rows (P == 0) are added;
+    with ``junk_padding`` their row and member columns point at real rows and requests.
+    ``num_slots``, ``num_rows``, ``max_context``: fixed pool and table shapes (CUDA graphs).
+    Returns the keyword arguments of shared_prefix_decode_attention (without the split counts).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    reqs = [(g, n) for g, (_, sufs) in enumerate(groups) for n in sufs]
+    reqs += [(None, n) for n in solo_lens]
+    order = torch.randperm(len(reqs), generator=gen).tolist()  # members scattered, shuffled
+    reqs = [reqs[i] for i in order]
+    B = len(reqs)
+    prefix_of = [0 if g is None else groups[g][0] for g, _ in reqs]
+    seq_lens = [p + n for p, (_, n) in zip(prefix_of, reqs)]
+
+    total = sum(p for p, _ in groups) + sum(n for _, n in reqs)
+    num_slots = total + 9 if num_slots is None else num_slots
+    rows = B + len(groups) + 3 if num_rows is None else num_rows
+    max_context = max(seq_lens + [1]) + 5 if max_context is None else max_context
+    # Unused table entries point at random (valid) slots: reading one would give a wrong answer.
+    req_to_token = torch.randint(
+        0, num_slots, (rows, max_context), generator=gen, dtype=torch.int32
+    )
+    perm_rows = torch.randperm(rows, generator=gen)
+    req_pool_indices = perm_rows[:B]
+    own_rows = perm_rows[B : B + len(groups)]  # rows holding only a group's prefix
+    slots = torch.randperm(num_slots, generator=gen).int()  # each token its own random slot
+    cursor = 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal cursor
+        cursor += n
+        return slots[cursor - n : cursor]
+
+    prefix_slots = [take(p) for p, _ in groups]
+    for g, p in enumerate(prefix_slots):
+        req_to_token[own_rows[g], : len(p)] = p
+    for b, (g, n) in enumerate(reqs):
+        row = req_pool_indices[b]
+        start = 0
+        if g is not None:
+            start = groups[g][0]
+            req_to_token[row, :start] = prefix_slots[g]
+        req_to_token[row, start : start + n] = take(n)
+
+    items = []
+    for g, (p, _) in enumerate(groups):
+        members = [b for b, (gb, _) in enumerate(reqs) if gb == g]
+        members = [members[i] for i in torch.randperm(len(members), generator=gen).tolist()]
+        row = int(own_rows[g]) if item_row == "own" else int(req_pool_indices[members[-1]])
+        for i in range(0, len(members), item_size):
+            chunk = members[i : i + item_size]
+            items.append([row, p] + chunk + [-1] * (item_size - len(chunk)))
+    for _ in range(spare_items):
+        if junk_padding:  # P == 0 must win over a real row and real members
+            junk = torch.randint(0, B, (item_size,), generator=gen).tolist()
+            items.append([int(req_pool_indices[0]), 0] + junk)
+        else:
+            items.append([0, 0] + [-1] * item_size)
+    items = [items[i] for i in torch.randperm(len(items), generator=gen).tolist()]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    return dict(
+        q=randn(B, num_q_heads, head_dim),
+        k_buffer=randn(num_slots, num_kv_heads, head_dim),
+        v_buffer=randn(num_slots, num_kv_heads, head_dim),
+        req_to_token=req_to_token.to(device),
+        req_pool_indices=req_pool_indices.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        scaling=head_dim**-0.5,
+        prefix_lens=torch.tensor(prefix_of, dtype=torch.int64, device=device),
+        prefix_items=torch.tensor(items, dtype=torch.int64, device=device).reshape(
+            -1, 2 + item_size
+        ),
+    )
+
+
+def plain(batch: dict) -> dict:
+    """The arguments of plain decode attention (no prefix description)."""
+    return {k: v for k, v in batch.items() if k not in ("prefix_lens", "prefix_items")}
+
+
+def check(batch: dict, tol: float, **kwargs) -> torch.Tensor:
+    """Against the float64 reference and against plain decode_attention (same split args)."""
+    B, Hq, D = batch["q"].shape
+    out = torch.full((B, Hq, D), float("nan"), dtype=batch["q"].dtype, device=batch["q"].device)
+    got = shared_prefix_decode_attention(**batch, out=out, **kwargs)
+    assert got is out
+    assert torch.isfinite(got).all(), "output not fully written"
+    ref = decode_attention_ref(**plain(batch))
+    err = rel_err(got, ref)
+    assert err < tol, f"relative error vs reference {err:.3g} >= {tol}"
+    kwargs.pop("prefix_splits", None)
+    err = rel_err(got, decode_attention(**plain(batch), **kwargs))
+    assert err < tol, f"relative error vs decode_attention {err:.3g} >= {tol}"
+    return got
+
+
+# Three groups: prefixes off every tile size, one group larger than an item of 3.
+GROUPS = [(37, [1, 20, 5]), (130, [9, 64, 2, 33, 17]), (300, [3, 70])]
+SOLO = [45, 1, 66]
+
+# (num_kv_heads, group size G, head_dim)
+SHAPES = [(2, 1, 32), (2, 2, 64), (1, 4, 64)]
+
+
+@pytest.mark.parametrize(
+    "num_kv_splits,prefix_splits", [(2, 3), (None, None)], ids=["explicit", "graph"]
+)
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"hkv{h}-g{g}-d{d}" for h, g, d in SHAPES])
+def test_matches_reference(shape, num_kv_splits, prefix_splits):
+    hkv, g, d = shape
+    seed = 10 * SHAPES.index(shape) + (num_kv_splits or 0)
+    batch = make_shared_batch(GROUPS, SOLO, hkv * g, hkv, d, item_size=3, seed=seed)
+    assert batch["prefix_items"].shape[0] == 1 + 2 + 1 + 2  # the group of 5 takes two items
+    check(batch, TOL_FP32, num_kv_splits=num_kv_splits, prefix_splits=prefix_splits)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_default_item_size(group):
+    """Items of prefix_item_size(G) members (one item per group here, mostly padding rows)."""
+    size = prefix_item_size(group)
+    batch = make_shared_batch(GROUPS, SOLO, 2 * group, 2, 32, item_size=size, seed=group)
+    check(batch, TOL_FP32)
+
+
+@pytest.mark.parametrize("item_row", ["own", "member"])
+@pytest.mark.parametrize("prefix_splits", [1, 2, 16], ids=["p1", "p2", "p16"])
+def test_prefix_row_and_splits(item_row, prefix_splits):
+    """The prefix slots read from a row of their own or from one member's row; one prefix
+    split, a few, and more splits than the prefix has tiles (most of them empty)."""
+    batch = make_shared_batch(
+        [(77, [4, 1, 30]), (200, [12, 7])],
+        [9],
+        4,
+        2,
+        32,
+        item_size=2,
+        item_row=item_row,
+        seed=prefix_splits,
+    )
+    check(batch, TOL_FP32, num_kv_splits=3, prefix_splits=prefix_splits)
+
+
+def test_padding_items_and_zero_length_request():
+    """Padding items (P == 0) whose row and members point at real ones write nothing, and a
+    padding request (seq_len 0, no prefix) gives zeros, not NaN."""
+    batch = make_shared_batch(
+        [(50, [3, 8, 1])], [0, 13], 4, 2, 32, item_size=2, spare_items=3, junk_padding=True
+    )
+    zero = int((batch["seq_lens"] == 0).nonzero()[0, 0])
+    out = check(batch, TOL_FP32, num_kv_splits=2, prefix_splits=2)
+    assert (out[zero] == 0).all()
+
+
+def test_no_items():
+    """No group at all: an empty item table (and one of padding rows only) is plain decode."""
+    batch = make_shared_batch([], [5, 40, 1], 4, 2, 32, item_size=4, spare_items=0)
+    assert batch["prefix_items"].shape == (0, 6)
+    check(batch, TOL_FP32, num_kv_splits=2)
+    batch = make_shared_batch([], [5, 40, 1], 4, 2, 32, item_size=4, spare_items=2)
+    check(batch, TOL_FP32)
+
+
+def test_scratch_and_output_never_read_unwritten(monkeypatch):
+    """Every float buffer the function allocates (output, split scratch) starts as NaN: a
+    column stage 2 merges must have been written by stage 1 or the prefix stage."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    batch = make_shared_batch([(90, [2, 35, 6])], [0, 21], 4, 2, 32, item_size=2, seed=5)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = shared_prefix_decode_attention(**batch, num_kv_splits=4, prefix_splits=4)
+    monkeypatch.undo()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, decode_attention_ref(**plain(batch))) < TOL_FP32
+
+
+def test_non_contiguous_q():
+    """q as a view into a fused qkv projection output (head stride != D)."""
+    batch = make_shared_batch([(40, [3, 9])], [7], 4, 2, 32, item_size=2, seed=6)
+    B, Hq, D = batch["q"].shape
+    qkv = torch.randn(B, Hq + 4, D, device=DEVICE)
+    qkv[:, :Hq] = batch["q"]
+    batch["q"] = qkv[:, :Hq]
+    check(batch, TOL_FP32, num_kv_splits=2)
+
+
+# NOTE: Triton's interpreter stores bfloat16 as uint16 and its tl.dot multiplies those bit
+# patterns (triton-lang/triton#11584, plain decode_attention alike), so bfloat16 runs on a GPU.
+BF16_NEEDS_GPU = pytest.mark.skipif(
+    DEVICE == "cpu", reason="interpreter tl.dot is wrong for bfloat16 (triton#11584)"
+)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_NEEDS_GPU)]
+)
+def test_16bit_inputs(dtype):
+    batch = make_shared_batch(GROUPS, SOLO, 4, 2, 64, item_size=3, dtype=dtype, seed=7)
+    out = check(batch, TOL_16BIT)
+    assert out.dtype == dtype
+
+
+def test_prefix_item_size():
+    assert [prefix_item_size(g) for g in (1, 2, 4, 8, 16)] == [64, 32, 16, 8, 4]
+    assert prefix_item_size(6) == 10 and prefix_item_size(128) == 1
+    for g in range(1, 65):  # rows fill a tl.dot tile of at least 16 rows without overflowing
+        assert 16 <= prefix_item_size(g) * g <= 64 or g > 64
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: a model-sized batch that shares one long instruction.
+
+
+def _graph(fn) -> tuple[torch.cuda.CUDAGraph, float]:
+    """fn captured in a CUDA graph, and the replay's mean time in seconds."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    reps = 50
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return graph, (time.perf_counter() - t0) / reps
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_and_bandwidth():
+    """No host sync inside; one capture replays with new groups, members and lengths; prints
+    the time of plain and shared-prefix decode for 256 requests behind a 2000-token prefix."""
+    Hq, Hkv, D, dtype = 16, 8, 128, torch.bfloat16
+    size = prefix_item_size(Hq // Hkv)
+    capacity = 16  # items: padded to a fixed count, as a CUDA-graph backend would
+    pool = 256 * 114 + 2 * 2000 + 64  # both batches the same shapes
+
+    def batch_of(seed: int, groups: list[tuple[int, int]], solo: int) -> dict:
+        gen = torch.Generator().manual_seed(seed)
+        sufs = lambda n: torch.randint(50, 115, (n,), generator=gen).tolist()  # noqa: E731
+        return make_shared_batch(
+            [(p, sufs(n)) for p, n in groups],
+            sufs(solo),
+            Hq,
+            Hkv,
+            D,
+            item_size=size,
+            dtype=dtype,
+            device="cuda",
+            spare_items=capacity - sum(-(-n // size) for _, n in groups),
+            num_slots=pool,
+            num_rows=256 + 8,
+            max_context=2000 + 120,
+            seed=seed,
+        )
+
+    batch = batch_of(1, [(2000, 256)], 0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        shared_prefix_decode_attention(**batch)
+        shared_prefix_decode_attention(**batch, num_kv_splits=2, prefix_splits=4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    out = torch.empty_like(static["q"])
+    graph, t_shared = _graph(lambda: shared_prefix_decode_attention(**static, out=out))
+    assert rel_err(out, decode_attention_ref(**plain(batch))) < TOL_16BIT
+    out_plain = torch.empty_like(out)
+    _, t_plain = _graph(lambda: decode_attention(**plain(static), out=out_plain))
+
+    token_bytes = Hkv * D * 2 * batch["q"].element_size()  # K and V of one token
+    tokens = int(batch["seq_lens"].sum())
+    items = -(-256 // size)
+    kv_bytes = tokens * token_bytes  # plain: every request reads the prefix
+    shared_bytes = (tokens - 256 * 2000 + items * 2000) * token_bytes  # once per item
+    print(
+        f"\nB=256 prefix 2000 suffix 50..114 Hq={Hq} Hkv={Hkv} D={D} bf16, {items} items of "
+        f"{size}: plain {t_plain * 1e6:.1f} us ({kv_bytes / t_plain / 1e12:.2f} TB/s of K/V), "
+        f"shared prefix {t_shared * 1e6:.1f} us ({shared_bytes / t_shared / 1e12:.2f} TB/s "
+        f"of the K/V it reads), speed-up {t_plain / t_shared:.1f}x"
+    )
+
+    # New inputs in the same buffers: two groups (one split over items), solo requests.
+    new = batch_of(2, [(1500, 100), (333, 130)], 26)
+    for name in [
+        "q",
+        "k_buffer",
+        "v_buffer",
+        "req_to_token",
+        "req_pool_indices",
+        "seq_lens",
+        "prefix_lens",
+        "prefix_items",
+    ]:
+        assert static[name].shape == new[name].shape, name
+        static[name].copy_(new[name])
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, decode_attention_ref(**plain(new))) < TOL_16BIT
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, TOL_16BIT)])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gpu_realistic_shapes(group, dtype, tol):
+    gen = torch.Generator().manual_seed(group)
+    sufs = lambda n: torch.randint(1, 300, (n,), generator=gen).tolist()  # noqa: E731
+    hkv = 32 // group if group < 8 else 8
+    batch = make_shared_batch(
+        [(2000, sufs(100)), (517, sufs(40)), (64, sufs(9))],
+        sufs(20),
+        hkv * group,
+        hkv,
+        128,
+        item_size=prefix_item_size(group),
+        dtype=dtype,
+        device="cuda",
+        seed=group,
+    )
+    check(batch, tol)
+    check(batch, tol, num_kv_splits=3, prefix_splits=5)
