@@ -32,6 +32,8 @@ CONFIGS = Path(__file__).parent / "model_configs"
 class Workload:
     input_ids: list[list[int]]
     output_lens: list[int]
+    prefix_len: int = 0  # prompt i starts with shared prefix i % num_prefixes
+    num_prefixes: int = 1
 
     @property
     def input_tokens(self) -> int:
@@ -43,17 +45,28 @@ class Workload:
 
 
 def make_workload(
-    n: int, input_len: str, output_len: str, vocab: int, seed: int, prefix_len: int = 0
+    n: int,
+    input_len: str,
+    output_len: str,
+    vocab: int,
+    seed: int,
+    prefix_len: int = 0,
+    num_prefixes: int = 1,
 ) -> Workload:
+    """n prompts of random tokens; with prefix_len, prompt i starts with prefix i % num_prefixes
+    (an instruction, or one of several few-shot blocks) before its own input_len tokens."""
     rng = random.Random(seed)
-    prefix = [rng.randrange(vocab) for _ in range(prefix_len)]
+    prefixes = [[rng.randrange(vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
 
     def draw(spec: str) -> int:
         lo, _, hi = spec.partition(":")
         return rng.randint(int(lo), int(hi or lo))
 
-    ids = [prefix + [rng.randrange(vocab) for _ in range(draw(input_len))] for _ in range(n)]
-    return Workload(ids, [draw(output_len) for _ in range(n)])
+    ids = [
+        prefixes[i % num_prefixes] + [rng.randrange(vocab) for _ in range(draw(input_len))]
+        for i in range(n)
+    ]
+    return Workload(ids, [draw(output_len) for _ in range(n)], prefix_len, num_prefixes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,20 +112,28 @@ def weight_bytes(cfg: ModelConfig) -> int:
 def floor_seconds(
     cfg: ModelConfig, work: Workload, max_running: int, bandwidth: float, flops: float
 ) -> tuple[float, float]:
-    """(decode floor, prefill floor) for this workload in seconds."""
+    """(decode floor, prefill floor) for this workload in seconds.
+
+    A shared prefix counts once: its K/V once per decode step (per distinct prefix), its
+    prefill once. So the floor stays honest for a run that reads and computes it once, and a
+    run that does not falls short of it."""
     # decode: at least max(output_len) steps, and at least total/max_running if the batch is capped
     steps = max(max(work.output_lens), math.ceil(work.output_tokens / max_running))
     kv_per_token = cfg.kv_bytes_per_token(cfg.dtype)
+    c = work.prefix_len
     kv_read = sum(
-        kv_per_token * (len(p) * o + o * (o - 1) // 2)
+        kv_per_token * ((len(p) - c) * o + o * (o - 1) // 2)
         for p, o in zip(work.input_ids, work.output_lens)
     )
+    kv_read += kv_per_token * c * steps * min(work.num_prefixes, len(work.input_ids))
     decode = (steps * weight_bytes(cfg) + kv_read) / bandwidth
     params = weight_bytes(cfg) * 8 // torch.finfo(cfg.dtype).bits
-    attn = (
-        sum(2 * len(p) ** 2 * cfg.num_heads * cfg.head_dim for p in work.input_ids) * cfg.num_layers
-    )
-    prefill = (2 * params * work.input_tokens + attn) / flops
+    # causal attention FLOPs of n tokens after c cached ones: 2 (n + c)^2 - 2 c^2 per head dim
+    per_dim = sum(2 * len(p) ** 2 - 2 * c**2 for p in work.input_ids)
+    per_dim += 2 * c**2 * work.num_prefixes
+    attn = per_dim * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    computed = work.input_tokens - c * (len(work.input_ids) - work.num_prefixes)
+    prefill = (2 * params * computed + attn) / flops
     return decode, prefill
 
 
@@ -198,6 +219,12 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="tokens of one prefix shared by every prompt",
     )
+    ap.add_argument(
+        "--num-prefixes",
+        type=int,
+        default=1,
+        help="distinct shared prefixes (few-shot blocks); prompt i starts with prefix i %% N",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--peer", choices=["transformers"], help="also run the workload through this library"
@@ -221,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.vocab_size,
         args.seed,
         args.shared_prefix_len,
+        args.num_prefixes,
     )
     bandwidth, flops = measure_ceilings(device)
 
@@ -241,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         ("requests", f"{args.num_prompts}"),
         (
             "input tokens",
-            f"{work.input_tokens} (len {args.input_len}{f' + {args.shared_prefix_len} shared' if args.shared_prefix_len else ''})",
+            f"{work.input_tokens} (len {args.input_len}{f' + {args.shared_prefix_len} shared, {args.num_prefixes} prefix(es)' if args.shared_prefix_len else ''})",
         ),
         ("output tokens", f"{result['output_tokens']} (len {args.output_len})"),
         ("engine start-up (s)", f"{result['startup']:.1f}"),
@@ -261,7 +289,10 @@ def main(argv: list[str] | None = None) -> None:
             "prefill tokens cached",
             f"{result['info']['internal_states'][0]['prefill_tokens_cached']}",
         ),
-        ("steps: prefill | decode", "{prefill_steps} | {decode_steps}".format(**state)),
+        (
+            "steps: prefill | decode (shared-prefix)",
+            "{prefill_steps} | {decode_steps} ({shared_prefix_steps})".format(**state),
+        ),
         (
             "scheduler busy: launch + wait + read (s)",
             "{busy_seconds:.2f}: {launch_seconds:.2f} + {wait_seconds:.2f} + {collect_seconds:.2f}".format(

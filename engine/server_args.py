@@ -56,6 +56,9 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     page_size: int = 1
     disable_radix_cache: bool = False
+    # decode reads a prefix that running requests share (radix cache) once per group, not once
+    # per request (triton backend; kernels/shared_prefix_attention.py)
+    disable_shared_prefix_attention: bool = False
     # kernels
     attention_backend: str | None = None  # None: "triton" on CUDA with triton, else "torch"
     cuda_graph_max_bs: int | None = None  # None: DEFAULT_CUDA_GRAPH_MAX_BS, <= max_running_requests
@@ -166,6 +169,16 @@ class ServerArgs:
             object.__setattr__(self, "cuda_graph_max_bs", bs)
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def shared_prefix_attention(self) -> bool:
+        """Whether decode groups requests by their shared cached prefix: it needs the radix
+        cache (which knows who shares what) and the triton backend (which has the kernel)."""
+        return (
+            not self.disable_shared_prefix_attention
+            and not self.disable_radix_cache
+            and self.attention_backend == "triton"
+        )
+
     @property
     def prefill_chunk_size(self) -> float:
         """The most prompt tokens of one request a prefill step computes (inf: no chunking)."""

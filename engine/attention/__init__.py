@@ -16,9 +16,15 @@ from engine.attention.backend import AttentionBackend, AttentionLayer
 
 
 def create_backend(
-    name: str, device: torch.device, attn: AttentionLayer, dtype: torch.dtype
+    name: str,
+    device: torch.device,
+    attn: AttentionLayer,
+    dtype: torch.dtype,
+    shared_prefix: bool = False,
 ) -> AttentionBackend:
-    """The backend `name` for a model whose attention layers look like `attn` (heads, scaling)."""
+    """The backend `name` for a model whose attention layers look like `attn` (heads, scaling).
+    `shared_prefix`: decode reads prefixes shared by groups of requests once per group
+    (triton only; the others read every request's whole sequence, which is the same result)."""
     if name == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferAttnBackend
 
@@ -30,7 +36,7 @@ def create_backend(
             )
         from engine.attention.triton_backend import TritonAttnBackend
 
-        return TritonAttnBackend()
+        return TritonAttnBackend(attn, shared_prefix)
     from engine.attention.torch_backend import TorchAttnBackend
 
     return TorchAttnBackend()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from engine.batch.shared_prefix import SharedPrefix
     from engine.memory.kv_pool import KVPool
 
 
@@ -39,6 +40,8 @@ class ForwardBatch:
     # decode: [positions, out_cache_loc, req_pool_indices, seq_lens] as one [4, B] tensor,
     # of which the four fields above are rows (CUDA-graph replay copies it in one go)
     packed: torch.Tensor | None = None
+    # decode: requests that share a cached prefix, which attention may read once per group
+    shared_prefixes: list[SharedPrefix] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from engine.runtime.messages import TokenizedRequest
 from engine.tokenization import IncrementalDecoder, find_stop
 
@@ -18,7 +20,7 @@ class Req:
     __slots__ = (
         "rid", "input_ids", "sampling", "seed", "return_logprob", "input_logprob_start",
         "top_logprobs_num", "stream", "embed_dimensions", "label_token_ids", "draw_limit",
-        "output_ids", "drawn", "finish_reason", "cached_tokens",
+        "output_ids", "tokens", "fill_len", "drawn", "finish_reason", "cached_tokens",
         "admitted_once", "admit_order", "input_logprob_next", "stop_decoder", "grammar",
         "input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs",
         "embedding", "label_logprobs",
@@ -46,6 +48,11 @@ class Req:
 
         # ---- progress
         self.output_ids: list[int] = []
+        # NOTE: the prompt then the output, in an array that grows by doubling: fill_ids is a view
+        # of it, so the scheduler slices and compares long prompts without copying Python lists
+        self.tokens = np.empty(self.prompt_len + max(0, min(limit, 16)) + 1, dtype=np.int64)
+        self.tokens[: self.prompt_len] = request.input_ids
+        self.fill_len = self.prompt_len
         # NOTE: with overlap scheduling a sampled token reaches output_ids one step after it was
         # drawn on the device; meanwhile it is pending (its value lives in ModelRunner.next_token).
         self.drawn = 0  # output tokens drawn on the device, pending ones included
@@ -85,9 +92,18 @@ class Req:
         return len(self.input_ids)
 
     @property
-    def fill_ids(self) -> list[int]:
-        """Every token the model has seen or will see next: the prompt, then the output so far."""
-        return self.input_ids + self.output_ids
+    def fill_ids(self) -> np.ndarray:
+        """Every token the model has seen or will see next: the prompt, then the output so far
+        (an int64 view, valid until the next append)."""
+        return self.tokens[: self.fill_len]
+
+    def append_token(self, token: int) -> None:
+        """A drawn token, read back from the device: it joins the output and fill_ids."""
+        self.output_ids.append(token)
+        if self.fill_len == len(self.tokens):
+            self.tokens = np.concatenate([self.tokens, np.empty_like(self.tokens)])
+        self.tokens[self.fill_len] = token
+        self.fill_len += 1
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -106,7 +122,7 @@ class Req:
         self.finish_reason = reason
 
     def check_finished(self, token: int) -> None:
-        """Called after `token` was appended to output_ids (the per-token hot path: keep it lean)."""
+        """Called after `token` was appended (append_token; the per-token hot path: keep it lean)."""
         n = len(self.output_ids)
         if self.stop_decoder is not None:
             new_text = self.stop_decoder.push([token])

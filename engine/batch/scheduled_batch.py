@@ -8,10 +8,11 @@ build a batch. The model runner turns the batch into device tensors
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.batch.forward_batch import ForwardMode
 from engine.batch.req import Req
+from engine.batch.shared_prefix import SharedPrefix
 
 
 @dataclass
@@ -21,3 +22,5 @@ class ScheduledBatch:
     extend_lens: list[int]  # new tokens per request this step (all 1 in decode)
     starts: list[int]  # each request's first new position (its KV length before this step)
     slots: list[int]  # pool slot of each new token, requests in order
+    # decode: groups of requests that share a cached prefix (empty: attention reads each alone)
+    shared_prefixes: list[SharedPrefix] = field(default_factory=list)

@@ -5,33 +5,44 @@ cached, locked and evicted as one. A node is locked while a running request read
 (its lock count covers the whole path up from it); unlocked leaves are evicted least recently
 used first, which frees their pages.
 
+Cost. Keys and slots are numpy arrays and an edge is compared in one vectorised call, so a
+lookup costs a Python step per edge, not per token. `extend` continues from a node the caller
+already holds (a request's locked prefix), so caching what a request computed costs its new
+tokens, not its whole prompt. Eviction pops a heap of candidate leaves kept up to date as
+leaves appear, so it costs the leaves it frees, not the size of the tree.
+
 NOTE: invariants: every cached slot belongs to exactly one node; a locked node's ancestors are
-locked; `evictable_tokens` counts the tokens of unlocked nodes, `protected_tokens` of locked ones.
+locked; `evictable_tokens` counts the tokens of unlocked nodes, `protected_tokens` of locked ones;
+every unlocked leaf has an entry in the eviction heap (entries of nodes that were touched,
+locked, grown or evicted since are stale and checked when popped).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
+
+import numpy as np
 
 from engine.memory.page_allocator import PageAllocator
 
 _clock = itertools.count()  # a logical clock: LRU order without wall-time ties
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "depth")
 
-    def __init__(self, key: list[int], value: list[int], parent: TreeNode | None) -> None:
+    def __init__(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None) -> None:
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent
-        self.key = key  # token ids of this edge
-        self.value = value  # their KV slots
+        self.key = key  # token ids of this edge (int64 array)
+        self.value = value  # their KV slots (int64 array)
         self.lock_ref = 0
         self.last_access = next(_clock)
-
-    def __lt__(self, other: TreeNode) -> bool:  # for the eviction heap
-        return self.last_access < other.last_access
+        # tokens from the root to the end of this node: the length of the prefix it completes
+        self.depth = len(key) + (parent.depth if parent is not None else 0)
 
 
 class RadixCache:
@@ -43,17 +54,22 @@ class RadixCache:
     def reset_state(self) -> None:
         # NOTE: the root object survives resets: a caller may hold it as an (empty) matched node.
         if not hasattr(self, "root"):
-            self.root = TreeNode([], [], None)
+            self.root = TreeNode(_EMPTY, _EMPTY, None)
             self.root.lock_ref = 1  # never evicted
         self.root.children = {}
         self.evictable_tokens = 0
         self.protected_tokens = 0
+        self.num_nodes = 0
+        self._heap: list[tuple[int, int, TreeNode]] = []  # (last_access, tiebreak, leaf)
+        self._tiebreak = itertools.count()
 
     # ------------------------------------------------------------------ lookups
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
-        """The slots of the longest cached page-aligned prefix of `tokens`, and the node where it ends."""
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[np.ndarray, TreeNode]:
+        """The slots (int64 array) of the longest cached page-aligned prefix of `tokens`, and the
+        node where it ends."""
+        tokens = np.asarray(tokens, dtype=np.int64)
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
-        node, slots, i = self.root, [], 0
+        node, parts, i = self.root, [], 0
         while i < len(tokens):
             child = node.children.get(self._edge(tokens, i))
             if child is None:
@@ -61,26 +77,36 @@ class RadixCache:
             n = self._common_len(child.key, tokens, i)
             if n < len(child.key):
                 child = self._split(child, n)
-            slots += child.value
+            parts.append(child.value)
             node, i = child, i + n
         self._touch(node)
-        return slots, node
+        return (np.concatenate(parts) if parts else _EMPTY), node
 
     # ------------------------------------------------------------------ updates
-    def insert(self, tokens: list[int], slots: list[int]) -> int:
+    def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
         """Cache `tokens` (page-aligned) with their `slots`; returns how many leading tokens were cached already.
 
         The caller still owns the slots of that already-cached part and must free them
         (unless they are the cache's own, which is the case for a prefix it matched).
         """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        return self.extend(self.root, tokens, np.asarray(slots, dtype=np.int64))[0]
+
+    def extend(self, node: TreeNode, tokens: np.ndarray, slots: np.ndarray) -> tuple[int, TreeNode]:
+        """Cache `tokens` (page-aligned, int64) after `node`'s prefix, with `slots` (theirs, the
+        same length); returns (how many of them were cached already, the node where they end).
+
+        NOTE: `node` must be in the tree (a locked one is: eviction never takes it).
+        """
         assert len(tokens) == len(slots) and len(tokens) % self.page_size == 0
-        node, i = self.root, 0
+        i = 0
         while i < len(tokens):
             child = node.children.get(self._edge(tokens, i))
             if child is None:
-                leaf = TreeNode(tokens[i:], slots[i:], node)
+                leaf = TreeNode(tokens[i:].copy(), slots[i:].copy(), node)
                 node.children[self._edge(tokens, i)] = leaf
                 self.evictable_tokens += len(leaf.key)
+                self.num_nodes += 1
                 node = leaf
                 break
             n = self._common_len(child.key, tokens, i)
@@ -88,7 +114,8 @@ class RadixCache:
                 child = self._split(child, n)
             node, i = child, i + n
         self._touch(node)
-        return i
+        self._offer(node)
+        return i, node
 
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction (a running request reads their slots)."""
@@ -100,6 +127,7 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
+        leaf = node
         while node is not self.root:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
@@ -107,21 +135,26 @@ class RadixCache:
                 self.evictable_tokens += len(node.key)
                 self.protected_tokens -= len(node.key)
             node = node.parent
+        self._offer(leaf)
 
     def evict(self, num_tokens: int) -> int:
         """Free the pages of least recently used unlocked leaves until `num_tokens` are freed; returns tokens freed."""
-        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed = 0
+        freed, heap = 0, self._heap
         while heap and freed < num_tokens:
-            leaf = heapq.heappop(heap)
+            stamp, _, leaf = heapq.heappop(heap)
+            if leaf.parent is None or leaf.children or leaf.lock_ref:
+                continue  # evicted, grown or locked since it was offered: not a candidate now
+            if stamp != leaf.last_access:  # touched since: back in at its current age
+                self._offer(leaf)
+                continue
             self.allocator.free(self.pages_of(leaf.value))
             freed += len(leaf.key)
             self.evictable_tokens -= len(leaf.key)
+            self.num_nodes -= 1
             parent = leaf.parent
             del parent.children[self._edge(leaf.key, 0)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, parent)
+            leaf.parent = None
+            self._offer(parent)
         return freed
 
     def reset(self) -> None:
@@ -129,6 +162,7 @@ class RadixCache:
         assert self.protected_tokens == 0, "reset while requests hold cached prefixes"
         for node in self._nodes():
             self.allocator.free(self.pages_of(node.value))
+            node.parent = None
         self.reset_state()
 
     # ------------------------------------------------------------------ helpers
@@ -136,17 +170,27 @@ class RadixCache:
     def total_tokens(self) -> int:
         return self.evictable_tokens + self.protected_tokens
 
-    def pages_of(self, slots: list[int]) -> list[int]:
-        return [s // self.page_size for s in slots[:: self.page_size]]
+    def pages_of(self, slots: np.ndarray) -> list[int]:
+        return (np.asarray(slots[:: self.page_size]) // self.page_size).tolist()
 
-    def _edge(self, tokens: list[int], i: int) -> tuple[int, ...]:
-        return tuple(tokens[i : i + self.page_size])
+    def _offer(self, node: TreeNode) -> None:
+        """Put an unlocked leaf on the eviction heap; drop the heap's stale entries when they
+        outnumber the nodes (each is popped at most once, so this keeps pops amortised O(1))."""
+        if node is self.root or node.children or node.lock_ref:
+            return
+        heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+        if len(self._heap) > 2 * self.num_nodes + 64:
+            live = (n for n in self._nodes() if not n.children and not n.lock_ref)
+            self._heap = [(n.last_access, next(self._tiebreak), n) for n in live]
+            heapq.heapify(self._heap)
 
-    def _common_len(self, key: list[int], tokens: list[int], start: int) -> int:
-        n = 0
+    def _edge(self, tokens: np.ndarray, i: int) -> tuple[int, ...]:
+        return tuple(tokens[i : i + self.page_size].tolist())
+
+    def _common_len(self, key: np.ndarray, tokens: np.ndarray, start: int) -> int:
         limit = min(len(key), len(tokens) - start)
-        while n < limit and key[n] == tokens[start + n]:
-            n += 1
+        differ = np.flatnonzero(key[:limit] != tokens[start : start + limit])
+        n = int(differ[0]) if len(differ) else limit
         return n - n % self.page_size
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
@@ -156,6 +200,7 @@ class RadixCache:
         child.parent.children[self._edge(child.key, 0)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         upper.children[self._edge(child.key, 0)] = child
+        self.num_nodes += 1
         return upper
 
     def _touch(self, node: TreeNode) -> None:

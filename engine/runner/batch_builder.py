@@ -67,6 +67,7 @@ def _build_decode(
         kv_pool=kv_pool,
         req_to_token=req_to_token.table,
         packed=packed,
+        shared_prefixes=batch.shared_prefixes,
     )
     return forward, plan
 
@@ -81,7 +82,7 @@ def _build_extend(
     for req, n, start in zip(batch.reqs, batch.extend_lens, batch.starts):
         end = start + n
         offset = len(ids) - start  # token position p sits at batch row offset + p
-        ids.extend(req.fill_ids[start:end])
+        ids.extend(req.fill_ids[start:end].tolist())
         positions.extend(range(start, end))
         rows.extend([req.pool_row] * n)
         plan.starts.append(len(plan.rows))
@@ -93,7 +94,7 @@ def _build_extend(
         )
         plan.rows.extend(offset + p for p in lp_rows)
         plan.n_input.append(len(lp_rows))
-        samples = end == len(req.fill_ids)
+        samples = end == req.fill_len
         if samples:
             plan.rows.append(offset + end - 1)
         plan.samples.append(samples)

@@ -57,7 +57,9 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(rows, config.context_length, device)
         # the last token sampled for each request row: the input of its next decode step
         self.next_token = torch.zeros(rows + 1, dtype=torch.int64, device=device)
-        self.attn_backend = create_backend(args.attention_backend, device, attn, config.dtype)
+        self.attn_backend = create_backend(
+            args.attention_backend, device, attn, config.dtype, args.shared_prefix_attention
+        )
         use_backend(self.model, self.attn_backend)
         activation_peak = self._warm_up() if device.type == "cuda" else 0
         self.max_total_tokens = self._pool_tokens(activation_peak)

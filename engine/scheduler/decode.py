@@ -17,6 +17,7 @@ from engine.batch.scheduled_batch import ScheduledBatch
 from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate
 from engine.scheduler.queues import RequestQueues
+from engine.scheduler.shared_prefix import shared_prefixes
 from engine.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,10 @@ class DecodePlanner:
         queues: RequestQueues,
         estimate: NewTokenEstimate,
         stats: SchedulerStats,
+        group_shared_prefixes: bool = False,
     ) -> None:
         self.kv = kv
+        self.group_shared_prefixes = group_shared_prefixes
         self.queues = queues
         self.estimate = estimate
         self.stats = stats
@@ -56,7 +59,9 @@ class DecodePlanner:
         self.stats.decode_steps += 1
         starts = [r.kv_len for r in reqs]
         slots = self.kv.extend_by_one(reqs)  # new pages in one allocation
-        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), starts, slots)
+        groups = shared_prefixes(reqs) if self.group_shared_prefixes else []
+        self.stats.shared_prefix_steps += bool(groups)
+        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), starts, slots, groups)
 
     def retract(self, req: Req) -> None:
         """Put an admitted request back at the head of the queue; its KV stays in the prefix cache."""
@@ -65,6 +70,4 @@ class DecodePlanner:
         self.queues.waiting.appendleft(req)
         self.stats.retractions += 1
         self.estimate.reset()
-        logger.info(
-            "retracted request %s (%d tokens) for lack of KV memory", req.rid, len(req.fill_ids)
-        )
+        logger.info("retracted request %s (%d tokens) for lack of KV memory", req.rid, req.fill_len)

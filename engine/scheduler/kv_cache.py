@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.memory.kv_pool import KVPool
@@ -53,7 +54,7 @@ class KVCache:
         return self.tree.total_tokens if self.tree else 0
 
     # ------------------------------------------------------------------ request lifetime
-    def match_len(self, tokens: list[int]) -> int:
+    def match_len(self, tokens: np.ndarray) -> int:
         """How many leading tokens the cache could serve (nothing is locked)."""
         return len(self.tree.match_prefix(tokens)[0]) if self.tree else 0
 
@@ -64,9 +65,9 @@ class KVCache:
         if node is not None:
             self.tree.lock(node)
         req.last_node = node
-        req.kv_pages = [s // self.page_size for s in slots[:: self.page_size]]
+        req.kv_pages = self.tree.pages_of(slots) if len(slots) else []
         req.prefix_len = req.kv_len = len(slots)
-        if slots:
+        if len(slots):
             self.req_to_token.write(req.pool_row, 0, to_device(slots, torch.int64, self.device))
         return len(slots)
 
@@ -80,9 +81,11 @@ class KVCache:
         new_pages = self.pages_for(end) - len(req.kv_pages)
         if new_pages > 0:
             req.kv_pages.extend(self._alloc(new_pages))
-        ps, pages = self.page_size, req.kv_pages
+        ps = self.page_size
         req.kv_len = end
-        return [pages[p // ps] * ps + p % ps for p in range(start, end)]
+        pages = np.asarray(req.kv_pages[start // ps : self.pages_for(end)], dtype=np.int64)
+        positions = np.arange(start, end)
+        return (pages[positions // ps - start // ps] * ps + positions % ps).tolist()
 
     def extend_by_one(self, reqs: list[Req]) -> list[int]:
         """A decode step's slots: one more token for each request, new pages in one allocation."""
@@ -105,15 +108,14 @@ class KVCache:
         aligned = req.kv_len - req.kv_len % ps
         if aligned <= req.prefix_len:
             return
-        slots = [p * ps + o for p in req.kv_pages[: aligned // ps] for o in range(ps)]
-        present = self.tree.insert(req.fill_ids[:aligned], slots)
+        present, node = self._insert_computed(req, aligned)
         duplicates = req.kv_pages[req.prefix_len // ps : present // ps]
-        cached, node = self.tree.match_prefix(req.fill_ids[:aligned])
         if (
             duplicates
         ):  # another request cached the same tokens meanwhile: read its pages, free ours
+            cached, node = self.tree.match_prefix(req.fill_ids[:aligned])
             self.req_to_token.write(req.pool_row, 0, to_device(cached, torch.int64, self.device))
-            req.kv_pages[: aligned // ps] = [s // ps for s in cached[::ps]]
+            req.kv_pages[: aligned // ps] = self.tree.pages_of(cached)
             self.allocator.free(duplicates)
         self.tree.lock(node)
         self.tree.unlock(req.last_node)
@@ -125,9 +127,8 @@ class KVCache:
         own_from = req.prefix_len // ps  # pages before this index belong to the cache
         keep_until = own_from
         if self.tree is not None:
-            aligned = req.kv_len - req.kv_len % ps
-            slots = [p * ps + o for p in req.kv_pages[: aligned // ps] for o in range(ps)]
-            present = self.tree.insert(req.fill_ids[:aligned], slots)
+            aligned = max(req.kv_len - req.kv_len % ps, req.prefix_len)
+            present = self._insert_computed(req, aligned)[0]
             # the cache now owns pages [present/ps, aligned/ps); [own_from, present/ps) duplicate it
             self.allocator.free(req.kv_pages[own_from : present // ps])
             keep_until = aligned // ps
@@ -139,6 +140,16 @@ class KVCache:
     def flush(self) -> None:
         if self.tree is not None:
             self.tree.reset()
+
+    def _insert_computed(self, req: Req, aligned: int) -> tuple[int, object]:
+        """Cache the request's tokens [prefix_len, aligned) from its locked prefix node on; returns
+        (tokens of the whole prefix cached already, the node where it ends). Costs the new
+        tokens only: the walk starts where the request's cached prefix ends."""
+        ps, start = self.page_size, req.prefix_len
+        pages = np.asarray(req.kv_pages[start // ps : aligned // ps], dtype=np.int64)
+        slots = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
+        present, node = self.tree.extend(req.last_node, req.fill_ids[start:aligned], slots)
+        return start + present, node
 
     def _alloc(self, num_pages: int) -> list[int]:
         short = num_pages - self.allocator.num_free

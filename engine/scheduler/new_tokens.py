@@ -24,12 +24,15 @@ class NewTokenEstimate:
         self.kv = kv
         self.ratio = INIT_NEW_TOKEN_RATIO
 
-    def reserve_pages(self, reqs: list[Req]) -> int:
-        """Pages to keep free for what `reqs` are expected to generate still."""
-        tokens = sum(
+    def tokens_to_come(self, reqs: list[Req]) -> int:
+        """What `reqs` may generate still, each capped at RESERVE_CLIP_TOKENS (before the ratio)."""
+        return sum(
             min(r.sampling.max_new_tokens - len(r.output_ids), RESERVE_CLIP_TOKENS) for r in reqs
         )
-        return self.kv.pages_for(math.ceil(tokens * self.ratio))
+
+    def pages(self, tokens_to_come: int) -> int:
+        """Pages to keep free for requests that may generate `tokens_to_come` tokens still."""
+        return self.kv.pages_for(math.ceil(tokens_to_come * self.ratio))
 
     def decay(self) -> None:
         self.ratio = max(MIN_NEW_TOKEN_RATIO, self.ratio - NEW_TOKEN_RATIO_DECAY)

@@ -10,6 +10,10 @@ A prefill step takes, within `max_prefill_tokens` and the running-request limit:
      prefill; only one runs at a time.
 A request that shares at least IN_BATCH_PREFIX_TOKENS uncached tokens with one already in the
 batch waits a step: it then finds them cached instead of computing them a second time.
+
+NOTE: planning costs O(batch + new tokens): each admitted request is looked up once in the
+radix tree (a Python step per edge, not per token) and once in a set of the batch's uncached
+heads; what the running requests will still generate is summed once per step.
 """
 
 from __future__ import annotations
@@ -58,23 +62,25 @@ class PrefillPlanner:
         planned_pages = 0
         if q.chunked is not None:
             req = q.chunked
-            n = min(len(req.fill_ids) - req.kv_len, self.chunk_size, budget)
+            n = min(req.fill_len - req.kv_len, self.chunk_size, budget)
             need = self._pages_to_extend(req, n)
             if need <= self.kv.available_pages:
                 reqs.append(req)
                 lens.append(n)
                 budget -= n
                 planned_pages += need
-                if req.kv_len + n == len(req.fill_ids):  # last chunk: it decodes from now on
+                if req.kv_len + n == req.fill_len:  # last chunk: it decodes from now on
                     q.chunked = None
                     q.running.append(req)
         if self.lpm:
             self._sort_waiting_by_prefix()
+        heads: set[tuple[object, bytes]] = set()  # the uncached heads of the batch's prompts
+        reserved = self.estimate.tokens_to_come(q.running)
         # NOTE: newly admitted requests join q.running (or become q.chunked) as they are planned
         while q.waiting and budget > 0 and q.num_running < self.max_running_requests:
             req = q.waiting[0]
             cached = self.kv.admit(req, self._prefix_limit(req))
-            remaining = len(req.fill_ids) - cached
+            remaining = req.fill_len - cached
             n = min(remaining, self.chunk_size)
             if n > budget:
                 if self.chunk_size == math.inf and reqs:
@@ -82,20 +88,22 @@ class PrefillPlanner:
                     break
                 n = budget if self.chunk_size != math.inf else n
             # (without a prefix cache, waiting would only serialise the batch)
-            if self.kv.tree is not None and reqs and _shares_uncached_prefix(req, cached, reqs):
+            head = _uncached_head(req, cached) if self.kv.tree is not None else None
+            if head is not None and head in heads:
                 self.kv.release(req)
                 break
             chunks = n < remaining
             need = self._pages_to_extend(req, n)
-            reserve = 0 if chunks else self.estimate.reserve_pages([req])
-            fits = (
-                planned_pages + need + reserve + self.estimate.reserve_pages(q.running)
-                <= self.kv.available_pages
-            )
+            own = 0 if chunks else self.estimate.tokens_to_come([req])
+            reserve = self.estimate.pages(own) + self.estimate.pages(reserved)
+            fits = planned_pages + need + reserve <= self.kv.available_pages
             if not fits or (chunks and q.chunked is not None):
                 self.kv.release(req)  # nothing computed yet: this only unlocks the prefix
                 break
             q.waiting.popleft()
+            if head is not None:
+                heads.add(head)
+            reserved += own  # it runs from now on
             self._on_admit(req, cached)
             reqs.append(req)
             lens.append(n)
@@ -131,7 +139,7 @@ class PrefillPlanner:
     def _prefix_limit(self, req: Req) -> int:
         """How much of the request the cache may serve: never its last token (whose logits sample),
         and on first admission nothing from where input logprobs were asked for."""
-        limit = len(req.fill_ids) - 1
+        limit = req.fill_len - 1
         if req.return_logprob and not req.admitted_once:
             limit = min(limit, req.input_logprob_start)
         return limit
@@ -157,8 +165,11 @@ class PrefillPlanner:
         waiting.extendleft(reversed(head))
 
 
-def _shares_uncached_prefix(req: Req, cached: int, batch: list[Req]) -> bool:
-    head = req.fill_ids[: cached + IN_BATCH_PREFIX_TOKENS]
-    return len(head) == cached + IN_BATCH_PREFIX_TOKENS and any(
-        r.fill_ids[: len(head)] == head for r in batch
-    )
+def _uncached_head(req: Req, cached: int) -> tuple[object, bytes] | None:
+    """What identifies the first IN_BATCH_PREFIX_TOKENS tokens after the request's cached prefix:
+    the tree node its prefix ends at (the same node: the same cached tokens) and those tokens.
+    Two requests of one batch with equal heads would compute the same tokens twice."""
+    head = req.fill_ids[cached : cached + IN_BATCH_PREFIX_TOKENS]
+    if len(head) < IN_BATCH_PREFIX_TOKENS:
+        return None
+    return req.last_node, head.tobytes()

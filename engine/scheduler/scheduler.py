@@ -64,7 +64,9 @@ class Scheduler:
         self.prefill = PrefillPlanner(
             args, self.kv, self.queues, estimate, self.stats, self.max_running_requests
         )
-        self.decode = DecodePlanner(self.kv, self.queues, estimate, self.stats)
+        self.decode = DecodePlanner(
+            self.kv, self.queues, estimate, self.stats, args.shared_prefix_attention
+        )
         # decodes the text of requests with stop strings; builds the grammars' token tables
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args)
         self.grammar = GrammarBackend(args, self.tokenizer, config.vocab_size)
@@ -222,7 +224,7 @@ class Scheduler:
                 j, k = logprob_of[i], req.top_logprobs_num
                 req.output_logprobs.append(chosen[j])
                 req.output_top_logprobs.append((top_values[j][:k], top_ids[j][:k]))
-            req.output_ids.append(token)
+            req.append_token(token)
             if req.grammar is None or not self.grammar.accept(req, token):
                 req.check_finished(token)
             if req.finish_reason is not None:

@@ -15,6 +15,7 @@ class SchedulerStats:
     generated_tokens: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    shared_prefix_steps: int = 0  # decode steps that read a shared prefix once per group
     retractions: int = 0
     busy_seconds: float = 0.0
     # where a step's time goes: planning and launching (host), waiting for the device, reading

@@ -6,7 +6,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.bench import Workload, dummy_folder, floor_seconds, main, weight_bytes
+from engine.bench import (
+    Workload,
+    dummy_folder,
+    floor_seconds,
+    main,
+    make_workload,
+    weight_bytes,
+)
 from engine.model_config import ModelConfig
 
 
@@ -37,6 +44,24 @@ def test_decode_floor_counts_weights_per_step_and_kv_per_live_token(llama_dir):
     assert decode == 5 * weight_bytes(cfg) + kv  # 5 steps: the longest output, all in one batch
     capped, _ = floor_seconds(cfg, work, max_running=1, bandwidth=1.0, flops=1.0)
     assert capped == 8 * weight_bytes(cfg) + kv  # one request at a time: 3 + 5 steps
+
+
+def test_floor_counts_each_shared_prefix_once(llama_dir):
+    """Two few-shot blocks of 6 tokens, four prompts: each block's K/V once per decode step,
+    each block's prefill once; the prompts' own tokens as usual."""
+    cfg = ModelConfig.from_folder(str(llama_dir))
+    work = make_workload(4, "2:3", "4", cfg.vocab_size, seed=1, prefix_len=6, num_prefixes=2)
+    assert [p[:6] for p in work.input_ids[:2]] == [p[:6] for p in work.input_ids[2:]]
+    assert work.input_ids[0][:6] != work.input_ids[1][:6]
+    decode, prefill = floor_seconds(cfg, work, max_running=8, bandwidth=1.0, flops=1.0)
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    own = sum(per_token * (len(p) - 6 + t) for p in work.input_ids for t in range(4))
+    assert decode == 4 * weight_bytes(cfg) + own + 4 * 2 * 6 * per_token
+    params = weight_bytes(cfg) // 4
+    computed = sum(len(p) - 6 for p in work.input_ids) + 2 * 6
+    attn_per_dim = sum(2 * len(p) ** 2 - 2 * 36 for p in work.input_ids) + 2 * 2 * 36
+    attn = attn_per_dim * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    assert prefill == 2 * params * computed + attn
 
 
 def test_cli_prints_the_table(llama_dir, capsys):

@@ -121,7 +121,7 @@ def test_kv_cache_page_ownership(page_size, num_pages, radix, plan):
             continue
         slots = table.table[req.pool_row, :cached].tolist() + _extend(kv, req, len(prompt) - cached)
         for t in range(grow):
-            req.output_ids.append(t % 4)
+            req.append_token(t % 4)
             slots += _extend(kv, req, 1)
         live.append(req)
         assert table.table[req.pool_row, : len(slots)].tolist() == slots

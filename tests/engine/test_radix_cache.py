@@ -39,7 +39,7 @@ def path_of(cache: RadixCache, node: TreeNode) -> tuple[int, ...]:
     while node is not cache.root:
         parts.append(node.key)
         node = node.parent
-    return tuple(t for key in reversed(parts) for t in key)
+    return tuple(int(t) for key in reversed(parts) for t in key)
 
 
 def flatten(cache: RadixCache) -> dict[tuple[int, ...], list[int]]:
@@ -56,8 +56,8 @@ def flatten(cache: RadixCache) -> dict[tuple[int, ...], list[int]]:
             assert edge == tuple(child.key[:ps]), "children keyed by the wrong first page"
             key, value = list(prefix), list(slots)
             for i in range(0, len(child.key), ps):
-                key += child.key[i : i + ps]
-                value += child.value[i : i + ps]
+                key += child.key[i : i + ps].tolist()
+                value += child.value[i : i + ps].tolist()
                 out[tuple(key)] = list(value)
             stack.append((child, tuple(key), value))
     return out
@@ -128,6 +128,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     def checked_match(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
         slots, node = self.cache.match_prefix(tokens)
+        slots = slots.tolist()
         want = longest_cached(self.model, tokens, self.ps)
         assert slots == self.model.get(want, []), (tokens, want)
         assert path_of(self.cache, node) == want
@@ -397,12 +398,12 @@ def test_split_mid_edge_page_size_1():
     b = cache.insert([1, 2, 9], [100, 101, 102])  # slots only used for the new part
     assert b == 2
     assert edges(cache.root) == {(1, 2): {(3, 4): {}, (9,): {}}}
-    assert cache.match_prefix([1, 2, 3, 4, 5])[0] == a
-    assert cache.match_prefix([1, 2, 9])[0] == a[:2] + [102]
-    assert cache.match_prefix([1, 2, 7])[0] == a[:2]
-    assert cache.match_prefix([1, 2, 3])[0] == a[:3]  # stops mid-edge: splits (3, 4)
+    assert cache.match_prefix([1, 2, 3, 4, 5])[0].tolist() == a
+    assert cache.match_prefix([1, 2, 9])[0].tolist() == a[:2] + [102]
+    assert cache.match_prefix([1, 2, 7])[0].tolist() == a[:2]
+    assert cache.match_prefix([1, 2, 3])[0].tolist() == a[:3]  # stops mid-edge: splits (3, 4)
     assert edges(cache.root) == {(1, 2): {(3,): {(4,): {}}, (9,): {}}}
-    assert cache.match_prefix([5])[0] == []
+    assert cache.match_prefix([5])[0].tolist() == []
     assert cache.total_tokens == cache.evictable_tokens == 5
 
 
@@ -410,16 +411,16 @@ def test_split_mid_edge_page_size_2():
     alloc, cache = make(2)
     a = insert_new(alloc, cache, [1, 2, 3, 4])
     # [1, 2, 9] is not page-aligned: only [1, 2] can be cached or matched of it
-    assert cache.match_prefix([1, 2, 9])[0] == a[:2]
+    assert cache.match_prefix([1, 2, 9])[0].tolist() == a[:2]
     assert edges(cache.root) == {(1, 2): {(3, 4): {}}}  # the match split the edge at the page
     b = insert_new(alloc, cache, [1, 2, 9, 7])
     assert edges(cache.root) == {(1, 2): {(3, 4): {}, (9, 7): {}}}
-    assert cache.match_prefix([1, 2, 9, 7])[0] == a[:2] + b[2:]
+    assert cache.match_prefix([1, 2, 9, 7])[0].tolist() == a[:2] + b[2:]
     # diverging inside the second page: the common part rounds down to the page boundary
     c = insert_new(alloc, cache, [1, 2, 3, 5])
     assert edges(cache.root) == {(1, 2): {(3, 4): {}, (9, 7): {}, (3, 5): {}}}
-    assert cache.match_prefix([1, 2, 3, 5, 0])[0] == a[:2] + c[2:]
-    assert cache.match_prefix([1, 2, 3])[0] == a[:2]
+    assert cache.match_prefix([1, 2, 3, 5, 0])[0].tolist() == a[:2] + c[2:]
+    assert cache.match_prefix([1, 2, 3])[0].tolist() == a[:2]
     # diverging inside the first page: a new child of the root
     insert_new(alloc, cache, [1, 3])
     assert set(edges(cache.root)) == {(1, 2), (1, 3)}
@@ -439,11 +440,11 @@ def test_lru_order_of_eviction():
     free0 = alloc.num_free
     assert cache.evict(1) == 2
     assert alloc._free[-2:] == b  # slot == page with page_size 1
-    assert cache.match_prefix([2, 2])[0] == []
-    assert cache.match_prefix([1, 1])[0] == a  # touches a again: c is now the oldest
+    assert cache.match_prefix([2, 2])[0].tolist() == []
+    assert cache.match_prefix([1, 1])[0].tolist() == a  # touches a again: c is now the oldest
     assert cache.evict(1) == 2
     assert alloc._free[-2:] == c
-    assert cache.match_prefix([3, 3])[0] == []
+    assert cache.match_prefix([3, 3])[0].tolist() == []
     assert cache.evict(1) == 2
     assert alloc.num_free == free0 + 6
     assert cache.total_tokens == 0 and cache.evict(5) == 0
@@ -488,12 +489,13 @@ def test_locked_child_keeps_parent_and_unlock_restores_accounting():
     insert_new(alloc, cache, [1, 2, 3, 4])
     insert_new(alloc, cache, [1, 2, 5, 6])
     slots, node = cache.match_prefix([1, 2, 3, 4])
+    slots = slots.tolist()
     cache.lock(node)
     cache.lock(node)
     assert cache.protected_tokens == 4 and cache.evictable_tokens == 2
     assert cache.evict(100) == 2  # only (5, 6)
     assert edges(cache.root) == {(1, 2): {(3, 4): {}}}
-    assert cache.match_prefix([1, 2, 3, 4])[0] == slots
+    assert cache.match_prefix([1, 2, 3, 4])[0].tolist() == slots
     with pytest.raises(AssertionError):
         cache.reset()
     cache.unlock(node)

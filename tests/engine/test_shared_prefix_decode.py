@@ -1,0 +1,133 @@
+"""Decode that reads a shared cached prefix once per group gives the same tokens as reading it
+per request, as the radix cache turned off, and as transformers (CPU: Triton interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+
+import engine.scheduler.shared_prefix as shared_prefix
+from engine.batch.shared_prefix import SharedPrefix
+from tests.engine.core import InProcessCore
+from tests.tiny_models import hf_greedy, random_prompts, special_token_ids
+
+NEW = 10
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True}
+
+
+@pytest.fixture(autouse=True)
+def short_prefixes(monkeypatch):
+    # the tiny model's prompts are short: group prefixes from 24 tokens (the engine's floor is
+    # 256, where grouping starts to pay on a GPU)
+    monkeypatch.setattr(shared_prefix, "MIN_SHARED_PREFIX_TOKENS", 24)
+
+
+def few_shot_prompts() -> tuple[list[list[int]], list[list[int]]]:
+    """Three instruction blocks of 30-45 tokens, each with several short items; and items that
+    arrive later for two of the blocks."""
+    avoid = special_token_ids()
+    blocks = random_prompts(512, [30, 37, 45], seed=11, avoid_ids=avoid)
+    items = random_prompts(512, [3, 5, 1, 7, 4, 2, 6, 3, 5], seed=12, avoid_ids=avoid)
+    first = [blocks[i % 3] + item for i, item in enumerate(items)]
+    late = [
+        blocks[i % 2] + item
+        for i, item in enumerate(random_prompts(512, [2, 4, 6, 8], seed=13, avoid_ids=avoid))
+    ]
+    return first, late
+
+
+def run_staggered(core: InProcessCore, first, late) -> list[list[int]]:
+    """Submit `first`, decode a few steps, then submit `late` (they join running groups)."""
+    reqs = core.submit(first, GREEDY)
+    for _ in range(4):
+        core.scheduler.step()
+    reqs += core.submit(late, GREEDY)
+    while core.scheduler.has_work():
+        core.scheduler.step()
+    return [r.output_ids for r in reqs]
+
+
+def core(model_dir, **kwargs) -> InProcessCore:
+    args = {"dtype": "float32", "attention_backend": "triton", "max_total_tokens": 2048}
+    return InProcessCore(model_dir, **{**args, **kwargs})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_grouped_decode_equals_plain_decode_and_transformers(request, arch):
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    first, late = few_shot_prompts()
+    grouped = core(model_dir)
+    outs = run_staggered(grouped, first, late)
+    assert grouped.scheduler.stats.shared_prefix_steps > 0, "no step read a shared prefix"
+    plain = core(model_dir, disable_shared_prefix_attention=True)
+    assert run_staggered(plain, first, late) == outs
+    assert plain.scheduler.stats.shared_prefix_steps == 0
+    no_cache = core(model_dir, disable_radix_cache=True)
+    assert run_staggered(no_cache, first, late) == outs
+    assert outs == [hf_greedy(model_dir, p, NEW)[0] for p in first + late]
+
+
+def test_grouped_decode_under_retraction(llama_dir):
+    """A pool too small for every request's growth: decode retracts requests (their KV goes to
+    the cache, they resume later) while groups form and change; the tokens do not."""
+    first, late = few_shot_prompts()
+    small = {"max_total_tokens": 180, "chunked_prefill_size": 64}
+    grouped = core(llama_dir, **small)
+    outs = run_staggered(grouped, first, late)
+    stats = grouped.scheduler.stats
+    assert stats.retractions > 0 and stats.shared_prefix_steps > 0
+    assert run_staggered(core(llama_dir, disable_radix_cache=True, **small), first, late) == outs
+
+
+class _Node:
+    """A radix node as shared_prefixes reads it."""
+
+    def __init__(self, depth: int, lock_ref: int, parent=None) -> None:
+        self.depth, self.lock_ref, self.parent = depth, lock_ref, parent
+
+
+class _Req:
+    def __init__(self, node: _Node, row: int) -> None:
+        self.last_node, self.pool_row = node, row
+
+
+def test_groups_are_the_deepest_prefix_each_request_shares():
+    root = _Node(0, 1)
+    system = _Node(300, 6, root)  # shared by all six
+    block_a, block_b = _Node(900, 3, system), _Node(700, 2, system)
+    own = [_Node(950, 1, block_a), _Node(960, 1, block_a), _Node(940, 1, block_a)]
+    own += [_Node(720, 1, block_b), _Node(730, 1, block_b), _Node(310, 1, system)]
+    reqs = [_Req(node, row) for row, node in enumerate(own)]
+    groups = shared_prefix.shared_prefixes(reqs)
+    assert groups == [SharedPrefix(900, [0, 1, 2], 0), SharedPrefix(700, [3, 4], 3)]
+    # lock counts include requests outside the batch: request 0 still picks block A, which no
+    # one else in this batch holds, so neither request has a group
+    assert shared_prefix.shared_prefixes([reqs[5], reqs[0]]) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [{}, {"disable_cuda_graph": True}], ids=["graphs", "eager"])
+def test_gpu_grouped_decode_equals_cpu_reference(llama_dir, flags):
+    """On the GPU (compiled kernels, the grouped path captured in the decode graphs): two
+    instructions of 300 and 400 tokens, 40 rows each, ending one step apart so every graph
+    size replays; greedy tokens equal the CPU reference's, which reads each request alone."""
+    avoid = special_token_ids()
+    blocks = random_prompts(512, [300, 400], seed=31, avoid_ids=avoid)
+    items = random_prompts(512, [1 + i % 9 for i in range(80)], seed=32, avoid_ids=avoid)
+    prompts = [blocks[i % 2] + item for i, item in enumerate(items)]
+    params = [
+        {"temperature": 0.0, "max_new_tokens": 2 + i // 2, "ignore_eos": True}
+        for i in range(len(prompts))
+    ]
+    reference = InProcessCore(llama_dir, dtype="float32", max_total_tokens=16384).run(
+        prompts, params
+    )
+    from engine import Engine
+
+    with Engine(
+        model_path=str(llama_dir), dtype="float32", max_total_tokens=16384, **flags
+    ) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        state = engine.get_server_info()["internal_states"][0]
+    assert state["shared_prefix_steps"] > 0, "no decode step read a shared prefix"
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert out["output_ids"] == ref, f"prompt {i}"
