@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the README's benchmark workloads. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [kernels|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix ...]
+# Usage there: bash scripts/gpu_session.sh [kernels|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-plain|prefix-profile|fewshot|queue ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -46,6 +46,16 @@ for step in "${@:-kernels engine w1 w2}"; do
       w2) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 --json "$OUT/w2.json" 2>&1 | grep "^|" ;;
       prefix-off) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
                 --engine-args '{"disable_radix_cache": true}' --json "$OUT/prefix-true.json" 2>&1 | grep "^|" ;;
+      queue) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 2000 --input-len 100:1024 --output-len 256 \
+                --json "$OUT/queue.json" 2>&1 | grep "^|" ;;
+      fewshot) for flag in false true; do python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 \
+                --num-prefixes 8 --input-len 50 --output-len 64 \
+                --engine-args "{\"disable_radix_cache\": $flag}" --json "$OUT/fewshot-$flag.json" 2>&1 | grep "^|"; done ;;
+      prefix-plain) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
+                --engine-args '{"disable_shared_prefix_attention": true}' --json "$OUT/prefix-plain.json" 2>&1 | grep "^|" ;;
+      prefix-profile) GRISTMILL_PROFILE=$OUT/prefix.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 \
+                --input-len 50 --output-len 64 2>&1 | grep "^|"
+                  python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(30)" "$OUT/prefix.prof" | tail -40 ;;
       prefix) for flag in false true; do python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
                 --engine-args "{\"disable_radix_cache\": $flag}" --json "$OUT/prefix-$flag.json" 2>&1 | grep "^|"; done ;;
     esac
