@@ -82,15 +82,24 @@ class TritonAttnBackend(AttentionBackend):
             )
             self.graph_prefix = self._split(flat, bs)
             self._graph_flat = flat
+            self._graph_has_groups = False  # whether the static buffers hold any group now
 
     def init_graph_replay(self, batch: ForwardBatch, padded: int, static: torch.Tensor) -> None:
         if self.graph_prefix is None:
             return
-        host = self._prefix_host(batch.shared_prefixes or [], padded, self.items_capacity(padded))
+        if not batch.shared_prefixes:
+            # NOTE: a batch without groups needs all-zero buffers; they stay zero from one such
+            # replay to the next, so the common case costs no host work and no copy at all
+            if self._graph_has_groups:
+                self._graph_flat.zero_()
+                self._graph_has_groups = False
+            return
+        host = self._prefix_host(batch.shared_prefixes, padded, self.items_capacity(padded))
         lens, items = self.graph_prefix
         flat = to_device(host, torch.int64, lens.device)
         lens[:padded].copy_(flat[:padded])
         items[: self.items_capacity(padded)].copy_(flat[padded:].view(-1, 2 + self.item_size))
+        self._graph_has_groups = True
 
     # ------------------------------------------------------------------ kernels
     def forward_decode(
