@@ -231,29 +231,22 @@ def test_unseeded_sampling_is_reproducible_with_random_seed(llama_dir, prompts):
     assert other != outs
 
 
-def test_server_info_and_lifecycle(llama_dir):
-    e = Engine(
+def test_server_info_counts_what_a_fresh_engine_served(llama_dir):
+    """(shutdown, the context manager and later calls: test_process_lifecycle.py)"""
+    with Engine(
         model_path=str(llama_dir), dtype="float32", max_total_tokens=512, max_running_requests=8
-    )
-    e.generate(input_ids=[[1, 2, 3]] * 3, sampling_params=GREEDY)
-    info = e.get_server_info()
-    assert info["model_path"] == str(llama_dir)
-    assert info["max_total_num_tokens"] == 512 and info["max_running_requests"] == 8
-    state = info["internal_states"][0]
-    assert (
-        state["generated_tokens"] == 48
-        and state["prompt_tokens"] == 9
-        and state["requests_finished"] == 3
-    )
-    assert e.flush_cache() is True
-    e.shutdown()
-    e.shutdown()  # idempotent
-    with pytest.raises(RuntimeError, match="shut down"):
-        e.generate(input_ids=[1, 2], sampling_params=GREEDY)
-    with Engine(model_path=str(llama_dir), dtype="float32", max_total_tokens=512) as ctx:
-        assert ctx.generate(input_ids=[1, 2], sampling_params=GREEDY)["output_ids"]
-    with pytest.raises(RuntimeError):
-        ctx.generate(input_ids=[1, 2], sampling_params=GREEDY)
+    ) as e:
+        e.generate(input_ids=[[1, 2, 3]] * 3, sampling_params=GREEDY)
+        info = e.get_server_info()
+        assert info["model_path"] == str(llama_dir)
+        assert info["max_total_num_tokens"] == 512 and info["max_running_requests"] == 8
+        state = info["internal_states"][0]
+        assert (
+            state["generated_tokens"] == 48
+            and state["prompt_tokens"] == 9
+            and state["requests_finished"] == 3
+        )
+        assert e.flush_cache() is True
 
 
 def test_tokenizer_is_exposed_as_in_sglang(engine, llama_dir):

@@ -454,7 +454,9 @@ def test_broken_folder_error_names_the_problem(case, llama_dir, tmp_path):
         assert str(model_dir) in message
 
 
-@pytest.mark.parametrize("case", ["no_safetensors", "shape_mismatch_fused", "hidden_act"])
+# NOTE: one case: every loading error travels the same way (test_process_lifecycle.py starts
+# another engine on a truncated file); each engine start costs its children an import of torch.
+@pytest.mark.parametrize("case", ["shape_mismatch_fused"])
 def test_a_loading_error_reaches_engine_unchanged(case, llama_dir, tmp_path):
     """In an Engine the loader runs in the scheduler process: its error must reach the caller
     as the same ValueError, word for word, and leave no child process behind."""

@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pyarrow as pa
@@ -19,7 +21,12 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterName,
+    FlowRunFilterParentFlowRunId,
+    FlowRunFilterStartTime,
+)
 
 from flows.config import ConfigError, load_config
 from flows.identity import run_identity
@@ -88,40 +95,12 @@ def assert_exactly_the_reference(out: Path, reference: pa.Table) -> None:
     assert leftover_temp_files(run_folder(out)) == []
 
 
-# ---------------------------------------------------------------------- two workers
-@pytest.fixture(scope="module")
-def two_workers(prefect_api, config_for, tmp_path_factory):
-    out = tmp_path_factory.mktemp("two-workers")
-    state = generate_batch(config=load_config(config_for(out, workers=2)), return_state=True)
-    assert state.is_completed(), state.message
-    return out, state.result(), state.state_details.flow_run_id
-
-
-def test_300_rows_on_2_workers_equal_a_1_worker_run(two_workers, reference):
-    out, summary, _ = two_workers
-    assert_exactly_the_reference(out, reference)
-    assert summary["rows"] == summary["rows_generated_now"] == ROWS
-    assert summary["completion_tokens"] == sum(reference.column("completion_tokens").to_pylist())
-    assert summary["shards"] == 6, "two parts of 150 rows, in shards of 50"
-
-
-def test_each_part_is_a_task_run_of_a_nested_flow_on_dask(two_workers):
-    *_, flow_run_id = two_workers
-    with get_client(sync_client=True) as client:
-        (nested,) = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
-            )
-        )
-    parts = settled_task_runs(nested.id, "generate-part-0", "generate-part-1")
-    assert nested.state.is_completed()
-    assert sorted((p.name, p.state.type.value) for p in parts) == [
-        ("generate-part-0", "COMPLETED"),
-        ("generate-part-1", "COMPLETED"),
-    ]
-
-
 # ---------------------------------------------------------------------- a worker killed mid-run
+# A few rows in flight per engine and a shard as small: a part's first shard lands with all but a
+# few of its 150 rows still to do, so the kill lands mid-part on any machine (one row at a time
+# would be as sure, at many times the cost).
+FEW_IN_FLIGHT = {"shard_size": 5, "max_in_flight": 5}
+
 class KilledRun:
     """A 2-worker run in a subprocess (`gristmill run`) whose Dask worker of one part is
     SIGKILLed mid-part: after the part's first shard landed, before its last."""
@@ -134,6 +113,7 @@ class KilledRun:
         self.parts = self._parts_to_do()
         self.stderr = tmp_path / "stderr.txt"
         self.family: set[int] = set()  # every process the run had, for the orphan check
+        self.started = datetime.now(timezone.utc)
         with open(self.stderr, "w") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "flows.cli", "run", str(config_file)],
@@ -184,6 +164,19 @@ class KilledRun:
                 return [part, pid]
         return []
 
+    def flow_run(self) -> Any:
+        """The run's flow run: the one named after the config's run, started after this object.
+
+        (Each xdist worker has its own Prefect server, and this file's tests run one at a time.)"""
+        with get_client(sync_client=True) as client:
+            (top,) = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    name=FlowRunFilterName(any_=["questions"]),
+                    start_time=FlowRunFilterStartTime(after_=self.started),
+                )
+            )
+        return top
+
     @property
     def log(self) -> str:
         return self.stderr.read_text()
@@ -217,11 +210,7 @@ def test_resumed_on_2_workers_one_killed_dask_reruns_its_part_and_every_row_is_w
     by_one_worker = shard_rows(out)
     assert 100 <= by_one_worker <= 120
 
-    # one row in flight per engine and a shard per row: a part's first shard lands with all but
-    # one of its rows still to do, so the kill lands mid-part on any machine
-    killed = KilledRun(
-        config_for(out, workers=2, shard_size=1, max_in_flight=1), tmp_path, prefect_api
-    )
+    killed = KilledRun(config_for(out, workers=2, **FEW_IN_FLIGHT), tmp_path, prefect_api)
     log = killed.log
     assert killed.returncode == 0, log[-3000:]
     assert "Restarting worker" in log, "Dask saw the worker die"
@@ -229,8 +218,21 @@ def test_resumed_on_2_workers_one_killed_dask_reruns_its_part_and_every_row_is_w
     killed.assert_no_orphans()
     assert_exactly_the_reference(out, reference)
 
+    # each part ran as a task of a nested flow on the Dask task runner, and ended completed
+    with get_client(sync_client=True) as client:
+        (nested,) = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[killed.flow_run().id])
+            )
+        )
+    assert nested.state.is_completed()
+    parts = settled_task_runs(nested.id, "generate-part-0", "generate-part-1")
+    completed = {p.name for p in parts if p.state.is_completed()}
+    assert completed == {"generate-part-0", "generate-part-1"}
+
     summary = run(config_for(out, workers=2))
     assert summary["rows_generated_now"] == 0 and summary["rows_from_earlier_runs"] == ROWS
+    assert summary["completion_tokens"] == sum(reference.column("completion_tokens").to_pylist())
     assert_exactly_the_reference(out, reference)
 
 
@@ -239,7 +241,7 @@ def test_when_dask_gives_up_on_a_killed_worker_the_run_fails_and_a_1_worker_reru
 ):
     out = tmp_path / "runs"
     killed = KilledRun(
-        config_for(out, workers=2, shard_size=1, max_in_flight=1),
+        config_for(out, workers=2, **FEW_IN_FLIGHT),
         tmp_path,
         prefect_api,
         DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0",  # no second attempt of a task
