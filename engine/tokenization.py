@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 if TYPE_CHECKING:
     from engine.server_args import ServerArgs
@@ -24,13 +25,20 @@ _INCOMPLETE = "\ufffd"
 def load_tokenizer(args: ServerArgs) -> PreTrainedTokenizerBase:
     """The engine's tokenizer (tokenizer_path), as every process loads it; ValueError naming the field."""
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             args.tokenizer_path, trust_remote_code=args.trust_remote_code
         )
     except (OSError, ValueError) as e:
         raise ValueError(
             f"cannot load a tokenizer from tokenizer_path {args.tokenizer_path!r}: {e}"
         ) from None
+    # The engine holds each prompt to the context length itself (an error naming it, or
+    # allow_auto_truncate); the tokenizer's own limit would only print transformers' "Token
+    # indices sequence length is longer than ..." warning for every long row. Transformers'
+    # "no limit" value leaves that check nothing to warn about, and nothing calls the tokenizer
+    # with truncation or max-length padding, the only other readers of the limit.
+    tokenizer.model_max_length = VERY_LARGE_INTEGER
+    return tokenizer
 
 
 class IncrementalDecoder:
