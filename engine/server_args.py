@@ -1,12 +1,14 @@
 """Engine arguments: the constructor arguments of SGLang's offline ``Engine`` that gristmill honours.
 
 This is the one place where every engine default is decided: ``__post_init__`` validates the
-arguments and settles each one left to the engine (``None``) to its value — the device, the
-attention backend, the request and CUDA-graph limits, the random seed — so every process reads
-the same settled arguments and ``get_server_info()`` shows them. What is derived from several
-arguments is a property, never a stored copy. Two values stay open because only the model
-folder or the device can settle them: ``context_length`` (None: the model's) and
-``max_total_tokens`` (None: sized from memory at start-up).
+arguments (each one's type from its annotation, its range or choices from ``_RULES``: a wrong
+value is a ValueError naming the argument before any process starts) and settles each one left
+to the engine (``None``) to its value — the device, the attention backend, the request and
+CUDA-graph limits, the random seed — so every process reads the same settled arguments and
+``get_server_info()`` shows them. What is derived from several arguments is a property, never a
+stored copy. Two values stay open because only the model folder or the device can settle them:
+``context_length`` (None: the model's) and ``max_total_tokens`` (None: sized from memory at
+start-up).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import difflib
 import importlib.util
 import math
 import random
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,14 +85,10 @@ class ServerArgs:
         self._settle_defaults()
 
     def _validate(self) -> None:
-        if not isinstance(self.model_path, str) or not self.model_path:
-            raise ValueError("model_path must be a non-empty path to a Hugging Face model folder")
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
-        _check_choice("log_level", self.log_level.lower(), LOG_LEVELS)
-        if self.attention_backend is not None:
-            _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        for field in dataclasses.fields(self):
+            _check_argument(field.name, getattr(self, field.name))
+        # what no single argument's type and range can say: what is missing, what is not built
+        # yet, and the rules between arguments
         if self.attention_backend == "flashinfer" and not importlib.util.find_spec("flashinfer"):
             raise ValueError(
                 "attention_backend='flashinfer' needs the flashinfer-python package "
@@ -107,35 +107,10 @@ class ServerArgs:
             raise ValueError(
                 "revision is not supported: model_path is a local folder, not a hub repository."
             )
-        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(
-                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}."
-            )
-        for name in (
-            "max_total_tokens",
-            "max_running_requests",
-            "context_length",
-            "cuda_graph_max_bs",
-        ):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
-        if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
-            raise ValueError(
-                f"max_prefill_tokens must be a positive integer, got {self.max_prefill_tokens!r}."
-            )
-        if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}.")
-        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
-            raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}.")
         if self.tp_size > 1 and self.device not in (None, "cpu", "cuda"):
             raise ValueError(
                 f"device={self.device!r} names one device; with tp_size={self.tp_size} use "
                 "device='cuda' and base_gpu_id"
-            )
-        if not isinstance(self.base_gpu_id, int) or self.base_gpu_id < 0:
-            raise ValueError(
-                f"base_gpu_id must be a non-negative integer, got {self.base_gpu_id!r}."
             )
         if self.dp_size != 1:
             raise ValueError(
@@ -154,13 +129,12 @@ class ServerArgs:
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "mem_fraction_static": DEFAULT_MEM_FRACTION_STATIC,
             "max_running_requests": DEFAULT_MAX_RUNNING_REQUESTS,
+            "chunked_prefill_size": DEFAULT_CHUNKED_PREFILL_SIZE,
             "random_seed": random.SystemRandom().randrange(1 << 31),
         }
         for name, value in settle.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)  # frozen: settled once, while being built
-        if not self.chunked_prefill_size:
-            object.__setattr__(self, "chunked_prefill_size", DEFAULT_CHUNKED_PREFILL_SIZE)
         if self.attention_backend is None:
             gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton")
             object.__setattr__(self, "attention_backend", "triton" if gpu else "torch")
@@ -223,6 +197,96 @@ class ServerArgs:
         return dataclasses.asdict(self)
 
 
-def _check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{field} must be one of {', '.join(map(repr, allowed))}; got {value!r}.")
+# ---------------------------------------------------------------------- each argument's check
+@dataclass(frozen=True)
+class _Rule:
+    """What one argument accepts beyond its annotated type, and the words its message uses."""
+
+    allowed: tuple[str, ...]  # the alternatives, e.g. ("-1 (no chunks)", "a positive integer")
+    accepts: Callable[[Any], bool]  # called only with a value of the annotated type
+    choices: tuple[str, ...] = ()  # an enum's values, for did-you-mean
+
+
+def _one_of(choices: tuple[str, ...], fold_case: bool = False) -> _Rule:
+    def accepts(value: str) -> bool:
+        return (value.lower() if fold_case else value) in choices
+
+    return _Rule((f"one of {', '.join(map(repr, choices))}",), accepts, choices)
+
+
+def _is_device(value: str) -> bool:
+    return value in ("cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+
+
+_POSITIVE = _Rule(("a positive integer",), lambda v: v >= 1)
+
+# The range or choices of each argument that has one; its type comes from its annotation.
+# NOTE: every key names a field of ServerArgs (tests/engine/test_server_args.py holds to it).
+_RULES: dict[str, _Rule] = {
+    "model_path": _Rule(("a non-empty path to a Hugging Face model folder",), bool),
+    "tokenizer_path": _Rule(("a non-empty path to a tokenizer folder",), bool),
+    "load_format": _one_of(LOAD_FORMATS),
+    "context_length": _POSITIVE,
+    "dtype": _one_of(DTYPES),
+    "device": _Rule(("'cpu'", "'cuda'", "'cuda:N'"), _is_device),
+    "mem_fraction_static": _Rule(("a number in (0, 1)",), lambda v: 0 < v < 1),
+    "max_total_tokens": _POSITIVE,
+    "max_running_requests": _POSITIVE,
+    "max_prefill_tokens": _POSITIVE,
+    "chunked_prefill_size": _Rule(
+        ("-1 (no chunks)", "a positive integer"), lambda v: v == -1 or v >= 1
+    ),
+    "schedule_policy": _one_of(SCHEDULE_POLICIES),
+    "page_size": _POSITIVE,
+    "attention_backend": _one_of(ATTENTION_BACKENDS),
+    "cuda_graph_max_bs": _POSITIVE,
+    "tp_size": _POSITIVE,
+    "base_gpu_id": _Rule(("a non-negative integer",), lambda v: v >= 0),
+    "log_level": _one_of(LOG_LEVELS, fold_case=True),
+    "stream_interval": _POSITIVE,
+}
+
+_ANNOTATIONS = typing.get_type_hints(ServerArgs)
+_TYPE_WORDS = {
+    bool: ("True", "False"),
+    int: ("an integer",),
+    float: ("a number",),
+    str: ("a string",),
+}
+
+
+def _check_argument(name: str, value: Any) -> None:
+    """ValueError naming `name` unless `value` is of its annotated type and within its rule."""
+    kind, optional = _annotated(_ANNOTATIONS[name])
+    if value is None and optional:
+        return
+    rule = _RULES.get(name)
+    if _is_a(value, kind) and (rule is None or rule.accepts(value)):
+        return
+    allowed = (rule.allowed if rule else _TYPE_WORDS[kind]) + (("None",) if optional else ())
+    message = f"{name} must be {_alternatives(allowed)}, got {value!r} ({type(value).__name__})"
+    close = (
+        difflib.get_close_matches(value.lower(), rule.choices, n=1)
+        if rule and isinstance(value, str)
+        else []
+    )
+    raise ValueError(message + (f"; did you mean {close[0]!r}?" if close else "."))
+
+
+def _annotated(hint: Any) -> tuple[type, bool]:
+    """An argument's type and whether it may be None, from its annotation: `T` or `T | None`."""
+    members = typing.get_args(hint) or (hint,)
+    # NOTE: every argument is one bool, int, float or str, optionally None
+    (kind,) = (m for m in members if m is not type(None))
+    return kind, type(None) in members
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    """Strict: True is no int, 1 no bool, "8" no int; an int is a float (as Python's typing has it)."""
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def _alternatives(words: tuple[str, ...]) -> str:
+    return " or ".join(words) if len(words) <= 2 else f"{', '.join(words[:-1])} or {words[-1]}"
