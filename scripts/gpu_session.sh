@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the README's benchmark workloads. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [kernels|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-plain|prefix-profile|fewshot|queue ...]
+# Usage there: bash scripts/gpu_session.sh [kernels|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -19,6 +19,11 @@ fi
 tests() {
   python3 -m pytest "$@" -q -p no:cacheprovider -W ignore >"$OUT/$s.log" 2>&1
   grep -E "^(ERROR|FAILED)|^E  |passed|failed|error" "$OUT/$s.log" | tail -25
+}
+# The scheduler's profile: by own time, then by cumulative time within engine/ (where a step goes).
+profile() {
+  python3 -c "import pstats,sys; s=pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(25); s.sort_stats('cumulative').print_stats('engine/', 45)" "$1" \
+    | grep -v "^$" | sed 's|/.*/engine/|engine/|' | tail -80
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for step in "${@:-kernels engine w1 w2}"; do
@@ -55,7 +60,14 @@ for step in "${@:-kernels engine w1 w2}"; do
                 --engine-args '{"disable_shared_prefix_attention": true}' --json "$OUT/prefix-plain.json" 2>&1 | grep "^|" ;;
       prefix-profile) GRISTMILL_PROFILE=$OUT/prefix.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 \
                 --input-len 50 --output-len 64 2>&1 | grep "^|"
-                  python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(30)" "$OUT/prefix.prof" | tail -40 ;;
+                  profile "$OUT/prefix.prof" ;;
+      queue-profile) GRISTMILL_PROFILE=$OUT/queue.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 2000 --input-len 100:1024 \
+                --output-len 256 2>&1 | grep "^|"
+                  profile "$OUT/queue.prof" ;;
+      prefix-on) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
+                --json "$OUT/prefix-on.json" 2>&1 | grep "^|" ;;
+      fewshot-on) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --num-prefixes 8 \
+                --input-len 50 --output-len 64 --json "$OUT/fewshot-on.json" 2>&1 | grep "^|" ;;
       prefix) for flag in false true; do python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
                 --engine-args "{\"disable_radix_cache\": $flag}" --json "$OUT/prefix-$flag.json" 2>&1 | grep "^|"; done ;;
     esac

@@ -13,6 +13,8 @@ prompt-token logprobs are the model's own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.batch.forward_batch import ForwardMode
@@ -21,7 +23,7 @@ from engine.batch.scheduled_batch import ScheduledBatch
 from engine.runner.batch_builder import LogitPlan
 from engine.runner.launched_step import InputLogprobs, LaunchedStep
 from engine.sampling.grammar import GrammarMasks
-from engine.sampling.penalties import PenaltyState
+from engine.sampling.penalties import PenaltyState, penalised_rows
 from engine.sampling.sampler import SamplingBatch, sample
 from engine.transfer import to_device
 
@@ -35,6 +37,7 @@ class LogitsStep:
         self.next_token = next_token  # [rows] the input of each request row's next decode
         self.penalties = PenaltyState(num_rows, vocab_size, device)
         self.grammar_masks = GrammarMasks(vocab_size, device)
+        self._decode_asks: _Asks | None = None
 
     def launch(
         self,
@@ -53,13 +56,23 @@ class LogitsStep:
             sample_logits = logits[to_device(sample_rows, torch.int64, self.device)]
             pool_rows = to_device([r.pool_row for r in step.sample_reqs], torch.int64, self.device)
         if step.sample_reqs:
-            self.penalties.apply(step.sample_reqs, sample_logits)
-            step.constrained = self.grammar_masks.apply(step.sample_reqs, sample_logits)
-            _suppress_early_stops(step.sample_reqs, sample_logits)
-            self._sample(step, sample_logits, pool_rows)
-            self.penalties.record(step.sample_reqs, step.tokens)
+            reqs = step.sample_reqs
+            asks = self._asks_of(reqs) if batch.mode is ForwardMode.DECODE else _Asks.of(reqs)
+            self.penalties.apply(reqs, sample_logits, asks.penalised, asks.biased)
+            if asks.maybe_constrained:
+                step.constrained = self.grammar_masks.apply(reqs, sample_logits)
+            _suppress_early_stops(reqs, asks.min_new_tokens, sample_logits)
+            self._sample(step, sample_logits, pool_rows, asks)
+            self.penalties.record(reqs, step.tokens, asks.penalised)
         step.copy_to_host()
         return step
+
+    def _asks_of(self, reqs: list[Req]) -> _Asks:
+        """A decode batch's asks, computed again only when its requests change."""
+        key = tuple(map(id, reqs))
+        if self._decode_asks is None or self._decode_asks.key != key:
+            self._decode_asks = _Asks.of(reqs, key)
+        return self._decode_asks
 
     def _prefill_outputs(
         self, step: LaunchedStep, plan: LogitPlan, logits: torch.Tensor
@@ -81,19 +94,19 @@ class LogitsStep:
                 step.sample_reqs.append(req)
         return sample_rows
 
-    def _sample(self, step: LaunchedStep, logits: torch.Tensor, pool_rows: torch.Tensor) -> None:
+    def _sample(
+        self, step: LaunchedStep, logits: torch.Tensor, pool_rows: torch.Tensor, asks: _Asks
+    ) -> None:
         """Draw the step's tokens, store them as the next decode inputs of their request rows,
         and compute the output logprobs asked for (all before the next launch can run)."""
         reqs = step.sample_reqs
-        if all(r.sampling.is_greedy for r in reqs):
-            tokens = logits.argmax(
-                -1
-            )  # what sample() does for an all-greedy batch, without its inputs
+        if asks.all_greedy:  # what sample() does for an all-greedy batch, without its inputs
+            tokens = logits.argmax(-1)
         else:
             tokens = sample(logits, self._sampling_batch(reqs))
         self.next_token[pool_rows] = tokens
         step.tokens = tokens
-        rows = [i for i, r in enumerate(reqs) if r.return_logprob]
+        rows = asks.logprob_rows
         if rows:
             k = max(reqs[i].top_logprobs_num for i in rows)
             index = to_device(rows, torch.int64, logits.device)
@@ -131,9 +144,42 @@ def _input_logprobs(req: Req, logits: torch.Tensor) -> InputLogprobs:
     return InputLogprobs(req, lp.gather(1, targets.view(-1, 1)).view(-1), values, ids)
 
 
-def _suppress_early_stops(reqs: list[Req], logits: torch.Tensor) -> None:
-    """min_new_tokens: the stop ids cannot win before enough tokens exist."""
-    for i, req in enumerate(reqs):
-        sp = req.sampling
-        if sp.min_new_tokens and req.drawn < sp.min_new_tokens and sp.stop_ids:
+def _suppress_early_stops(reqs: list[Req], rows: list[int], logits: torch.Tensor) -> None:
+    """min_new_tokens: the stop ids cannot win before enough tokens exist (`rows`: the requests
+    that set min_new_tokens and have stop ids)."""
+    for i in rows:
+        sp = reqs[i].sampling
+        if reqs[i].drawn < sp.min_new_tokens:
             logits[i, list(sp.stop_ids)] = float("-inf")
+
+
+@dataclass(frozen=True)
+class _Asks:
+    """What the sampling requests of a step ask of it, by row; fixed for given requests (their
+    sampling parameters never change), so a decode batch keeps it while its requests stay.
+
+    NOTE: `key` holds the requests' ids and `reqs` holds the requests, so no id is reused by a
+    new request while the key is kept."""
+
+    key: tuple[int, ...]
+    reqs: list[Req]
+    all_greedy: bool
+    penalised: list[int]
+    biased: bool
+    maybe_constrained: bool  # a grammar can only end (finish), so none now means none later
+    min_new_tokens: list[int]
+    logprob_rows: list[int]
+
+    @classmethod
+    def of(cls, reqs: list[Req], key: tuple[int, ...] = ()) -> _Asks:
+        sps = [r.sampling for r in reqs]
+        return cls(
+            key=key,
+            reqs=reqs,
+            all_greedy=all(sp.is_greedy for sp in sps),
+            penalised=penalised_rows(reqs),
+            biased=any(sp.logit_bias for sp in sps),
+            maybe_constrained=any(r.grammar is not None for r in reqs),
+            min_new_tokens=[i for i, sp in enumerate(sps) if sp.min_new_tokens and sp.stop_ids],
+            logprob_rows=[i for i, r in enumerate(reqs) if r.return_logprob],
+        )

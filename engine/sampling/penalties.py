@@ -28,6 +28,10 @@ def has_penalties(req: Req) -> bool:
     return bool(sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0)
 
 
+def penalised_rows(reqs: list[Req]) -> list[int]:
+    return [i for i, r in enumerate(reqs) if has_penalties(r)]
+
+
 class PenaltyState:
     def __init__(self, num_rows: int, vocab_size: int, device: torch.device) -> None:
         self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
@@ -36,10 +40,20 @@ class PenaltyState:
         # which admission of which request a row's state belongs to (Req.admit_order is unique)
         self.owner: list[int] = [-1] * num_rows
 
-    def apply(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        """Penalise and bias, in place, the logits rows [len(reqs), V] of the sampling requests."""
-        self._bias(reqs, logits)
-        idx = [i for i, r in enumerate(reqs) if has_penalties(r)]
+    def apply(
+        self,
+        reqs: list[Req],
+        logits: torch.Tensor,
+        penalised: list[int] | None = None,
+        biased: bool = True,
+    ) -> None:
+        """Penalise and bias, in place, the logits rows [len(reqs), V] of the sampling requests.
+
+        `penalised` (the rows with penalties) and `biased` (whether any row has a logit_bias)
+        may come precomputed: a decode batch's requests stay the same for many steps."""
+        if biased:
+            self._bias(reqs, logits)
+        idx = penalised if penalised is not None else penalised_rows(reqs)
         if not idx:
             return
         self._ensure_rows([reqs[i] for i in idx])
@@ -63,9 +77,11 @@ class PenaltyState:
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         logits[index] = x.to(logits.dtype)
 
-    def record(self, reqs: list[Req], tokens: torch.Tensor) -> None:
+    def record(
+        self, reqs: list[Req], tokens: torch.Tensor, penalised: list[int] | None = None
+    ) -> None:
         """Count the tokens just sampled (device tensor, one per request) for penalised requests."""
-        idx = [i for i, r in enumerate(reqs) if has_penalties(r)]
+        idx = penalised if penalised is not None else penalised_rows(reqs)
         if not idx:
             return
         rows = to_device([reqs[i].pool_row for i in idx], torch.int64, self.device)

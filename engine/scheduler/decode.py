@@ -42,7 +42,9 @@ class DecodePlanner:
         q, ps = self.queues, self.kv.page_size
         # a request whose pending token is its last by length needs no further forward
         reqs = [r for r in q.running if r.drawn < r.draw_limit]
-        while sum(r.kv_len % ps == 0 for r in reqs) > self.kv.available_pages:
+        while (len(reqs) if ps == 1 else sum(r.kv_len % ps == 0 for r in reqs)) > (
+            self.kv.available_pages
+        ):
             victim = q.chunked or (
                 max(reqs, key=lambda r: r.admit_order) if len(reqs) > 1 else None
             )

@@ -90,6 +90,12 @@ class KVCache:
     def extend_by_one(self, reqs: list[Req]) -> list[int]:
         """A decode step's slots: one more token for each request, new pages in one allocation."""
         ps = self.page_size
+        if ps == 1:  # every token is a page of its own: the slots are the new pages
+            pages = self._alloc(len(reqs))
+            for req, page in zip(reqs, pages):
+                req.kv_pages.append(page)
+                req.kv_len += 1
+            return pages
         full = [r for r in reqs if len(r.kv_pages) * ps == r.kv_len]
         for req, page in zip(full, self._alloc(len(full))):
             req.kv_pages.append(page)

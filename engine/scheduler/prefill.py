@@ -75,9 +75,11 @@ class PrefillPlanner:
         if self.lpm:
             self._sort_waiting_by_prefix()
         heads: set[tuple[object, bytes]] = set()  # the uncached heads of the batch's prompts
-        reserved = self.estimate.tokens_to_come(q.running)
+        reserved = None  # what the running requests may still generate: O(running), so lazily
         # NOTE: newly admitted requests join q.running (or become q.chunked) as they are planned
         while q.waiting and budget > 0 and q.num_running < self.max_running_requests:
+            if reserved is None:
+                reserved = self.estimate.tokens_to_come(q.running)
             req = q.waiting[0]
             cached = self.kv.admit(req, self._prefix_limit(req))
             remaining = req.fill_len - cached

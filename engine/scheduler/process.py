@@ -70,7 +70,6 @@ class SchedulerProcess:
 
     def run(self) -> None:
         profile = HostProfile.from_env()
-        was_busy = False
         while True:
             busy = self.scheduler.has_work()
             inbox = recv_all(self.inbox, 0 if busy else _IDLE_POLL_MS) if self.inbox else []
@@ -78,11 +77,12 @@ class SchedulerProcess:
                 self._handle(msg)
             if self.scheduler.has_work():
                 with profile:
-                    self._send(self.scheduler.step())
-                was_busy = True
-            elif was_busy:
-                profile.dump()
-                was_busy = False
+                    finished = self.scheduler.step()
+                if not self.scheduler.has_work():
+                    # before the last outputs leave: the caller may shut the engine down at once
+                    profile.dump()
+                with profile:
+                    self._send(finished)
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, TokenizedRequest):

@@ -1,7 +1,7 @@
 """GRISTMILL_PROFILE: a cProfile of the scheduler's busy steps.
 
 When the environment variable names a file, the scheduler process profiles every step it runs
-and writes the profile there whenever it goes idle (`python -m pstats FILE` reads it).
+and writes the profile there whenever it runs out of work (`python -m pstats FILE` reads it).
 """
 
 from __future__ import annotations
@@ -28,5 +28,7 @@ class HostProfile:
             self.profiler.disable()
 
     def dump(self) -> None:
+        """Write the profile so far; atomically, so a reader never sees half a file."""
         if self.profiler is not None:
-            self.profiler.dump_stats(self.path)
+            self.profiler.dump_stats(f"{self.path}.tmp")
+            os.replace(f"{self.path}.tmp", self.path)

@@ -72,7 +72,7 @@ def _tree_pages(kv: KVCache) -> list[int]:
 
 def _check_ownership(kv: KVCache, live: list[Req]) -> None:
     """Every page is exactly one of: free, owned by one live request, held by the prefix cache."""
-    free = list(kv.allocator._free)
+    free = kv.allocator.free_pages()
     cached = _tree_pages(kv)
     owned = [p for r in live for p in r.kv_pages[r.prefix_len // kv.page_size :]]
     every = free + cached + owned
