@@ -7,10 +7,12 @@
     <output_dir>/<run_name>/<fingerprint>/summary.json     the merged run's numbers
 
 A shard is written to a dot-prefixed temporary name and moved into place with os.replace, so a
-reader sees a whole shard or none. Resuming reads the id column of every shard and skips
-those rows; what a crash left behind (temporary files, shards that do not read back) is
-reported, set aside and redone. The fingerprint hashes everything that changes an output row,
-so a changed config writes beside the old results, never into them.
+reader sees a whole shard or none; its name carries a CRC-32 of its bytes. Resuming checks
+every shard whole against that checksum, reads its ids and skips those rows; what a crash or
+a bad disk left behind (temporary files, shards that do not read back whole) is reported, set
+aside and redone, so merging never meets an unreadable shard. The fingerprint hashes
+everything that changes an output row, so a changed config writes beside the old results,
+never into them.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +37,8 @@ import pyarrow.parquet as pq
 logger = logging.getLogger(__name__)
 
 ID_COLUMN = "id"
+# shard-<uuid>-<CRC-32 of the file's bytes>.parquet; shards of earlier versions have no checksum
+_CHECKSUM = re.compile(r"^shard-[0-9a-f]{32}-(?P<crc>[0-9a-f]{8})\.parquet$")
 
 
 def fingerprint(identity: dict[str, Any]) -> str:
@@ -197,8 +203,8 @@ class CheckpointStore:
             if path.suffix != ".parquet":
                 continue
             try:
-                ids = pq.read_table(path, columns=[ID_COLUMN]).column(ID_COLUMN).to_pylist()
-            except Exception as e:  # an unreadable shard: set it aside, its rows are redone
+                ids = _verified_ids(path)
+            except Exception as e:  # not whole (corrupt, cut short): set aside, its rows redone
                 if repair:
                     path.rename(path.with_name(f"{path.name}.unreadable"))
                 verb = "set aside" if repair else "found"
@@ -235,8 +241,9 @@ class CheckpointStore:
             raise ValueError("a shard needs at least one row")
         if any(ID_COLUMN not in r for r in rows):
             raise ValueError(f"every row needs an {ID_COLUMN!r} column")
-        path = self.shards_dir / f"shard-{uuid.uuid4().hex}.parquet"
-        write_parquet(path, pa.Table.from_pylist(rows, schema=schema), fence)
+        data = _parquet_bytes(pa.Table.from_pylist(rows, schema=schema))
+        path = self.shards_dir / f"shard-{uuid.uuid4().hex}-{zlib.crc32(data):08x}.parquet"
+        _atomic_write(path, data, fence)
         return path
 
     @property
@@ -274,11 +281,31 @@ def _try_flock(fd: int, kind: int) -> bool:
     return True
 
 
+def _verified_ids(shard: Path) -> list[str]:
+    """The ids of a shard that reads back whole; ValueError or an Arrow error if it does not.
+
+    The checksum in its name covers every byte, so a shard that matches it decodes as written
+    and its id column alone is read. NOTE: the ids alone are not enough: a page of another
+    column can be corrupt while the ids read back, and merging would fail on it in every
+    rerun. A shard named without a checksum (an earlier version's) is read whole instead."""
+    data = shard.read_bytes()  # one read: the checksum and the ids come from the same bytes
+    match = _CHECKSUM.match(shard.name)
+    if match is None:
+        return pq.read_table(pa.BufferReader(data)).column(ID_COLUMN).to_pylist()
+    if f"{zlib.crc32(data):08x}" != match["crc"]:
+        raise ValueError("its bytes do not match the checksum it was written with")
+    return pq.read_table(pa.BufferReader(data), columns=[ID_COLUMN]).column(ID_COLUMN).to_pylist()
+
+
 def write_parquet(path: Path, table: pa.Table, fence: Callable[[], None] | None = None) -> None:
     """A Parquet file that appears whole or not at all."""
+    _atomic_write(path, _parquet_bytes(table), fence)
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)
-    _atomic_write(path, buffer.getvalue().to_pybytes(), fence)
+    return buffer.getvalue().to_pybytes()
 
 
 def _atomic_write(path: Path, data: bytes, fence: Callable[[], None] | None = None) -> None:

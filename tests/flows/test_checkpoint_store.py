@@ -1,4 +1,5 @@
-"""The Parquet checkpoint store: atomic shards, resume by id, crash leftovers, fingerprints."""
+"""The Parquet checkpoint store: atomic shards, resume by id, crash leftovers, shards verified
+whole, fingerprints."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from flows.store import CheckpointStore, fingerprint, row_seed
+from flows.store import CheckpointStore, fingerprint, row_seed, write_parquet
 from tests.flows.fixtures import wait_until
 
 IDENTITY = {"model": "tiny", "sampling": {"temperature": 0}, "template": "{q}", "seed": 1}
@@ -174,3 +177,77 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert subprocess.run([sys.executable, "-c", script], env=env).returncode == -signal.SIGKILL
     assert second.writer() is None
     second.lock()  # a writer killed while holding the lock left nothing behind
+
+
+def _flip(shard: Path, offset: int) -> None:
+    data = bytearray(shard.read_bytes())
+    data[offset : offset + 4] = bytes(b ^ 0xFF for b in data[offset : offset + 4])
+    shard.write_bytes(bytes(data))
+
+
+def corrupt_a_page_of(shard: Path, column: str) -> None:
+    """Flip the first bytes of a column's data page, found from the Parquet footer: the page
+    no longer reads, the other columns' pages still do."""
+    row_group = pq.read_metadata(shard).row_group(0)
+    (chunk,) = [
+        row_group.column(i)
+        for i in range(row_group.num_columns)
+        if row_group.column(i).path_in_schema == column
+    ]
+    _flip(shard, chunk.data_page_offset)
+
+
+def _long_rows(ids, tag="x"):
+    """Rows whose texts are long and unlike each other, so a text page is mostly the texts."""
+    return [
+        {
+            "id": str(i),
+            "text": f"{tag}{i} " + "".join(uuid.uuid4().hex for _ in range(8)),
+            "tokens": i,
+        }
+        for i in ids
+    ]
+
+
+def test_a_shard_with_a_corrupt_page_is_set_aside_and_redone_though_its_ids_read(tmp_path, caplog):
+    store = CheckpointStore(tmp_path, "run", IDENTITY)
+    store.open()
+    good = store.write_shard(_long_rows(range(10)))
+    broken = store.write_shard(_long_rows(range(10, 20)))
+    altered = store.write_shard(_long_rows(range(20, 30)))
+    corrupt_a_page_of(broken, "text")
+    # a byte of one text changed: the shard still decodes, to another text
+    _flip(altered, altered.read_bytes().index(pq.read_table(altered)["text"][3].as_py().encode()))
+    assert pq.read_table(broken, columns=["id"])["id"].to_pylist() == [
+        str(i) for i in range(10, 20)
+    ]
+    with pytest.raises((OSError, pa.ArrowException)):  # as collect failed on it in every rerun
+        pq.read_table(broken)
+    assert pq.read_table(altered).num_rows == 10, "only a checksum tells this shard is not whole"
+
+    with caplog.at_level(logging.WARNING, logger="flows.store"):
+        scan = store.open()  # a rerun
+    assert scan.shards == [good] and scan.done_ids == {str(i) for i in range(10)}
+    for shard in (broken, altered):
+        assert not shard.exists() and shard.with_name(f"{shard.name}.unreadable").exists()
+        assert f"set aside unreadable shard {shard.name}" in caplog.text
+    assert "its rows will be redone" in caplog.text
+    store.write_shard(_long_rows(range(10, 30), tag="redo"))
+    merged = store.merge(expected_ids={str(i) for i in range(30)})
+    assert sorted(merged["id"].to_pylist(), key=int) == [str(i) for i in range(30)]
+    assert all(
+        t.startswith("redo") for t in merged.filter(pc.field("tokens") >= 10)["text"].to_pylist()
+    )
+
+
+def test_shards_named_without_a_checksum_are_checked_by_reading_them_whole(tmp_path):
+    """Shards written before checksums were: a rerun still resumes from them."""
+    store = CheckpointStore(tmp_path, "run", IDENTITY)
+    store.open()
+    old, broken = (store.shards_dir / f"shard-{uuid.uuid4().hex}.parquet" for _ in range(2))
+    write_parquet(old, pa.Table.from_pylist(_long_rows(range(5))))
+    write_parquet(broken, pa.Table.from_pylist(_long_rows(range(5, 10))))
+    corrupt_a_page_of(broken, "text")
+    scan = store.open()
+    assert scan.shards == [old] and scan.done_ids == {str(i) for i in range(5)}
+    assert len(scan.problems) == 1 and broken.name in scan.problems[0]
