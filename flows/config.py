@@ -20,6 +20,9 @@ the fingerprint picks it up without knowing the flow.
 
 from __future__ import annotations
 
+import codecs
+import difflib
+import encodings.aliases
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -89,6 +92,27 @@ class SourceConfig(Section):
     id_column: str | None = Field(
         None, description="a column of unique row ids; default: the row's position in the input"
     )
+    encoding: str = Field("utf-8", description="of a JSONL or CSV file's text, e.g. latin-1")
+
+    @field_validator("encoding")
+    @classmethod
+    def _is_an_encoding(cls, encoding: str) -> str:
+        try:
+            codecs.lookup(encoding)
+        except LookupError:
+            names = sorted({name.replace("_", "-") for name in encodings.aliases.aliases.values()})
+            close = difflib.get_close_matches(encoding.lower().replace("_", "-"), names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(
+                f"unknown encoding {encoding!r}: {hint}e.g. utf-8, latin-1, cp1252, utf-16"
+            ) from None
+        try:
+            b"a".decode(encoding)
+        except LookupError:  # base64, zlib, ...: codecs of bytes to bytes
+            raise ValueError(f"{encoding!r} is not a text encoding") from None
+        except UnicodeDecodeError:
+            pass  # a text encoding (utf-16 wants two bytes)
+        return encoding
 
 
 class PromptConfig(Section):

@@ -1,6 +1,8 @@
 """Check a config against the world before any engine starts: files, model folder, engine and
-sampling rules, the input's columns. Every problem is collected and raised as one ConfigError
-that names each field, so a user fixes a config in one round, not one error at a time.
+sampling rules, and the whole input (every line parses and decodes, ids are present and
+unique, the columns the config names exist, there is a row). Every problem is collected and
+raised as one ConfigError that names each field, so a user fixes a config in one round, not
+one error at a time.
 
 The engine's own validators are the judges (ServerArgs, ModelConfig, SamplingParams): they run
 here without starting a process, so the flows never drift from what the engine accepts.
@@ -8,14 +10,13 @@ here without starting a process, so the flows never drift from what the engine a
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow as pa
-
 from flows.config import ConfigError, RunConfig
 from flows.prompts import has_chat_template, template_names
-from flows.sources import read_schema, source_format
+from flows.sources import TEXT_FORMATS, Input, id_problems, load_input
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,20 @@ def preflight(config: RunConfig) -> Checked:
     problems: list[tuple[str, str]] = []
     tokenizer_path = _check_engine(config, problems)
     _check_sampling(config, problems)
-    schema, fmt = _check_source(config, problems)
-    columns = schema.names if schema is not None else []
-    if schema is not None:
+    loaded = _check_source(config, problems)
+    columns = loaded.table.column_names if loaded is not None else []
+    if loaded is not None:
         _check_columns(config, columns, problems)
+        id_column = config.source.id_column
+        if id_column is not None and id_column in columns:
+            problems += id_problems(loaded, id_column)
     if config.prompt.chat and tokenizer_path and not has_chat_template(tokenizer_path):
         problems.append(("prompt.chat", f"the tokenizer in {tokenizer_path} has no chat template"))
     _check_gpus(config, problems)
     problems += config.flow_problems()
     if problems:
         raise ConfigError(problems)
-    return Checked(columns, fmt, tokenizer_path)
+    return Checked(columns, loaded.format if loaded else "", tokenizer_path)
 
 
 def _check_engine(config: RunConfig, problems: list[tuple[str, str]]) -> str:
@@ -121,19 +125,16 @@ def _check_sampling(config: RunConfig, problems: list[tuple[str, str]]) -> None:
             return
 
 
-def _check_source(
-    config: RunConfig, problems: list[tuple[str, str]]
-) -> tuple[pa.Schema | None, str]:
+def _check_source(config: RunConfig, problems: list[tuple[str, str]]) -> Input | None:
+    """The input read whole (it stays loaded for the run: flows/sources.py), or None."""
     try:
-        fmt = source_format(config.source)
-    except ValueError as e:
-        problems.append(("source.path", str(e)))
-        return None, ""
-    try:
-        return read_schema(config.source), fmt
-    except (OSError, pa.ArrowException) as e:
-        problems.append(("source.path", f"cannot read {config.source.path} as {fmt}: {e}"))
-        return None, fmt
+        loaded = load_input(config.source)
+    except ConfigError as e:
+        problems += e.problems
+        return None
+    if loaded.format not in TEXT_FORMATS and codecs.lookup(loaded.encoding).name != "utf-8":
+        problems.append(("source.encoding", f"applies to JSONL and CSV; {loaded.format} is UTF-8"))
+    return loaded
 
 
 def _check_columns(config: RunConfig, columns: list[str], problems: list[tuple[str, str]]) -> None:

@@ -1,24 +1,47 @@
-"""Input rows: a JSONL, CSV or Parquet file, or a folder of Parquet files, read with pyarrow.
+"""Input rows: a JSONL, CSV or Parquet file, or a folder of them, read whole and checked before
+anything starts.
 
 A row's id is its `id_column` value as a string, or else its 0-based position in the input.
 Positions are stable because the input's content hash is part of the run's fingerprint: a
 changed file gets a new run folder, so old ids never meet new rows.
+
+`load_input` reads each file once: it hashes the bytes (the dataset's identity), decodes them
+in `source.encoding` (JSONL and CSV; a text column never comes out as bytes) and parses them
+with pyarrow. A file that does not read is a ConfigError naming the file, its line (Parquet: its
+row), the column and the value. pyarrow's errors name a row within a block, not a line of the
+file, so only then is the file read again with Python's json or csv module to find the line.
+preflight loads the input; the run that follows (its fingerprint, prepare_prompts) uses what it
+read while the files are unchanged.
 """
 
 from __future__ import annotations
 
+import bisect
+import codecs
+import csv
 import hashlib
+import io
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
+import pyarrow.csv as pa_csv
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
 
-from flows.config import SourceConfig
+from flows.config import ConfigError, SourceConfig
 
 _SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
                    ".parquet": "parquet", ".pq": "parquet"}  # fmt: skip
-_ARROW_FORMATS = {"jsonl": "json", "csv": "csv", "parquet": "parquet"}
+TEXT_FORMATS = ("jsonl", "csv")  # the formats `source.encoding` applies to
+_CLIP = 60  # characters of a value shown in a message
+# what ends the word around undecodable bytes (the part of the value a message shows)
+_WORD_ENDS = b' \t\r\n,;:"{}[]'
 
 
 def source_files(source: SourceConfig) -> list[Path]:
@@ -54,31 +77,393 @@ def source_format(source: SourceConfig) -> str:
     return _SUFFIX_FORMATS[path.suffix.lower()]
 
 
-def _dataset(source: SourceConfig) -> ds.Dataset:
-    files = source_files(source)
-    return ds.dataset([str(f) for f in files], format=_ARROW_FORMATS[source_format(source)])
+# ---------------------------------------------------------------------- the input, read whole
+@dataclass(frozen=True)
+class InputFile:
+    path: Path
+    name: str  # as messages name it: its path from the source's parent folder
+    rows: int
 
 
-def read_schema(source: SourceConfig) -> pa.Schema:
-    """The input's columns, read from file headers (JSONL and CSV: from their first block)."""
-    return _dataset(source).schema
+@dataclass(frozen=True)
+class Input:
+    """A source's rows in file order, the file each came from, and the digest of its bytes."""
+
+    table: pa.Table
+    files: tuple[InputFile, ...]
+    format: str
+    encoding: str
+    digest: str
+
+    def places(self, rows: list[int]) -> list[tuple[InputFile, int]]:
+        """Each row's file and 1-based line in it (Parquet: its 1-based row in the file)."""
+        ends = list(itertools.accumulate(f.rows for f in self.files))
+        lines: dict[int, list[int]] = {}
+        found = []
+        for row in rows:
+            index = bisect.bisect_right(ends, row)
+            file, local = self.files[index], row - ends[index] + self.files[index].rows
+            if self.format == "parquet":
+                found.append((file, local + 1))
+                continue
+            if index not in lines:  # read again: this only runs to word a problem
+                lines[index] = _row_lines(_text(file.path, self.encoding), self.format)
+            found.append((file, lines[index][local]))
+        return found
+
+
+def load_input(source: SourceConfig) -> Input:
+    """Every row of the source, checked: ConfigError naming each file that does not read."""
+    try:
+        files, fmt = source_files(source), source_format(source)
+    except ValueError as e:
+        raise ConfigError([("source.path", str(e))]) from None
+    key = _cache_key(source, files, fmt)
+    if key in _loaded:
+        return _loaded[key]
+    digest = _Digest(source, fmt)
+    tables: list[pa.Table] = []
+    read: list[InputFile] = []
+    problems: list[tuple[str, str]] = []
+    for path in files:
+        name = _name(source, path)
+        try:
+            data = path.read_bytes()
+            digest.add(path, data)
+            table = _parse(data, name, fmt, source.encoding)
+        except _Unreadable as e:
+            problems.append(("source.path", str(e)))
+            continue
+        except OSError as e:
+            problems.append(("source.path", f"cannot read {name}: {e.strerror or e}"))
+            continue
+        tables.append(table)
+        read.append(InputFile(path, name, table.num_rows))
+    if problems:
+        raise ConfigError(problems)
+    table = _concat(tables, read)
+    if table.num_rows == 0:
+        raise ConfigError([("source.path", _no_rows(source, read, fmt))])
+    loaded = Input(table, tuple(read), fmt, source.encoding, digest.value())
+    _loaded.clear()
+    _loaded[key] = loaded
+    return loaded
 
 
 def read_rows(source: SourceConfig) -> pa.Table:
-    """All input rows, in file order."""
-    return _dataset(source).to_table()
+    """All input rows, in file order: those preflight loaded if the files are unchanged."""
+    table = load_input(source).table
+    _loaded.clear()  # the run has them now: a finished run keeps no copy here
+    return table
 
 
 def content_digest(source: SourceConfig) -> str:
-    """A hash of the input's bytes (and its files' names within a folder): the dataset identity."""
-    digest = hashlib.sha256()
-    root = source.path if source.path.is_dir() else source.path.parent
-    for path in source_files(source):
-        digest.update(str(path.relative_to(root)).encode() + b"\0")
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-    return digest.hexdigest()
+    """A hash of the input's bytes (and its files' names within a folder), and of the encoding
+    they are read in when it is not UTF-8: the dataset's identity."""
+    files, fmt = source_files(source), source_format(source)
+    loaded = _loaded.get(_cache_key(source, files, fmt))
+    if loaded is not None:
+        return loaded.digest  # the bytes the rows were read from, not a later version
+    digest = _Digest(source, fmt)
+    for path in files:
+        digest.add(path, path.read_bytes())
+    return digest.value()
+
+
+# NOTE: one input is kept, the last loaded, while its files are unchanged (same size, time of
+# change and inode): preflight loads it, then the run's fingerprint and prepare_prompts use
+# those rows and that digest, in the same process, instead of reading the files again.
+_loaded: dict[tuple[Any, ...], Input] = {}
+
+
+def _cache_key(source: SourceConfig, files: list[Path], fmt: str) -> tuple[Any, ...]:
+    stats = []
+    for path in files:
+        stat = path.stat()
+        stats.append((str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino))
+    return (str(source.path.resolve()), fmt, _codec(source.encoding), tuple(stats))
+
+
+class _Digest:
+    def __init__(self, source: SourceConfig, fmt: str) -> None:
+        self.root = source.path if source.path.is_dir() else source.path.parent
+        self.sha = hashlib.sha256()
+        # NOTE: UTF-8 adds nothing, so the fingerprints of runs from before `encoding` stand
+        codec = _codec(source.encoding)
+        text = fmt in TEXT_FORMATS and codec != "utf-8"
+        self.suffix = f"encoding:{codec}".encode() if text else b""
+
+    def add(self, path: Path, data: bytes) -> None:
+        self.sha.update(str(path.relative_to(self.root)).encode() + b"\0")
+        self.sha.update(data)
+
+    def value(self) -> str:
+        self.sha.update(self.suffix)
+        return self.sha.hexdigest()
+
+
+def _codec(encoding: str) -> str:
+    return codecs.lookup(encoding).name  # "UTF8", "utf_8" and "utf-8" are one encoding
+
+
+def _name(source: SourceConfig, path: Path) -> str:
+    return str(path.relative_to(source.path.parent))
+
+
+# ---------------------------------------------------------------------- parsing one file
+class _Unreadable(Exception):
+    """A file that does not read; its message names the file, the line and what is wrong."""
+
+
+def _parse(data: bytes, name: str, fmt: str, encoding: str) -> pa.Table:
+    if fmt == "parquet":
+        try:
+            return pq.read_table(pa.BufferReader(data))
+        except (OSError, pa.ArrowException) as e:
+            raise _Unreadable(f"{name}: not readable as Parquet ({e})") from None
+    if not data.strip():
+        return pa.table({})
+    utf8 = _as_utf8(data, name, fmt, encoding)
+    try:
+        if fmt == "jsonl":
+            return pa_json.read_json(pa.BufferReader(utf8))
+        # NOTE: quoted fields may hold line breaks, as Python's csv module (which words the
+        # errors) reads them; pyarrow's default would split such a row at a block's end
+        options = pa_csv.ParseOptions(newlines_in_values=True)
+        return pa_csv.read_csv(pa.BufferReader(utf8), parse_options=options)
+    except pa.ArrowException as e:
+        text = _without_bom(utf8.decode("utf-8"))
+        problem = _json_problem(text, name) if fmt == "jsonl" else _csv_problem(text, name)
+        raise _Unreadable(problem or f"{name}: not readable as {fmt.upper()} ({e})") from None
+
+
+def _as_utf8(data: bytes, name: str, fmt: str, encoding: str) -> bytes:
+    """The bytes as UTF-8, for pyarrow: checked whole, so no column is read as binary."""
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise _Unreadable(_undecodable(data, e, name, fmt, encoding)) from None
+    return data if _codec(encoding) == "utf-8" else text.encode("utf-8")
+
+
+def _undecodable(data: bytes, error: UnicodeDecodeError, name: str, fmt: str, encoding: str) -> str:
+    line = data[: error.start].decode(encoding, errors="replace").count("\n") + 1
+    text = _without_bom(data.decode(encoding, errors="surrogateescape"))
+    column = _column_at(text, line, fmt)
+    left, right = error.start, error.end
+    while left > 0 and error.start - left < 20 and data[left - 1] not in _WORD_ENDS:
+        left -= 1
+    while right < len(data) and right - error.end < 20 and data[right] not in _WORD_ENDS:
+        right += 1
+    where = f"line {line}" + (f", column {column!r}" if column is not None else "")
+    return (
+        f"{name} {where}: bytes {data[left:right]!r} are not valid {encoding} "
+        f"(set source.encoding if the file is not {encoding})"
+    )
+
+
+def _column_at(text: str, line: int, fmt: str) -> str | None:
+    """The column whose value holds the first undecoded byte (a lone surrogate) on `line`."""
+    if fmt == "jsonl":
+        try:
+            row = json.loads(text.split("\n")[line - 1])
+        except ValueError:
+            return None
+        if isinstance(row, dict):
+            return next((key for key, value in row.items() if _undecoded(value)), None)
+        return None
+    header = None
+    for start, fields in _csv_records(text):
+        if header is None:
+            header = fields
+            if start == line and _undecoded(fields):
+                return None  # in the header itself
+            continue
+        if start <= line and _undecoded(fields):
+            index = next(i for i, field in enumerate(fields) if _undecoded(field))
+            return header[index] if index < len(header) else None
+    return None
+
+
+def _undecoded(value: Any) -> bool:
+    """Whether a value holds bytes that did not decode (surrogateescape's lone surrogates)."""
+    if isinstance(value, str):
+        return any("\udc80" <= c <= "\udcff" for c in value)
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, list) and any(map(_undecoded, value))
+
+
+def _json_problem(text: str, name: str) -> str | None:
+    """The first line pyarrow cannot read: not JSON, not an object, or a value whose JSON type
+    differs from the column's on an earlier line. None if Python finds nothing wrong."""
+    kinds: dict[str, tuple[str, int]] = {}
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            why = f"{e.msg.removesuffix(' at')} at character {e.colno}"  # "Unterminated ... at"
+            return f"{name} line {number}: not valid JSON ({why}): {_clip(line)}"
+        if not isinstance(row, dict):
+            return f"{name} line {number}: not a JSON object (JSONL is one per line): {_clip(line)}"
+        for key, value in row.items():
+            kind = _json_kind(value)
+            if kind is None:
+                continue
+            first_kind, first_line = kinds.setdefault(key, (kind, number))
+            if kind != first_kind:
+                return (
+                    f"{name} line {number}, column {key!r}: {_clip(json.dumps(value), quote=False)}"
+                    f" is {kind}, but line {first_line} has {first_kind}"
+                )
+    return None
+
+
+def _json_kind(value: Any) -> str | None:
+    """A JSON value's type as pyarrow tells columns apart (integers and decimals mix)."""
+    if value is None:
+        return None
+    for kind, types in (("a boolean", bool), ("a number", (int, float)), ("a string", str),
+                        ("an array", list), ("an object", dict)):  # fmt: skip
+        if isinstance(value, types):
+            return kind
+    return None
+
+
+def _csv_problem(text: str, name: str) -> str | None:
+    """The first record whose number of fields differs from the header's, by its line."""
+    header = None
+    for line, fields in _csv_records(text):
+        if header is None:
+            header = fields
+        elif len(fields) != len(header):
+            return (
+                f"{name} line {line}: {len(fields)} fields, but the header has {len(header)}: "
+                f"{_clip(','.join(fields))}"
+            )
+    return None
+
+
+def _csv_records(text: str) -> Iterator[tuple[int, list[str]]]:
+    """(first line, fields) of each non-empty record, the header first (as pyarrow skips empty
+    lines); a quoted field may span lines."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    start = 1
+    for fields in reader:
+        if fields:
+            yield start, fields
+        start = reader.line_num + 1
+
+
+def _row_lines(text: str, fmt: str) -> list[int]:
+    """The line each row of a text file starts on."""
+    if fmt == "jsonl":
+        return [n for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    return [line for line, _ in _csv_records(text)][1:]
+
+
+def _text(path: Path, encoding: str) -> str:
+    return _without_bom(path.read_bytes().decode(encoding, errors="replace"))
+
+
+def _without_bom(text: str) -> str:
+    return text.removeprefix("\ufeff")  # pyarrow skips it; json and csv would read it as text
+
+
+def _clip(text: str, quote: bool = True) -> str:
+    text = text.strip()
+    text = text if len(text) <= _CLIP else text[: _CLIP - 1] + "…"
+    return repr(text) if quote else text
+
+
+# ---------------------------------------------------------------------- the files together
+def _concat(tables: list[pa.Table], files: list[InputFile]) -> pa.Table:
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowException:
+        raise ConfigError([("source.path", _disagreement(tables, files))]) from None
+
+
+def _disagreement(tables: list[pa.Table], files: list[InputFile]) -> str:
+    """Which column two files give types that do not go together."""
+    seen: dict[str, tuple[pa.DataType, str]] = {}
+    for table, file in zip(tables, files):
+        for field in table.schema:
+            first = seen.setdefault(field.name, (field.type, file.name))
+            try:
+                pa.unify_schemas(
+                    [pa.schema([(field.name, first[0])]), pa.schema([field])],
+                    promote_options="permissive",
+                )
+            except pa.ArrowException:
+                return (
+                    f"column {field.name!r} is {first[0]} in {first[1]} "
+                    f"but {field.type} in {file.name}"
+                )
+    return "its files' columns do not go together"
+
+
+def _no_rows(source: SourceConfig, files: list[InputFile], fmt: str) -> str:
+    if len(files) != 1:
+        return f"the {len(files)} files of folder {source.path.name} hold no rows"
+    file = files[0]
+    if not file.path.read_bytes().strip():
+        return f"{file.name} is empty"
+    return f"{file.name} has a header but no rows" if fmt == "csv" else f"{file.name} has no rows"
+
+
+# ---------------------------------------------------------------------- ids
+def id_problems(loaded: Input, id_column: str) -> list[tuple[str, str]]:
+    """Rows without an id, and ids that repeat, by file and line."""
+    try:
+        ids = pc.cast(loaded.table.column(id_column), pa.string()).combine_chunks()
+    except pa.ArrowException:
+        kind = loaded.table.schema.field(id_column).type
+        return [("source.id_column", f"column {id_column!r} holds {kind} values, not ids")]
+    problems = []
+    missing = pc.indices_nonzero(ids.is_null()).to_pylist()
+    if missing:
+        (file, line), *_ = loaded.places(missing[:1])
+        more = f" (nor do {len(missing) - 1} more rows)" if len(missing) > 1 else ""
+        problems.append(
+            ("source.id_column",
+             f"{_at(loaded, line)} of {file.name} has no value in column {id_column!r}{more}")
+        )  # fmt: skip
+    counts = pc.value_counts(ids.drop_null())
+    repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+    if len(repeated):
+        first = pc.indices_nonzero(pc.is_in(ids, repeated))[0].as_py()
+        value = ids[first].as_py()
+        rows = pc.indices_nonzero(pc.equal(ids, value)).to_pylist()
+        more = _more_ids(len(repeated) - 1)
+        problems.append(
+            ("source.id_column",
+             f"id {value!r} repeats: {_pair(loaded, rows[:2])}"
+             + (f" ({len(rows)} times in all)" if len(rows) > 2 else "") + more)
+        )  # fmt: skip
+    return problems
+
+
+def _more_ids(count: int) -> str:
+    if count == 0:
+        return ""
+    return "; 1 more id repeats" if count == 1 else f"; {count} more ids repeat"
+
+
+def _pair(loaded: Input, rows: list[int]) -> str:
+    (file_a, a), (file_b, b) = loaded.places(rows)
+    unit = "rows" if loaded.format == "parquet" else "lines"
+    if file_a == file_b:
+        return f"{unit} {a} and {b} of {file_a.name}"
+    return f"{_at(loaded, a)} of {file_a.name} and {_at(loaded, b)} of {file_b.name}"
+
+
+def _at(loaded: Input, number: int) -> str:
+    return f"{'row' if loaded.format == 'parquet' else 'line'} {number}"
 
 
 def row_ids(table: pa.Table, id_column: str | None) -> pa.Array:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import logging
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -110,6 +112,38 @@ def test_the_fingerprint_changes_with_what_changes_rows_and_only_that(llama_dir,
     assert all(identity != base for identity in changed)
     write_jsonl(source, question_rows(6))
     assert identity_of() != base, "the input's content is part of the identity"
+
+
+def test_the_encoding_is_part_of_the_datasets_identity_unless_it_is_utf8(tmp_path):
+    path = write_jsonl(tmp_path / "q.jsonl", ROWS)
+    # the digest as it was before encodings: the runs made then keep their folders
+    before = hashlib.sha256(b"q.jsonl\0" + path.read_bytes()).hexdigest()
+    assert content_digest(SourceConfig(path=path)) == before
+    assert content_digest(SourceConfig(path=path, encoding="UTF8")) == before
+    latin = content_digest(SourceConfig(path=path, encoding="latin-1"))
+    assert latin != before and latin != content_digest(SourceConfig(path=path, encoding="cp1252"))
+
+
+def test_the_input_is_read_once_per_run_and_again_once_it_changes(llama_dir, tmp_path, monkeypatch):
+    source = write_jsonl(tmp_path / "q.jsonl", question_rows(5))
+    config = load_config(base_config(llama_dir, source, tmp_path))
+    reads = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: reads.append(p) or read_bytes(p))
+
+    checked = preflight(config)  # by `gristmill run`, then again by the flow's configure step
+    identity = run_identity(config, preflight(config))
+    table = read_rows(config.source)  # prepare_prompts
+    assert reads.count(source) == 1
+    assert table.to_pylist() == question_rows(5) and checked.columns == ["qid", "question", "n"]
+    assert (
+        identity["source"]["sha256"]
+        == hashlib.sha256(b"q.jsonl\0" + read_bytes(source)).hexdigest()
+    )
+    assert read_rows(config.source).num_rows == 5 and reads.count(source) == 2, "none kept after"
+    preflight(config)
+    write_jsonl(source, question_rows(6))  # changed after the check: its new rows are read
+    assert read_rows(config.source).to_pylist() == question_rows(6) and reads.count(source) == 4
 
 
 class Terminal(io.StringIO):
