@@ -10,8 +10,9 @@
 
 The models check the shape of a config (types, unknown fields, ranges, template syntax);
 `flows.preflight` checks it against the world (files, the model folder, the engine's argument
-and sampling rules, the input's columns). Both raise `ConfigError`, whose message names every
-bad field, so a config fails in one clear error before any engine starts.
+and sampling rules, the whole input: its lines, encoding, ids and columns). Both raise
+`ConfigError`, whose message names every bad field, so a config fails in one clear error
+before any engine starts.
 
 The three ready flows subclass `RunConfig` (flows/annotate.py, synthesize.py, evaluate.py); what
 a subclass changes in the generated rows goes through the hooks at the end of `RunConfig`, so
