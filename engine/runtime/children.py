@@ -48,6 +48,10 @@ class ChildProcesses:
                     pass_fds=(read_fd,),
                     stdin=subprocess.DEVNULL,
                     env=env,
+                    # NOTE: a session of its own: a terminal's Ctrl-C (SIGINT to its foreground
+                    # process group) reaches only the caller, which decides what it means; the
+                    # child goes with the caller through the lifeline, however the caller ends
+                    start_new_session=True,
                 )
         except BaseException:
             self.stop()
