@@ -3,13 +3,12 @@
 This is the one place where every engine default is decided: ``__post_init__`` validates the
 arguments (each one's type from its annotation, its range or choices from ``_RULES``: a wrong
 value is a ValueError naming the argument before any process starts) and settles each one left
-to the engine (``None``) to its value — the device, the attention backend, the random seed —
-so every process reads the same settled arguments and ``get_server_info()`` shows them. What is
-derived from several arguments is a property, never a stored copy. Four values stay open
-because only the model folder or the device can settle them: ``context_length`` (None: the
-model's), ``max_total_tokens`` (None: sized from memory at start-up), and from that pool
-``max_running_requests`` and ``cuda_graph_max_bs`` (None: by the rules below,
-``running_requests_for`` and ``graph_batch_for``, which the model runner applies).
+to the engine (``None``) to its value — the device, the attention backend, the request and
+CUDA-graph limits, the random seed — so every process reads the same settled arguments and
+``get_server_info()`` shows them. What is derived from several arguments is a property, never a
+stored copy. Two values stay open because only the model folder or the device can settle them:
+``context_length`` (None: the model's) and ``max_total_tokens`` (None: sized from memory at
+start-up).
 """
 
 from __future__ import annotations
@@ -33,27 +32,9 @@ ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 DEFAULT_MEM_FRACTION_STATIC = 0.85  # of GPU memory for weights + KV pool
+DEFAULT_MAX_RUNNING_REQUESTS = 256
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192
-# max_running_requests left to the engine: a request row per this many pool tokens, within
-# [MIN, MAX]; when requests share a cached prefix each holds little of the pool of its own, so
-# a large pool runs many more of them at once (the few-shot / long-instruction workloads)
-TOKENS_PER_REQUEST_ROW = 512
-MIN_RUNNING_REQUESTS, MAX_RUNNING_REQUESTS = 256, 2048
-# the request->slot table (int32, a row of context_length columns each) stays within this
-REQUEST_TABLE_BYTES = 512 * 2**20
-DEFAULT_CUDA_GRAPH_MAX_BS = 512  # decode batches above it run without a graph
-
-
-def running_requests_for(pool_tokens: int, context_length: int) -> int:
-    """The default max_running_requests for a KV pool of `pool_tokens` tokens."""
-    by_table = max(1, REQUEST_TABLE_BYTES // (4 * context_length))
-    rows = min(pool_tokens // TOKENS_PER_REQUEST_ROW, MAX_RUNNING_REQUESTS, by_table)
-    return max(rows, min(MIN_RUNNING_REQUESTS, by_table))
-
-
-def graph_batch_for(args: ServerArgs, max_running_requests: int) -> int:
-    """The largest decode batch captured in a CUDA graph."""
-    return min(args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_running_requests)
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
 @dataclass(frozen=True)
@@ -73,7 +54,7 @@ class ServerArgs:
     # memory and scheduling
     mem_fraction_static: float | None = None  # None: DEFAULT_MEM_FRACTION_STATIC
     max_total_tokens: int | None = None  # None: sized from memory at start-up
-    max_running_requests: int | None = None  # None: running_requests_for(the KV pool)
+    max_running_requests: int | None = None  # None: DEFAULT_MAX_RUNNING_REQUESTS
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # None: DEFAULT_CHUNKED_PREFILL_SIZE; -1: no chunks
     schedule_policy: str = "fcfs"
@@ -147,6 +128,7 @@ class ServerArgs:
             "tokenizer_path": self.model_path,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "mem_fraction_static": DEFAULT_MEM_FRACTION_STATIC,
+            "max_running_requests": DEFAULT_MAX_RUNNING_REQUESTS,
             "chunked_prefill_size": DEFAULT_CHUNKED_PREFILL_SIZE,
             "random_seed": random.SystemRandom().randrange(1 << 31),
         }
@@ -156,6 +138,9 @@ class ServerArgs:
         if self.attention_backend is None:
             gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton")
             object.__setattr__(self, "attention_backend", "triton" if gpu else "torch")
+        if self.cuda_graph_max_bs is None:
+            bs = min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
+            object.__setattr__(self, "cuda_graph_max_bs", bs)
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -20,7 +20,7 @@ from engine.model_config import ModelConfig
 from engine.runner.loader import load_model
 from engine.runner.model_runner import ModelRunner
 from engine.runner.pooling import PoolingConfig, pool
-from engine.server_args import MIN_RUNNING_REQUESTS, ServerArgs
+from engine.server_args import ServerArgs
 from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -36,8 +36,7 @@ class EmbeddingRunner:
         if self.is_encoder:
             self.model = load_model(config, args.load_format, device)
             self.max_batch_tokens = args.max_prefill_tokens
-            # no KV pool to size it by: the smallest default
-            self.max_requests = args.max_running_requests or MIN_RUNNING_REQUESTS
+            self.max_requests = args.max_running_requests
         else:
             # decode never runs here, so no decode graphs
             self.runner = ModelRunner(

@@ -34,12 +34,7 @@ from engine.runner.cuda_graph import DecodeCudaGraphs
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model
 from engine.runner.logits_step import LogitsStep
-from engine.server_args import (
-    DEFAULT_CUDA_GRAPH_MAX_BS,
-    ServerArgs,
-    graph_batch_for,
-    running_requests_for,
-)
+from engine.server_args import ServerArgs
 from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -58,20 +53,16 @@ class ModelRunner:
         self.kv_dtype = config.dtype
         attn = attention_layers(self.model)[0]
         self.num_kv_heads = attn.num_kv_heads
-        # a first table for the warm-up; the real one is sized with the pool, which the
-        # warm-up's activation peak sizes
-        warm_rows = running_requests_for(0, config.context_length)
-        self.req_to_token = ReqToTokenPool(warm_rows, config.context_length, device)
+        rows = args.max_running_requests
+        self.req_to_token = ReqToTokenPool(rows, config.context_length, device)
+        # the last token sampled for each request row: the input of its next decode step
+        self.next_token = torch.zeros(rows + 1, dtype=torch.int64, device=device)
         self.attn_backend = create_backend(
             args.attention_backend, device, attn, config.dtype, args.shared_prefix_attention
         )
         use_backend(self.model, self.attn_backend)
         activation_peak = self._warm_up() if device.type == "cuda" else 0
         self.max_total_tokens = self._pool_tokens(activation_peak)
-        rows = self._request_rows(self.max_total_tokens)
-        self.req_to_token = ReqToTokenPool(rows, config.context_length, device)
-        # the last token sampled for each request row: the input of its next decode step
-        self.next_token = torch.zeros(rows + 1, dtype=torch.int64, device=device)
         self.max_running_requests = min(rows, self.max_total_tokens)
         self.kv_pool = self._new_pool(self.max_total_tokens // args.page_size)
         logger.info(
@@ -87,7 +78,7 @@ class ModelRunner:
             self.graphs = DecodeCudaGraphs(
                 self.forward_eager, self.attn_backend, self.kv_pool, self.req_to_token,
                 config.vocab_size, config.dtype,
-                max_bs=graph_batch_for(args, self.max_running_requests),
+                max_bs=min(args.cuda_graph_max_bs, self.max_running_requests),
             )  # fmt: skip
 
     # ------------------------------------------------------------------ one step
@@ -139,10 +130,6 @@ class ModelRunner:
             graphs = self._graph_bytes_estimate() if self._use_cuda_graphs() else 0
             headroom = free - activation_peak - graphs - _GPU_SLACK_BYTES
             tokens = int(min(static_budget, headroom) // per_token)
-            # the request table grows with the pool: its bytes come out of the pool's
-            more_rows = self._request_rows(tokens) - self.req_to_token.padding_row
-            table = more_rows * self._table_row_bytes
-            tokens -= max(0, table) // per_token
             logger.info(
                 "GPU memory: %.1f GiB total, %.1f GiB free after weights; activation peak "
                 "%.2f GiB, decode graphs ~%.2f GiB; mem_fraction_static %.2f",
@@ -160,16 +147,6 @@ class ModelRunner:
             )
         return tokens
 
-    def _request_rows(self, pool_tokens: int) -> int:
-        """Request-table rows: max_running_requests as given, else derived from the pool."""
-        if self.args.max_running_requests is not None:
-            return self.args.max_running_requests
-        return running_requests_for(pool_tokens, self.config.context_length)
-
-    @property
-    def _table_row_bytes(self) -> int:
-        return 4 * self.config.context_length
-
     def _use_cuda_graphs(self) -> bool:
         return (
             self.device.type == "cuda"
@@ -181,7 +158,7 @@ class ModelRunner:
         """The decode graphs keep a logits buffer and share one pool sized by the largest batch."""
         c = self.config
         per_row = c.vocab_size * (2 + 4 + 4) + 16 * (c.hidden_size + c.intermediate_size) * 4
-        return (self.args.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS) * per_row
+        return self.args.cuda_graph_max_bs * per_row
 
     def _warm_up(self) -> int:
         """Forwards over a throw-away pool: the largest prefill step, whose activation peak it

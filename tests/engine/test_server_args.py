@@ -220,36 +220,3 @@ def test_a_prompt_longer_than_the_tokenizer_limit_is_encoded_without_its_warning
     ):
         inputs.make_call(text, None, {"max_new_tokens": 1}, False, None, None, None)
     assert TOO_LONG not in transformers_log.text
-
-
-# ---------------------------------------------------------------------- derived from the pool
-def test_max_running_requests_left_to_the_engine_follows_the_pool(llama_dir):
-    """A row per TOKENS_PER_REQUEST_ROW pool tokens within [MIN, MAX], the request table within
-    its byte budget; an explicit value is kept. Checked against the rule written out here and
-    against the scheduler the engine builds."""
-    from engine.server_args import (
-        MAX_RUNNING_REQUESTS,
-        MIN_RUNNING_REQUESTS,
-        REQUEST_TABLE_BYTES,
-        TOKENS_PER_REQUEST_ROW,
-        running_requests_for,
-    )
-    from tests.engine.core import InProcessCore
-
-    for pool, context in [(1_000, 4096), (600_000, 4096), (10**8, 4096), (600_000, 2**20)]:
-        table_rows = REQUEST_TABLE_BYTES // (4 * context)
-        expected = min(
-            max(pool // TOKENS_PER_REQUEST_ROW, MIN_RUNNING_REQUESTS), MAX_RUNNING_REQUESTS
-        )
-        assert running_requests_for(pool, context) == min(expected, table_rows)
-    assert running_requests_for(600_000, 4096) == 600_000 // TOKENS_PER_REQUEST_ROW > 256
-
-    big = InProcessCore(llama_dir, dtype="float32", max_total_tokens=300_000)
-    assert big.scheduler.max_running_requests == 300_000 // TOKENS_PER_REQUEST_ROW
-    assert big.scheduler.runner.req_to_token.padding_row == 300_000 // TOKENS_PER_REQUEST_ROW
-    small = InProcessCore(llama_dir, dtype="float32", max_total_tokens=4096)
-    assert small.scheduler.max_running_requests == MIN_RUNNING_REQUESTS
-    given = InProcessCore(
-        llama_dir, dtype="float32", max_total_tokens=300_000, max_running_requests=8
-    )
-    assert given.scheduler.max_running_requests == 8
