@@ -5,9 +5,19 @@
     gristmill status RUN_DIR                                    rows done, tokens, shards
     gristmill show RUN_DIR [-n N]                               the first rows
 
-`run` checks the config before anything starts and exits 2 on a bad one, 1 if the flow failed
-(rerun the same command to resume), 0 when every row is written. It runs the flow in this
-process against the Prefect API in PREFECT_API_URL, or a temporary local one if none is set.
+`run` checks the config, then takes the run folder's lock, before Prefect or an engine starts.
+It runs the flow in this process against the Prefect API in PREFECT_API_URL, or else a
+temporary local server that it starts and stops itself. Its exit code says what to do next:
+
+    0    done: every row is written
+    1    failed in a way a rerun can get past (an engine process died, out of memory, a lost
+         worker or connection): the same command again resumes where it stopped
+    2    something to fix first (the config, the input, the model folder, another run writing
+         to the same folder): the message names it
+    130  interrupted (Ctrl-C): the finished rows are saved; the same command again resumes.
+         A second Ctrl-C stops at once.
+
+Errors print without a traceback; `--debug` (or GRISTMILL_DEBUG=1) shows it.
 RUN_DIR is `<output_dir>/<run_name>` (its newest fingerprint folder is shown) or one
 fingerprint folder. `status` and `show` only read: they never repair or delete anything.
 """
@@ -16,25 +26,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from flows.interrupts import EXIT_INTERRUPTED
 from flows.store import CheckpointStore
 
 # `gristmill run` with no config: the built-in demo model on its held-out arithmetic questions
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo-evaluate.yaml"
+EXIT_FAILED, EXIT_FIX = 1, 2
+RESUME = "gristmill: run the same command again to resume"
 
 
 def main(argv: list[str] | None = None) -> int:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", help="show tracebacks (or set GRISTMILL_DEBUG=1)"
+    )
     parser = argparse.ArgumentParser(
         prog="gristmill", description="Resumable batch LLM runs as Prefect flows."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a config; a rerun resumes where it stopped")
+    run = commands.add_parser(
+        "run", parents=[common], help="run a config; a rerun resumes where it stopped"
+    )
     run.add_argument(
         "config",
         type=Path,
@@ -51,43 +75,138 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a config field, e.g. --set sampling.temperature=0 (value read as YAML)",
     )
-    status = commands.add_parser("status", help="rows done of the total, tokens, shards")
+    status = commands.add_parser(
+        "status", parents=[common], help="rows done of the total, tokens, shards"
+    )
     status.add_argument("run_dir", type=Path)
-    show = commands.add_parser("show", help="print the first rows")
+    show = commands.add_parser("show", parents=[common], help="print the first rows")
     show.add_argument("run_dir", type=Path)
     show.add_argument("-n", type=int, default=5, help="how many rows (default 5)")
     args = parser.parse_args(argv)
+    args.debug = args.debug or os.environ.get("GRISTMILL_DEBUG", "") not in ("", "0")
     try:
         return {"run": _run, "status": _status, "show": _show}[args.command](args)
-    except ValueError as e:
-        print(f"gristmill: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a run's own failures are reported by _run; this is the rest
+        return _report_failure(e, args.debug)
 
 
 # ---------------------------------------------------------------------- run
 def _run(args: argparse.Namespace) -> int:
-    from flows.catalog import FLOWS
-    from flows.config import ConfigError, load_config
-    from flows.preflight import preflight
+    from flows.interrupts import ctrl_c_stops_the_run
 
+    with ctrl_c_stops_the_run():
+        try:
+            return _run_config(args)
+        except Exception as e:  # Interrupted where no step could stop softly, among others
+            return _report_failure(e, args.debug)
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    from flows.catalog import FLOWS
+    from flows.config import load_config
+    from flows.prefect_server import prefect_api
+    from flows.run_lock import lock_run, unlock_run
+
+    config = load_config(args.config, args.overrides)
+    # the config checked and the folder locked in a second or two: before Prefect or an engine
+    plan = lock_run(config)
     try:
-        config = load_config(args.config, args.overrides)
-        preflight(config)  # fail in a second, before Prefect or the engine start
-    except ConfigError as e:
-        print("gristmill: invalid config", file=sys.stderr)
-        for where, message in e.problems:
-            print(f"  {where}: {message}" if where else f"  {message}", file=sys.stderr)
-        return 2
-    state = FLOWS[config.flow].flow()(config=config, fresh=args.fresh, return_state=True)
+        run_flow = FLOWS[config.flow].flow()  # imports Prefect, which sets up its logging
+        with _tracebacks_shown(args.debug), prefect_api():
+            state = run_flow(config=config, fresh=args.fresh, return_state=True)
+    finally:
+        unlock_run(plan)
     if not state.is_completed():
-        print(f"gristmill: the run did not complete: {state.message}", file=sys.stderr)
-        print("gristmill: run the same command again to resume", file=sys.stderr)
-        return 1
+        return _report_failure(_error_of(state), args.debug)
     summary = state.result()
     width = max(map(len, summary))
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _error_of(state: Any) -> BaseException:
+    """The exception a flow run ended with (its state's result), or one made of its message."""
+    try:
+        error = state.result(raise_on_failure=False)
+    except Exception as e:  # a result that cannot be read back
+        error = e
+    return error if isinstance(error, BaseException) else RuntimeError(state.message)
+
+
+def _report_failure(error: BaseException, debug: bool) -> int:
+    """Say what went wrong and what to do about it; the exit code (see the module's doc)."""
+    from flows.config import ConfigError
+    from flows.interrupts import Interrupted, interrupted
+
+    if debug:
+        traceback.print_exception(error, file=sys.stderr)
+    if isinstance(error, Interrupted) or interrupted():
+        print("gristmill: stopped by Ctrl-C; the rows finished by then are saved", file=sys.stderr)
+        print(RESUME, file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if isinstance(error, ConfigError):
+        print("gristmill: invalid config", file=sys.stderr)
+        for where, message in error.problems:
+            print(f"  {where}: {message}" if where else f"  {message}", file=sys.stderr)
+        return EXIT_FIX
+    if _rerun_helps(error):
+        print(f"gristmill: the run failed: {_describe(error)}", file=sys.stderr)
+        print(RESUME, file=sys.stderr)
+        return EXIT_FAILED
+    hint = "" if debug or isinstance(error, ValueError) else " (--debug shows where)"
+    print(f"gristmill: {_describe(error)}{hint}", file=sys.stderr)
+    return EXIT_FIX
+
+
+def _rerun_helps(error: BaseException) -> bool:
+    """Failures of the moment, which the same command can get past: an engine process died
+    (the engine raises RuntimeError, out of memory included), a Dask worker was lost, the
+    Prefect server went away; or the run crashed (a BaseException, such as a signal).
+    A ValueError is a bad config, input or model folder, or a lock held: rerunning repeats it."""
+    if not isinstance(error, Exception):
+        return True
+    transient = (RuntimeError, MemoryError, ConnectionError, TimeoutError)
+    return isinstance(error, transient) or type(error).__name__ == "KilledWorker"
+
+
+def _describe(error: BaseException) -> str:
+    # our own errors say what they are; anything else also says of which kind
+    text = str(error) or type(error).__name__
+    return text if isinstance(error, ValueError) else f"{type(error).__name__}: {text}"
+
+
+@contextmanager
+def _tracebacks_shown(debug: bool) -> Iterator[None]:
+    """Unless debugging, the terminal's log lines keep their message and lose the traceback
+    (Prefect logs one with every failed task and flow); the Prefect UI still gets it whole."""
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler)]
+    saved = [h.formatter for h in handlers]
+    if not debug:
+        for handler in handlers:
+            handler.setFormatter(_WithoutTraceback(handler.formatter or logging.Formatter()))
+    try:
+        yield
+    finally:
+        for handler, formatter in zip(handlers, saved):
+            handler.setFormatter(formatter)
+
+
+class _WithoutTraceback(logging.Formatter):
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        # NOTE: the record is shared with the other handlers: it is restored as it was
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
 
 
 # ---------------------------------------------------------------------- status

@@ -34,12 +34,12 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig
 from flows.generation import Generated, RequestOptions, generate_rows
-from flows.identity import run_identity
+from flows.interrupts import Interrupted, interrupted, stop_softly
 from flows.parallel import generate_in_parallel
 from flows.plan import Finish, RunPlan, Work, plan_requests
-from flows.preflight import preflight
 from flows.progress import Progress, artifact_key
 from flows.prompts import PromptRenderer
+from flows.run_lock import lock_run, unlock_run
 from flows.sources import read_rows, row_ids
 from flows.store import CheckpointStore, write_parquet
 
@@ -70,18 +70,20 @@ def run_steps(
     finally:
         shutdown(engine)
         if plan is not None:
-            plan.store.unlock()
+            unlock_run(plan)
 
 
 # ---------------------------------------------------------------------- the steps
 @task(cache_policy=NO_CACHE)
 def configure(config: RunConfig) -> RunPlan:
-    """Check the config against the world and fix the run's folder by its fingerprint."""
-    logger = get_run_logger()
-    checked = preflight(config)
-    store = CheckpointStore(config.output_dir, config.run_name, run_identity(config, checked))
-    logger.info("run %s, fingerprint %s, in %s", config.run_name, store.fingerprint, store.folder)
-    return RunPlan(config, checked, store)
+    """Check the config against the world, fix the run's folder by its fingerprint and lock it
+    (held until the flow ends): a second run of this config stops here, before any engine."""
+    plan = lock_run(config)
+    store = plan.store
+    get_run_logger().info(
+        "run %s, fingerprint %s, in %s", config.run_name, store.fingerprint, store.folder
+    )
+    return plan
 
 
 @task(cache_policy=NO_CACHE)
@@ -106,7 +108,6 @@ def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
     engine's tokenizer, or without an engine the same tokenizer loaded here, for chat)."""
     logger = get_run_logger()
     config, store = plan.config, plan.store
-    store.lock()  # held until the flow ends: a second run of this config stops here
     if fresh and store.folder.exists():
         logger.warning("--fresh: deleting the earlier results in %s", store.folder)
         shutil.rmtree(store.folder)
@@ -142,8 +143,8 @@ def generate(plan: RunPlan, engine: Any, work: Work) -> Generated:
 
     async def run() -> Generated:
         await progress.open()
-        try:
-            return await generate_rows(
+        rows = asyncio.ensure_future(
+            generate_rows(
                 engine,
                 work.todo,
                 options,
@@ -152,8 +153,21 @@ def generate(plan: RunPlan, engine: Any, work: Work) -> Generated:
                 write_shard=lambda rows: store.write_shard(rows, work.schema),
                 progress=progress,
             )
+        )
+        # a Ctrl-C cancels the rows: no new ones start, the finished ones are written, the
+        # engine drops the rest (they are redone on resume, with the same seeds)
+        loop = asyncio.get_running_loop()
+        try:
+            with stop_softly(lambda: loop.call_soon_threadsafe(rows.cancel)):
+                generated = await rows
+        except asyncio.CancelledError:
+            if not interrupted():
+                raise
         finally:
             await progress.close()
+        if interrupted():  # also when the last rows finished as the Ctrl-C came
+            raise Interrupted("stopped by Ctrl-C; the rows finished by then are written")
+        return generated
 
     generated = asyncio.run(run())
     if generated.errors:
