@@ -41,8 +41,8 @@ def preflight(config: RunConfig) -> Checked:
             problems += id_problems(loaded, id_column)
     if config.prompt.chat and tokenizer_path and not has_chat_template(tokenizer_path):
         problems.append(("prompt.chat", f"the tokenizer in {tokenizer_path} has no chat template"))
-    if not any(where.startswith("engine") for where, _ in problems):
-        _check_gpus(config, problems)  # it reads engine arguments the checks above accepted
+    if not any(where.startswith("engine.") for where, _ in problems):
+        _check_gpus(config, problems)  # it reads engine arguments that passed their own checks
     problems += config.flow_problems()
     if problems:
         raise ConfigError(problems)

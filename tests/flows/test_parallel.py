@@ -344,6 +344,11 @@ def test_a_local_cluster_needs_its_gpus_and_no_single_device(config_for, tmp_pat
     data["engine"] = {**data["engine"], "device": "cuda:1"}
     with pytest.raises(ConfigError, match="engine.device: names one device"):
         preflight(load_config(data))
+    # a bad engine argument is reported as such; the GPU count is not checked with it
+    data["engine"] = {**data["engine"], "device": "cuda", "base_gpu_id": "x"}
+    with pytest.raises(ConfigError) as refused:
+        preflight(load_config(data))
+    assert [where for where, _ in refused.value.problems] == ["engine.base_gpu_id"]
 
 
 def test_a_store_copy_in_a_worker_holds_no_lock_and_stops_once_a_newer_run_writes(tmp_path):
