@@ -139,7 +139,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         before = dict(self.model)
         locked = self.locked_prefixes()
         unlocked_tokens = sum(self.ps for q in before if q not in locked)
-        free_before = set(self.alloc._free)
+        free_before = set(self.alloc.free_pages())
         node_len = {path_of(self.cache, n): len(n.key) for n in self.cache._nodes()}
 
         freed = self.cache.evict(num_tokens)
@@ -152,8 +152,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert not removed & locked, "a locked prefix was evicted"
         # the removed entries are exactly those whose pages were freed
         removed_pages = {before[q][-1] // self.ps for q in removed}
-        assert set(self.alloc._free) - free_before == removed_pages
-        assert len(self.alloc._free) == len(free_before) + len(removed_pages)
+        assert set(self.alloc.free_pages()) - free_before == removed_pages
+        assert len(self.alloc.free_pages()) == len(free_before) + len(removed_pages)
         assert freed == len(removed) * self.ps
         # LRU: nothing evicted was used more recently than an unlocked leaf that stays
         kept_leaves = [
@@ -306,7 +306,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         for q, slots in self.model.items():  # whole pages: one page per aligned chunk
             page = slots[-1] // ps
             assert slots[-ps:] == [page * ps + j for j in range(ps)], q
-        free = list(self.alloc._free)
+        free = list(self.alloc.free_pages())
         owned = self.owned_pages()
         assert len(free) == len(set(free)) == self.alloc.num_free
         assert len(owned) == len(set(owned))
@@ -439,11 +439,11 @@ def test_lru_order_of_eviction():
     # least recently matched first: b, then a, then c
     free0 = alloc.num_free
     assert cache.evict(1) == 2
-    assert alloc._free[-2:] == b  # slot == page with page_size 1
+    assert alloc.free_pages()[-2:] == b  # slot == page with page_size 1
     assert cache.match_prefix([2, 2])[0].tolist() == []
     assert cache.match_prefix([1, 1])[0].tolist() == a  # touches a again: c is now the oldest
     assert cache.evict(1) == 2
-    assert alloc._free[-2:] == c
+    assert alloc.free_pages()[-2:] == c
     assert cache.match_prefix([3, 3])[0].tolist() == []
     assert cache.evict(1) == 2
     assert alloc.num_free == free0 + 6
