@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
-
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from engine.server_args import ServerArgs
 
 _INCOMPLETE = "\ufffd"
@@ -24,6 +23,11 @@ _INCOMPLETE = "\ufffd"
 
 def load_tokenizer(args: ServerArgs) -> PreTrainedTokenizerBase:
     """The engine's tokenizer (tokenizer_path), as every process loads it; ValueError naming the field."""
+    # NOTE: imported here: transformers costs ~1 s to import, and the scheduler process, which
+    # imports this module, needs a tokenizer only for requests with stop strings or a grammar
+    from transformers import AutoTokenizer
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             args.tokenizer_path, trust_remote_code=args.trust_remote_code

@@ -14,15 +14,16 @@ import logging
 import random
 import uuid
 from dataclasses import dataclass
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from engine.model_config import ModelConfig
 from engine.runtime.messages import TokenizedRequest
 from engine.sampling.grammar import check_grammar
 from engine.sampling_params import SamplingParams
 from engine.server_args import ServerArgs
+
+if TYPE_CHECKING:  # transformers loads in ~1 s; only the annotations need it here
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from engine.runtime.messages import ReqOutput, TokenizedRequest
+
+if TYPE_CHECKING:  # transformers loads in ~1 s; only the annotations need it here
+    from transformers import PreTrainedTokenizerBase
 
 
 class Channel:

@@ -152,10 +152,15 @@ SOLO = [45, 1, 66]
 SHAPES = [(2, 1, 32), (2, 2, 64), (1, 4, 64)]
 
 
-@pytest.mark.parametrize(
-    "num_kv_splits,prefix_splits", [(2, 3), (None, None)], ids=["explicit", "graph"]
-)
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"hkv{h}-g{g}-d{d}" for h, g, d in SHAPES])
+# NOTE: the graph launch (splits fixed for any length, most of them empty) costs the interpreter
+# several times the explicit one, so it runs on one shape; the explicit launch on each.
+SPLITS = [
+    pytest.param(shape, 2, 3, id=f"hkv{shape[0]}-g{shape[1]}-d{shape[2]}-explicit")
+    for shape in SHAPES
+] + [pytest.param(SHAPES[-1], None, None, id="hkv1-g4-d64-graph")]
+
+
+@pytest.mark.parametrize("shape,num_kv_splits,prefix_splits", SPLITS)
 def test_matches_reference(shape, num_kv_splits, prefix_splits):
     hkv, g, d = shape
     seed = 10 * SHAPES.index(shape) + (num_kv_splits or 0)
@@ -164,9 +169,10 @@ def test_matches_reference(shape, num_kv_splits, prefix_splits):
     check(batch, TOL_FP32, num_kv_splits=num_kv_splits, prefix_splits=prefix_splits)
 
 
-@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("group", [4])
 def test_default_item_size(group):
-    """Items of prefix_item_size(G) members (one item per group here, mostly padding rows)."""
+    """Items of prefix_item_size(G) members (one item per group here, mostly padding rows; the
+    item sizes of every G: test_prefix_item_size)."""
     size = prefix_item_size(group)
     batch = make_shared_batch(GROUPS, SOLO, 2 * group, 2, 32, item_size=size, seed=group)
     check(batch, TOL_FP32)
