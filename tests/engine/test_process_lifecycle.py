@@ -420,6 +420,7 @@ def test_deleting_the_last_reference_stops_children(llama_dir):
 # 6: start-up failures inside the scheduler
 # ---------------------------------------------------------------------------------------------
 
+
 # NOTE: one way to fail is enough here (how a child's failure is carried and cleaned up); every
 # kind of broken folder is tested against the loader in-process in test_model_loading.py.
 def test_startup_failure_in_the_scheduler_raises_and_leaves_no_child(

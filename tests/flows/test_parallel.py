@@ -101,6 +101,7 @@ def assert_exactly_the_reference(out: Path, reference: pa.Table) -> None:
 # would be as sure, at many times the cost).
 FEW_IN_FLIGHT = {"shard_size": 5, "max_in_flight": 5}
 
+
 class KilledRun:
     """A 2-worker run in a subprocess (`gristmill run`) whose Dask worker of one part is
     SIGKILLed mid-part: after the part's first shard landed, before its last."""
