@@ -78,6 +78,8 @@ def task_runner(config: RunConfig) -> DaskTaskRunner:
             # the engine is the worker's whole job and keeps its memory in its own processes:
             # Dask's share of RAM per worker (meant for Dask's data) must not restart it
             "memory_limit": 0,
+            # a terminal's Ctrl-C is the run's to handle, not the workers' (flows/dask_worker.py)
+            "preload": ["flows.dask_worker"],
         }
     )
 

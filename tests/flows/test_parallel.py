@@ -252,12 +252,63 @@ def test_when_dask_gives_up_on_a_killed_worker_the_run_fails_and_a_1_worker_reru
     assert "1 of 2 parts failed" in log and "KilledWorker" in log
     assert "run the same command again to resume" in log
     killed.assert_no_orphans()
+    # (the workers go on with their parts until the closing cluster stops them, a few seconds:
+    # on this tiny model that may be to the end)
     landed = shard_rows(out)
-    assert 0 < landed < ROWS
+    assert 0 < landed <= ROWS
 
     summary = run(config_for(out, workers=1))
     assert summary["rows_from_earlier_runs"] == landed
     assert summary["rows_generated_now"] == ROWS - landed
+    assert_exactly_the_reference(out, reference)
+
+
+def test_ctrl_c_stops_a_2_worker_run_the_workers_quietly_and_a_rerun_finishes(
+    prefect_api, config_for, reference, tmp_path, resident_engine
+):
+    """A terminal's Ctrl-C reaches the whole job, the local cluster's workers included: the run
+    handles it (exit 130, nothing left running), the workers print nothing of it."""
+    out = tmp_path / "runs"
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config_for(out, workers=2, **FEW_IN_FLIGHT)))
+    stderr = tmp_path / "stderr.txt"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "run", str(config_file)],
+            env=flow_env(prefect_api),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,  # its own process group, as a terminal's job
+        )
+    family: set[int] = set()
+    try:
+        wait_until(
+            lambda: proc.poll() is not None or any(out.glob("questions/*/shards/*.parquet")),
+            240,
+            "the run's first shard",
+        )
+        assert proc.poll() is None, stderr.read_text()[-3000:]
+        family = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        os.killpg(proc.pid, signal.SIGINT)
+        asked = time.monotonic()
+        code = proc.wait(timeout=60)
+        seconds = time.monotonic() - asked
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    log = stderr.read_text()
+    assert code == 130 and seconds < 15, (code, seconds, log[-3000:])
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    assert len(family) >= 6, "two workers, each with an engine of two children"
+    wait_until(lambda: not any(alive(pid) for pid in family), 30, "every process of the run")
+    # (the workers go on with their parts until the closing cluster stops them, a few seconds:
+    # on this tiny model that may be to the end)
+    landed = shard_rows(out)
+    assert 0 < landed <= ROWS
+
+    summary = run(config_for(out, workers=1))
+    assert summary["rows_from_earlier_runs"] == landed
     assert_exactly_the_reference(out, reference)
 
 

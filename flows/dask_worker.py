@@ -1,0 +1,18 @@
+"""Loaded into every worker of the local Dask cluster that a parallel run starts (Dask's
+`preload`, flows/parallel.py), before the worker takes a task.
+
+The workers are the run's own processes, in the terminal's process group: a Ctrl-C reaches
+them too. The run's main process decides what it means (flows/interrupts.py) and closes the
+cluster, which stops the workers and, through their lifelines, their engines; a worker that
+took the Ctrl-C itself would die first, printing a KeyboardInterrupt traceback of its own.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+
+def dask_setup(worker: Any) -> None:
+    # NOTE: Dask calls this on the worker process's main thread (its event loop's)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
