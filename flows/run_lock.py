@@ -1,8 +1,10 @@
 """A run's folder, checked and locked before anything costly starts: once per process.
 
 One writer per run folder (CheckpointStore.lock): a second run of the same config must be
-refused before it reads the input or starts an engine (on a GPU it would load a whole model
-beside the first). So the lock is the first thing after the config's check, both in the
+refused before it starts an engine (on a GPU it would load a whole model beside the first).
+The folder is named by the run's fingerprint, which hashes the input's bytes, so the input is
+read (and checked, by preflight, in the same pass) just before; the lock is taken right after
+that check and before anything else starts, both in the
 `gristmill` command, before Prefect starts, and in the flow's configure step, for flows started
 any other way (a deployment, the UI, Python). When the command has taken it, configure finds
 the same plan held in this process and uses it: one lock, one check, one hash of the input.
