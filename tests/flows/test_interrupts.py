@@ -255,6 +255,7 @@ def _second_run(config_file: Path) -> dict[str, Any]:
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(refused):
         patch.setattr("engine.Engine", lambda **kwargs: started.append(kwargs))
         patch.setattr("flows.pipeline.run_steps", lambda *args, **kwargs: started.append(args))
+        patch.setattr("flows.preflight.load_input", lambda source: started.append(source))
         code = main(["run", str(config_file)])
     seconds = time.monotonic() - begun
     return {"code": code, "stderr": refused.getvalue(), "seconds": seconds, "started": started}
@@ -340,15 +341,15 @@ def test_sigkill_of_the_main_process_takes_the_engine_and_the_prefect_server(cha
 
 
 # ---------------------------------------------------------------------- finding 7: lock first
-def test_a_second_run_of_the_config_is_refused_before_any_engine_starts(chain):
+def test_a_second_run_of_the_config_is_refused_before_it_reads_its_input(chain):
     second = chain["second"]
     assert second["code"] == 2, second["stderr"]
-    assert second["started"] == [], "the refused run got as far as a flow or an engine"
+    assert second["started"] == [], "the refused run read its input, or started a flow or engine"
     assert second["seconds"] < REFUSED_S
-    folder = chain["out"] / "questions" / chain["reference"].name
+    run_dir = (chain["out"] / "questions").resolve()
     assert second["stderr"] == (
-        f"gristmill: another run (pid {second['holder']}) is writing to {folder}; "
-        "wait for it to end\n"
+        f"gristmill: another run (pid {second['holder']}) is running this config into "
+        f"{run_dir}; wait for it to end\n"
     )
 
 
