@@ -28,10 +28,11 @@ calling script again: a script that calls a flow with several local workers must
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig
 from flows.generation import Generated, RequestOptions, generate_rows
+from flows.interrupts import Interrupted, interrupted, stop_softly
 from flows.plan import RunPlan, Work
 from flows.progress import Progress
 from flows.store import CheckpointStore
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
     from prefect_dask import DaskTaskRunner
 
 POLL_SECONDS = 1.0  # how often the flow process looks for new shards while the parts run
+STOP_POLL_SECONDS = 0.2  # how often a part looks for the run's request to stop
+STOP_GRACE_SECONDS = 5.0  # how long a stopping run waits for its parts to write and end
 
 
 def generate_in_parallel(plan: RunPlan, work: Work) -> Generated:
@@ -112,7 +116,9 @@ def generate_on_workers(plan: RunPlan, work: Work) -> Generated:
         for index, part in enumerate(parts)
     ]
     progress = Progress(work.total, work.done_before, config.run_name, logger)
-    asyncio.run(_watch(futures, shards, progress))
+    asyncio.run(_watch(futures, shards, progress, store))
+    if interrupted():  # the parts were asked to stop and have written what they finished
+        raise Interrupted("stopped by Ctrl-C; the rows finished by then are written")
     failures = []
     for index, future in enumerate(futures):
         try:
@@ -167,19 +173,25 @@ def generate_part(
         options = RequestOptions(config.sampling_params(), config.logprobs, config.top_logprobs)
         progress = Progress(todo.num_rows, 0, config.run_name, logger, bar=False)
         generated = asyncio.run(
-            generate_rows(
-                engine,
-                todo,
-                options,
-                max_in_flight=config.max_in_flight,
-                shard_size=config.shard_size,
-                write_shard=lambda rows: store.write_shard(rows, schema, store.check_writer),
-                progress=progress,
+            _until_stopped(
+                generate_rows(
+                    engine,
+                    todo,
+                    options,
+                    max_in_flight=config.max_in_flight,
+                    shard_size=config.shard_size,
+                    write_shard=lambda rows: store.write_shard(rows, schema, store.check_writer),
+                    progress=progress,
+                ),
+                store,
             )
         )
     finally:
         engine.shutdown()
-    logger.info("part %d: generated %s", index, progress.line())
+    if store.stop_requested():
+        logger.info("part %d: stopped by the run's Ctrl-C, its finished rows written", index)
+    else:
+        logger.info("part %d: generated %s", index, progress.line())
     return generated
 
 
@@ -241,20 +253,51 @@ class NewShards:
         return Generated(**{**vars(self.stats), "seconds": seconds})
 
 
-async def _watch(futures: list[Any], shards: NewShards, progress: Progress) -> None:
-    """Feed the run's progress from the shards that land, until every part has ended."""
+async def _watch(
+    futures: list[Any], shards: NewShards, progress: Progress, store: CheckpointStore
+) -> None:
+    """Feed the run's progress from the shards that land, until every part has ended.
+
+    A Ctrl-C asks the parts to stop (CheckpointStore.request_stop), and this waits for them a
+    while longer: each writes the rows it has finished and ends within STOP_POLL_SECONDS."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    stop_by: float | None = None
     await progress.open()
     try:
-        while True:
-            ended = all(f.wrapped_future.done() for f in futures)
-            rows, tokens = shards.poll()
-            if rows:
-                await progress.advance(rows, tokens)
-            if ended:
-                return
-            await asyncio.sleep(POLL_SECONDS)
+        with stop_softly(lambda: loop.call_soon_threadsafe(stopping.set)):
+            while True:
+                ended = all(f.wrapped_future.done() for f in futures)
+                rows, tokens = shards.poll()
+                if rows:
+                    await progress.advance(rows, tokens)
+                if ended or (stop_by is not None and loop.time() > stop_by):
+                    return
+                if stopping.is_set() and stop_by is None:
+                    store.request_stop()
+                    stop_by = loop.time() + STOP_GRACE_SECONDS
+                if stopping.is_set():
+                    await asyncio.sleep(STOP_POLL_SECONDS)
+                else:
+                    with contextlib.suppress(asyncio.TimeoutError):  # a Ctrl-C ends the wait
+                        await asyncio.wait_for(stopping.wait(), POLL_SECONDS)
     finally:
         await progress.close()
+
+
+async def _until_stopped(rows: Coroutine[Any, Any, Generated], store: CheckpointStore) -> Generated:
+    """A part's rows, until done or until the run asks its parts to stop (a Ctrl-C): then the
+    rows in flight are dropped (redone on resume), the finished ones written (generate_rows)."""
+    task = asyncio.ensure_future(rows)
+    while not task.done():
+        await asyncio.wait({task}, timeout=STOP_POLL_SECONDS)
+        if not task.done() and store.stop_requested():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        # NOTE: an ending, not a failure: the run reports the stop (its rows count from shards)
+        return Generated()
 
 
 def _api_for_workers() -> AbstractContextManager[Any]:

@@ -160,6 +160,26 @@ class CheckpointStore:
             os.close(self._lock)
             self._lock = None
 
+    # ------------------------------------------------------------------ a soft stop
+    def request_stop(self) -> None:
+        """Ask this run's helpers in other processes (Dask workers) to stop taking rows: they
+        write the rows they have finished and end their parts (the run's Ctrl-C)."""
+        _atomic_write(self._stop_path, (self.writer_token or "").encode())
+
+    def stop_requested(self) -> bool:
+        """Has the run that locked this store asked its helpers to stop? (A request of an
+        earlier run names an older writer token, so it never stops a later one.)"""
+        try:
+            return self.writer_token is not None and self._stop_path.read_text() == (
+                self.writer_token
+            )
+        except OSError:
+            return False
+
+    @property
+    def _stop_path(self) -> Path:
+        return self.folder.parent / f"{self.fingerprint}.stop"
+
     # ------------------------------------------------------------------ opening
     def open(self) -> Scan:
         """Create or reopen the run folder; returns what is already done there."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -266,3 +267,17 @@ def test_shards_named_without_a_checksum_are_checked_by_reading_them_whole(tmp_p
     scan = store.open()
     assert scan.shards == [old] and scan.done_ids == {str(i) for i in range(5)}
     assert len(scan.problems) == 1 and broken.name in scan.problems[0]
+
+
+def test_a_stop_request_reaches_the_runs_copies_and_never_a_later_run(tmp_path):
+    run = CheckpointStore(tmp_path, "run", {"a": 1})
+    run.lock()
+    worker = pickle.loads(pickle.dumps(run))  # what a Dask worker holds
+    assert not worker.stop_requested()
+    run.request_stop()  # the run's Ctrl-C
+    assert worker.stop_requested()
+    run.unlock()
+    later = CheckpointStore(tmp_path, "run", {"a": 1})
+    later.lock()  # a rerun: a new writer token
+    assert not pickle.loads(pickle.dumps(later)).stop_requested()
+    later.unlock()
