@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 
 from tests.tiny_models import _WORDS, SHARED_ENGINE_ARGS
@@ -188,3 +189,35 @@ def fail_the_120th_request(monkeypatch: pytest.MonkeyPatch) -> None:
         return await real_request(engine, row, options)
 
     monkeypatch.setattr(flows.generation, "request", failing_request)
+
+
+# ---------------------------------------------------------------------- damaged shards
+def _flip(shard: Path, offset: int, mask: int = 0xFF, width: int = 4) -> None:
+    data = bytearray(shard.read_bytes())
+    data[offset : offset + width] = bytes(b ^ mask for b in data[offset : offset + width])
+    shard.write_bytes(bytes(data))
+
+
+def _chunk(shard: Path, column: str) -> pq.ColumnChunkMetaData:
+    row_group = pq.read_metadata(shard).row_group(0)
+    (chunk,) = [
+        row_group.column(i)
+        for i in range(row_group.num_columns)
+        if row_group.column(i).path_in_schema == column
+    ]
+    return chunk
+
+
+def corrupt_a_page_of(shard: Path, column: str) -> None:
+    """Flip the first bytes of a column's data page, found from the Parquet footer: the page
+    no longer reads, the other columns' pages still do."""
+    _flip(shard, _chunk(shard, column).data_page_offset)
+
+
+def alter_the_first_value_of(shard: Path, column: str, value: str) -> None:
+    """Change the first character of the first value in the column's dictionary page: its first
+    bytes are stored as they are by any compression (there is nothing before them to refer to)."""
+    start = shard.read_bytes().index(
+        value[:4].encode(), _chunk(shard, column).dictionary_page_offset
+    )
+    _flip(shard, start, mask=0x01, width=1)

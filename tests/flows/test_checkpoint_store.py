@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.store import CheckpointStore, fingerprint, row_seed, write_parquet
-from tests.flows.fixtures import wait_until
+from tests.flows.fixtures import alter_the_first_value_of, corrupt_a_page_of, wait_until
 
 IDENTITY = {"model": "tiny", "sampling": {"temperature": 0}, "template": "{q}", "seed": 1}
 
@@ -178,37 +178,6 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert subprocess.run([sys.executable, "-c", script], env=env).returncode == -signal.SIGKILL
     assert second.writer() is None
     second.lock()  # a writer killed while holding the lock left nothing behind
-
-
-def _flip(shard: Path, offset: int, mask: int = 0xFF, width: int = 4) -> None:
-    data = bytearray(shard.read_bytes())
-    data[offset : offset + width] = bytes(b ^ mask for b in data[offset : offset + width])
-    shard.write_bytes(bytes(data))
-
-
-def _chunk(shard: Path, column: str) -> pq.ColumnChunkMetaData:
-    row_group = pq.read_metadata(shard).row_group(0)
-    (chunk,) = [
-        row_group.column(i)
-        for i in range(row_group.num_columns)
-        if row_group.column(i).path_in_schema == column
-    ]
-    return chunk
-
-
-def corrupt_a_page_of(shard: Path, column: str) -> None:
-    """Flip the first bytes of a column's data page, found from the Parquet footer: the page
-    no longer reads, the other columns' pages still do."""
-    _flip(shard, _chunk(shard, column).data_page_offset)
-
-
-def alter_the_first_value_of(shard: Path, column: str, value: str) -> None:
-    """Change the first character of the first value in the column's dictionary page: its first
-    bytes are stored as they are by any compression (there is nothing before them to refer to)."""
-    start = shard.read_bytes().index(
-        value[:4].encode(), _chunk(shard, column).dictionary_page_offset
-    )
-    _flip(shard, start, mask=0x01, width=1)
 
 
 def _long_rows(ids, tag="x"):

@@ -16,6 +16,7 @@ from flows.cli import main
 from flows.config import ConfigError, load_config
 from tests.flows.fixtures import (
     base_config,
+    corrupt_a_page_of,
     flow_env,
     question_rows,
     run_folder,
@@ -79,6 +80,35 @@ def test_run_status_show_and_fresh(prefect_api, llama_dir, tmp_path, capsys, res
     shown = capsys.readouterr().out
     assert "2 row(s) from the merged output" in shown
     assert shown.index(f"id={rows[0]['qid']}") < shown.index(f"id={rows[1]['qid']}")
+
+
+def test_a_rerun_sets_aside_a_shard_with_a_corrupt_page_and_redoes_its_rows(
+    prefect_api, llama_dir, tmp_path, capfd, resident_engine
+):
+    """Issue 16, finding 3: a shard whose ids read but another column's page does not."""
+    source = write_jsonl(tmp_path / "questions.jsonl", question_rows(40, 6))
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(
+        yaml.safe_dump(base_config(llama_dir, source, tmp_path / "runs", shard_size=10))
+    )
+    assert main(["run", str(config_file)]) == 0
+    folder = run_folder(tmp_path / "runs")
+    first = pq.read_table(folder / "output.parquet")
+    (folder / "output.parquet").unlink()
+    broken = sorted((folder / "shards").glob("*.parquet"))[1]
+    corrupt_a_page_of(broken, "text")
+    assert pq.read_table(broken, columns=["id"]).num_rows == 10  # the ids still read
+    capfd.readouterr()
+
+    assert main(["run", str(config_file)]) == 0
+    printed = capfd.readouterr()
+    summary = summary_lines(printed.out)
+    assert summary["rows_generated_now"] == "10" and summary["rows_from_earlier_runs"] == "30"
+    assert f"set aside unreadable shard {broken.name}" in printed.err  # the run's log names it
+    assert (folder / "shards" / f"{broken.name}.unreadable").exists()
+    # the rows themselves (cached_tokens and latency depend on what else was in the engine)
+    keep = ["id", "prompt", "text", "finish_reason", "prompt_tokens", "completion_tokens"]
+    assert pq.read_table(folder / "output.parquet").select(keep).equals(first.select(keep))
 
 
 def test_a_bad_config_exits_2_naming_each_field_before_anything_starts(llama_dir, tmp_path):
