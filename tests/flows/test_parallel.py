@@ -316,6 +316,29 @@ def test_ctrl_c_stops_a_2_worker_run_the_workers_quietly_and_a_rerun_finishes(
 
 
 # ---------------------------------------------------------------------- the pieces
+def test_a_worker_says_its_scheduler_closed_in_one_line(caplog):
+    """What flows/dask_worker.py does to a worker's heartbeat meeting a closing scheduler."""
+    import logging
+
+    from distributed.comm.core import CommClosedError
+
+    from flows import dask_worker
+
+    worker_log = logging.getLogger("distributed.worker")
+    worker_log.addFilter(dask_worker._closed_comms_in_one_line)
+    try:
+        for error in (CommClosedError("in <TCP (closed)>: Stream is closed"), ValueError("x")):
+            try:
+                raise error
+            except Exception:
+                worker_log.exception("Failed to communicate with scheduler during heartbeat.")
+    finally:
+        worker_log.removeFilter(dask_worker._closed_comms_in_one_line)
+    closed, other = caplog.records[-2:]
+    assert closed.getMessage().startswith("Failed to communicate") and closed.exc_info is None
+    assert other.exc_info is not None, "other errors keep their traceback"
+
+
 def test_parts_are_near_equal_contiguous_slices_never_empty():
     table = pa.table({"id": [f"r{i}" for i in range(11)]})
     for parts in range(1, 14):
