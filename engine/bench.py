@@ -300,6 +300,22 @@ def main(argv: list[str] | None = None) -> None:
             ),
         ),
         (
+            "launch + read share | launch in prefill steps (s)",
+            "{:.0%} | {:.2f}".format(
+                (state["launch_seconds"] + state["collect_seconds"])
+                / max(state["busy_seconds"], 1e-9),
+                state.get("prefill_launch_seconds", 0.0),
+            ),
+        ),
+        (
+            "CUDA allocator: mallocs | frees | retries",
+            "{} | {} | {}".format(
+                state.get("cuda_mallocs", "-"),
+                state.get("cuda_frees", "-"),
+                state.get("cuda_alloc_retries", "-"),
+            ),
+        ),
+        (
             "CUDA graphs up to | overlap",
             "{cuda_graph_max_bs} | {overlap_schedule}".format(**state),
         ),

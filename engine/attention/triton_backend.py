@@ -82,24 +82,29 @@ class TritonAttnBackend(AttentionBackend):
             )
             self.graph_prefix = self._split(flat, bs)
             self._graph_flat = flat
-            self._graph_has_groups = False  # whether the static buffers hold any group now
+            # the groups (and padded size) the static buffers hold now; None: all zero
+            self._graph_holds: tuple[list[SharedPrefix], int] | None = None
 
     def init_graph_replay(self, batch: ForwardBatch, padded: int, static: torch.Tensor) -> None:
         if self.graph_prefix is None:
             return
-        if not batch.shared_prefixes:
+        groups = batch.shared_prefixes
+        if not groups:
             # NOTE: a batch without groups needs all-zero buffers; they stay zero from one such
             # replay to the next, so the common case costs no host work and no copy at all
-            if self._graph_has_groups:
+            if self._graph_holds is not None:
                 self._graph_flat.zero_()
-                self._graph_has_groups = False
+                self._graph_holds = None
             return
-        host = self._prefix_host(batch.shared_prefixes, padded, self.items_capacity(padded))
+        held = self._graph_holds
+        if held is not None and held[0] is groups and held[1] == padded:
+            return  # the same requests as the last replay (the decode planner kept its groups)
+        host = self._prefix_host(groups, padded, self.items_capacity(padded))
         lens, items = self.graph_prefix
         flat = to_device(host, torch.int64, lens.device)
         lens[:padded].copy_(flat[:padded])
         items[: self.items_capacity(padded)].copy_(flat[padded:].view(-1, 2 + self.item_size))
-        self._graph_has_groups = True
+        self._graph_holds = (groups, padded)
 
     # ------------------------------------------------------------------ kernels
     def forward_decode(

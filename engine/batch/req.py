@@ -20,7 +20,7 @@ class Req:
     __slots__ = (
         "rid", "input_ids", "sampling", "seed", "return_logprob", "input_logprob_start",
         "top_logprobs_num", "stream", "embed_dimensions", "label_token_ids", "draw_limit",
-        "output_ids", "tokens", "fill_len", "drawn", "finish_reason", "cached_tokens",
+        "output_ids", "tokens", "_tokens_len", "drawn", "finish_reason", "cached_tokens",
         "admitted_once", "admit_order", "input_logprob_next", "stop_decoder", "grammar",
         "input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs",
         "embedding", "label_logprobs",
@@ -49,10 +49,12 @@ class Req:
         # ---- progress
         self.output_ids: list[int] = []
         # NOTE: the prompt then the output, in an array that grows by doubling: fill_ids is a view
-        # of it, so the scheduler slices and compares long prompts without copying Python lists
+        # of it, so the scheduler slices and compares long prompts without copying Python lists.
+        # Output tokens reach it lazily (`fill_ids` copies those appended since): a decode step
+        # appends to output_ids only, the per-token hot path.
         self.tokens = np.empty(self.prompt_len + max(0, min(limit, 16)) + 1, dtype=np.int64)
         self.tokens[: self.prompt_len] = request.input_ids
-        self.fill_len = self.prompt_len
+        self._tokens_len = self.prompt_len  # how much of `tokens` is written
         # NOTE: with overlap scheduling a sampled token reaches output_ids one step after it was
         # drawn on the device; meanwhile it is pending (its value lives in ModelRunner.next_token).
         self.drawn = 0  # output tokens drawn on the device, pending ones included
@@ -92,18 +94,29 @@ class Req:
         return len(self.input_ids)
 
     @property
+    def fill_len(self) -> int:
+        """How many tokens the model has seen or will see next: the prompt and the output so far."""
+        return self.prompt_len + len(self.output_ids)
+
+    @property
     def fill_ids(self) -> np.ndarray:
         """Every token the model has seen or will see next: the prompt, then the output so far
         (an int64 view, valid until the next append)."""
-        return self.tokens[: self.fill_len]
+        end = self.prompt_len + len(self.output_ids)
+        if self._tokens_len < end:  # output tokens appended since the last call
+            if end > len(self.tokens):
+                grown = np.empty(max(end, 2 * len(self.tokens)), dtype=np.int64)
+                grown[: self._tokens_len] = self.tokens[: self._tokens_len]
+                self.tokens = grown
+            self.tokens[self._tokens_len : end] = self.output_ids[
+                self._tokens_len - self.prompt_len :
+            ]
+            self._tokens_len = end
+        return self.tokens[:end]
 
     def append_token(self, token: int) -> None:
-        """A drawn token, read back from the device: it joins the output and fill_ids."""
+        """A drawn token, read back from the device: it joins the output (and so fill_ids)."""
         self.output_ids.append(token)
-        if self.fill_len == len(self.tokens):
-            self.tokens = np.concatenate([self.tokens, np.empty_like(self.tokens)])
-        self.tokens[self.fill_len] = token
-        self.fill_len += 1
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -68,10 +68,10 @@ class LogitsStep:
         return step
 
     def _asks_of(self, reqs: list[Req]) -> _Asks:
-        """A decode batch's asks, computed again only when its requests change."""
-        key = tuple(map(id, reqs))
-        if self._decode_asks is None or self._decode_asks.key != key:
-            self._decode_asks = _Asks.of(reqs, key)
+        """A decode batch's asks, computed again only when its requests change (the decode
+        planner hands out the same list while they stay: engine/scheduler/decode.py)."""
+        if self._decode_asks is None or self._decode_asks.reqs is not reqs:
+            self._decode_asks = _Asks.of(reqs)
         return self._decode_asks
 
     def _prefill_outputs(
@@ -158,10 +158,9 @@ class _Asks:
     """What the sampling requests of a step ask of it, by row; fixed for given requests (their
     sampling parameters never change), so a decode batch keeps it while its requests stay.
 
-    NOTE: `key` holds the requests' ids and `reqs` holds the requests, so no id is reused by a
-    new request while the key is kept."""
+    NOTE: a decode batch's list of requests is never changed after planning, so the list's
+    identity names its requests."""
 
-    key: tuple[int, ...]
     reqs: list[Req]
     all_greedy: bool
     penalised: list[int]
@@ -171,10 +170,9 @@ class _Asks:
     logprob_rows: list[int]
 
     @classmethod
-    def of(cls, reqs: list[Req], key: tuple[int, ...] = ()) -> _Asks:
+    def of(cls, reqs: list[Req]) -> _Asks:
         sps = [r.sampling for r in reqs]
         return cls(
-            key=key,
             reqs=reqs,
             all_greedy=all(sp.is_greedy for sp in sps),
             penalised=penalised_rows(reqs),

@@ -112,6 +112,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     # ------------------------------------------------------------------ memory
+    def allocator_counters(self) -> dict[str, int]:
+        """PyTorch's CUDA allocator: device allocations and frees, and retries after a failed
+        allocation. Each free (and retry) synchronises the device, so a step that triggers one
+        waits for the work in flight: in a step's launch time that looks like host time."""
+        if self.device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        return {
+            "cuda_mallocs": stats.get("num_device_alloc", 0),
+            "cuda_frees": stats.get("num_device_free", 0),
+            "cuda_alloc_retries": stats.get("num_alloc_retries", 0),
+        }
+
     def _new_pool(self, num_pages: int) -> KVPool:
         c = self.config
         return KVPool(

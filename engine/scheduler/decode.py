@@ -10,10 +10,12 @@ the same.
 from __future__ import annotations
 
 import logging
+from operator import is_
 
 from engine.batch.forward_batch import ForwardMode
 from engine.batch.req import Req
 from engine.batch.scheduled_batch import ScheduledBatch
+from engine.batch.shared_prefix import SharedPrefix
 from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate
 from engine.scheduler.queues import RequestQueues
@@ -37,6 +39,11 @@ class DecodePlanner:
         self.queues = queues
         self.estimate = estimate
         self.stats = stats
+        # the last decode batch's requests and groups: while the same requests decode, the
+        # planner hands out the same list, so what depends only on who is in the batch (groups
+        # here, sampling asks and graph buffers downstream) is kept by identity, not recomputed
+        self._last: list[Req] = []
+        self._last_groups: list[SharedPrefix] = []
 
     def plan(self) -> ScheduledBatch | None:
         q, ps = self.queues, self.kv.page_size
@@ -59,9 +66,15 @@ class DecodePlanner:
         if not reqs:
             return None
         self.stats.decode_steps += 1
+        if len(reqs) == len(self._last) and all(map(is_, reqs, self._last)):
+            reqs, groups = self._last, self._last_groups
+        else:
+            # NOTE: groups stay valid while their members run: each member keeps its prefix node
+            # locked, so the prefix's pages (and slots) cannot change under it
+            groups = shared_prefixes(reqs) if self.group_shared_prefixes else []
+            self._last, self._last_groups = reqs, groups
         starts = [r.kv_len for r in reqs]
         slots = self.kv.extend_by_one(reqs)  # new pages in one allocation
-        groups = shared_prefixes(reqs) if self.group_shared_prefixes else []
         self.stats.shared_prefix_steps += bool(groups)
         return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), starts, slots, groups)
 

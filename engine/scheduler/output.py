@@ -9,7 +9,11 @@ from engine.runtime.messages import DecodeSpec, ReqOutput
 
 
 def outputs_to_send(reqs: list[Req], stream_interval: int) -> list[ReqOutput]:
-    return [_output(r) for r in reqs if r.finished or (r.stream and _due(r, stream_interval))]
+    return [
+        _output(r)
+        for r in reqs
+        if r.finish_reason is not None or (r.stream and _due(r, stream_interval))
+    ]
 
 
 def _due(req: Req, stream_interval: int) -> bool:

@@ -145,6 +145,7 @@ class Scheduler:
             "gen_throughput": s.generated_tokens / s.busy_seconds if s.busy_seconds else 0.0,
             "overlap_schedule": self.overlap,
             "cuda_graph_max_bs": self.runner.graphs.max_bs if self.runner.graphs else 0,
+            **self.runner.allocator_counters(),
         }
 
     # ------------------------------------------------------------------ one step
@@ -163,7 +164,10 @@ class Scheduler:
         t_launch = time.perf_counter()
         batch = self._schedule()
         launched = self._launch(batch) if batch is not None else None
-        self.stats.launch_seconds += time.perf_counter() - t_launch
+        launch = time.perf_counter() - t_launch
+        self.stats.launch_seconds += launch
+        if batch is not None and batch.mode is ForwardMode.EXTEND:
+            self.stats.prefill_launch_seconds += launch
         if self._inflight is not None:
             advanced += self._collect(self._inflight)
         self._inflight = launched
@@ -216,15 +220,22 @@ class Scheduler:
         for req in step.zero_length:
             if req.finish_reason is None:
                 self._retire(req, {"type": "length", "length": 0})
-        logprob_of = dict(zip(step.logprob_rows, range(len(step.logprob_rows))))
-        for i, (req, token) in enumerate(zip(step.sample_reqs, tokens)):
+        if step.logprob_rows:
+            self._append_logprobs(step, chosen, top_values, top_ids)
+        for req, token in zip(step.sample_reqs, tokens):
+            # NOTE: the per-token hot path (hundreds of requests a step): what Req.check_finished
+            # decides, inlined for requests without a grammar or stop strings
             if req.finish_reason is not None:  # aborted, or ended a step ago
                 continue
-            if logprob_of and i in logprob_of:
-                j, k = logprob_of[i], req.top_logprobs_num
-                req.output_logprobs.append(chosen[j])
-                req.output_top_logprobs.append((top_values[j][:k], top_ids[j][:k]))
-            req.append_token(token)
+            out = req.output_ids
+            out.append(token)
+            if req.grammar is None and req.stop_decoder is None:
+                sp = req.sampling
+                if token in sp.stop_ids and len(out) >= sp.min_new_tokens:
+                    self._retire(req, {"type": "stop", "matched": token})
+                elif len(out) >= req.draw_limit:
+                    self._retire(req, {"type": "length", "length": len(out)})
+                continue
             if req.grammar is None or not self.grammar.accept(req, token):
                 req.check_finished(token)
             if req.finish_reason is not None:
@@ -232,6 +243,16 @@ class Scheduler:
         self.stats.generated_tokens += len(tokens)
         self.stats.collect_seconds += time.perf_counter() - t1
         return advanced
+
+    @staticmethod
+    def _append_logprobs(step: LaunchedStep, chosen: list, top_values: list, top_ids: list) -> None:
+        """Output logprobs of the requests that asked, for the token each drew this step."""
+        for j, i in enumerate(step.logprob_rows):
+            req = step.sample_reqs[i]
+            if req.finish_reason is None:
+                k = req.top_logprobs_num
+                req.output_logprobs.append(chosen[j])
+                req.output_top_logprobs.append((top_values[j][:k], top_ids[j][:k]))
 
     def _retire(self, req: Req, reason: dict) -> None:
         if not req.finished:

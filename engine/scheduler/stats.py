@@ -20,6 +20,7 @@ class SchedulerStats:
     busy_seconds: float = 0.0
     # where a step's time goes: planning and launching (host), waiting for the device, reading
     launch_seconds: float = 0.0
+    prefill_launch_seconds: float = 0.0  # the part of launch_seconds spent on prefill steps
     wait_seconds: float = 0.0
     collect_seconds: float = 0.0
 
