@@ -25,23 +25,10 @@ from engine.bench import make_workload
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
 from engine.scheduler.output import outputs_to_send
-from engine.scheduler.profile import HostProfile
+from engine.scheduler.profile import HostProfile, time_phase
 from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
-
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "vocab_size": 512,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-}
+from scripts.bench_host import TINY_LLAMA
 
 
 def main() -> None:
@@ -56,7 +43,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.manual_seed(0)
     folder = tempfile.mkdtemp(prefix="gristmill-step-host-")
-    (Path(folder) / "config.json").write_text(json.dumps(TINY))
+    (Path(folder) / "config.json").write_text(json.dumps(TINY_LLAMA))
     args = ServerArgs.from_kwargs(
         model_path=folder,
         load_format="dummy",
@@ -80,13 +67,9 @@ def main() -> None:
     runner = sched.runner
     runner.forward = lambda batch, rows: logits[: batch.batch_size if rows is None else len(rows)]
     phases = {"plan": 0.0, "runner.step": 0.0, "collect": 0.0, "outputs": 0.0}
-    for name, owner, attr in (
-        ("plan", sched, "_schedule"),
-        ("runner.step", runner, "step"),
-        ("collect", sched, "_collect"),
-    ):
-        phases[name] = 0.0
-        setattr(owner, attr, _timed(getattr(owner, attr), phases, name))
+    time_phase(sched, "_schedule", phases, "plan")
+    time_phase(runner, "step", phases, "runner.step")
+    time_phase(sched, "_collect", phases, "collect")
 
     for request in call.requests:
         sched.add_request(request)
@@ -113,17 +96,6 @@ def main() -> None:
     print(f"| µs per generated token | {1e6 * wall / s.generated_tokens:.2f} |")
     for name, seconds in phases.items():
         print(f"| {name} (s) | {seconds:.3f} |")
-
-
-def _timed(fn, phases: dict, name: str):
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            phases[name] += time.perf_counter() - t
-
-    return wrapper
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ import warnings
 
 import torch
 
+import engine.runner.model_runner as model_runner
 from engine.bench import dummy_folder, make_workload
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
+from engine.scheduler.profile import time_phase
 from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
 
@@ -70,28 +72,14 @@ def main() -> None:
     for request in call.requests[8:]:
         sched.add_request(request)
     phases: collections.Counter = collections.Counter()
-    import engine.runner.model_runner as mr
-
-    def timed(owner, attr, name):
-        fn = getattr(owner, attr)
-
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                phases[name] += time.perf_counter() - t
-
-        setattr(owner, attr, wrapper)
-
-    timed(sched.prefill, "plan", "prefill.plan")
-    timed(sched.decode, "plan", "decode.plan")
-    timed(sched.runner, "forward_eager", "forward_eager (prefill)")
-    timed(sched.runner, "forward", "forward (all)")
-    timed(mr, "build_forward_batch", "build_forward_batch")
-    timed(sched.runner.logits_step, "launch", "logits_step.launch")
-    timed(sched.kv, "cache_prefix", "kv.cache_prefix")
-    timed(sched, "_collect", "collect")
+    time_phase(sched.prefill, "plan", phases, "prefill.plan")
+    time_phase(sched.decode, "plan", phases, "decode.plan")
+    time_phase(sched.runner, "forward_eager", phases, "forward_eager (prefill)")
+    time_phase(sched.runner, "forward", phases, "forward (all)")
+    time_phase(model_runner, "build_forward_batch", phases, "build_forward_batch")
+    time_phase(sched.runner.logits_step, "launch", phases, "logits_step.launch")
+    time_phase(sched.kv, "cache_prefix", phases, "kv.cache_prefix")
+    time_phase(sched, "_collect", phases, "collect")
     if a.sync_debug:
         torch.cuda.set_sync_debug_mode("warn")
     t0 = time.perf_counter()

@@ -223,19 +223,9 @@ class Scheduler:
         if step.logprob_rows:
             self._append_logprobs(step, chosen, top_values, top_ids)
         for req, token in zip(step.sample_reqs, tokens):
-            # NOTE: the per-token hot path (hundreds of requests a step): what Req.check_finished
-            # decides, inlined for requests without a grammar or stop strings
             if req.finish_reason is not None:  # aborted, or ended a step ago
                 continue
-            out = req.output_ids
-            out.append(token)
-            if req.grammar is None and req.stop_decoder is None:
-                sp = req.sampling
-                if token in sp.stop_ids and len(out) >= sp.min_new_tokens:
-                    self._retire(req, {"type": "stop", "matched": token})
-                elif len(out) >= req.draw_limit:
-                    self._retire(req, {"type": "length", "length": len(out)})
-                continue
+            req.append_token(token)
             if req.grammar is None or not self.grammar.accept(req, token):
                 req.check_finished(token)
             if req.finish_reason is not None:
