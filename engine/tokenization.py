@@ -45,6 +45,32 @@ def load_tokenizer(args: ServerArgs) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+class TokenizerOnDemand:
+    """The scheduler's tokenizer, loaded the first time a request needs it (stop strings, a grammar).
+
+    NOTE: most runs never need it there, and loading it imports transformers (~1.5 s of one core
+    on a small machine), which every engine start would otherwise pay; the caller's process
+    has loaded the same files already, so a bad tokenizer_path never gets this far.
+    """
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+
+    @property
+    def available(self) -> bool:
+        return not self.args.skip_tokenizer_init
+
+    def get(self) -> PreTrainedTokenizerBase:
+        if not self.available:
+            raise ValueError(
+                "this needs the tokenizer, but the engine has skip_tokenizer_init=True"
+            )
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.args)
+        return self._tokenizer
+
+
 class IncrementalDecoder:
     def __init__(
         self,

@@ -47,7 +47,7 @@ class TokenizerManager:
     def __init__(self, args: ServerArgs, config: ModelConfig) -> None:
         self.args = args
         self.config = config
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args)
+        self.tokenizer = None
         self._folder = tempfile.mkdtemp(prefix="gristmill-")  # mode 0700: private to this user
         endpoints = Endpoints(self._folder)
         self._ctx = zmq.Context()
@@ -62,6 +62,10 @@ class TokenizerManager:
         self.children: ChildProcesses | None = None
         try:
             self.children = ChildProcesses(args, endpoints)
+            # NOTE: loaded while the children start (it imports transformers, ~1 s): a bad
+            # tokenizer_path still fails the start, and shutdown() below stops the children
+            if not args.skip_tokenizer_init:
+                self.tokenizer = load_tokenizer(args)
             info = self._wait_ready()
         except BaseException:
             self.shutdown()

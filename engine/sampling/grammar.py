@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from engine.batch.req import Req
     from engine.sampling_params import SamplingParams
     from engine.server_args import ServerArgs
+    from engine.tokenization import TokenizerOnDemand
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 # distinct compiled grammars kept per engine (least recently used dropped first)
@@ -101,9 +100,7 @@ class GrammarBackend:
     """The scheduler's grammars: compile cache, a matcher per constrained request, and feeding
     it the sampled tokens."""
 
-    def __init__(
-        self, args: ServerArgs, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
-    ) -> None:
+    def __init__(self, args: ServerArgs, tokenizer: TokenizerOnDemand, vocab_size: int) -> None:
         self.args = args
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (the model's, maybe padded)
@@ -160,9 +157,10 @@ class GrammarBackend:
         if self._compiler is None:
             import xgrammar as xgr
 
-            if self.tokenizer is None:
+            if not self.tokenizer.available:
                 raise ValueError("constrained output needs the tokenizer (skip_tokenizer_init)")
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            tokenizer = self.tokenizer.get()
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=8, cache_enabled=False)
         return self._compiler
 

@@ -44,7 +44,7 @@ from engine.scheduler.prefill import PrefillPlanner
 from engine.scheduler.queues import RequestQueues
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
-from engine.tokenization import IncrementalDecoder, load_tokenizer
+from engine.tokenization import IncrementalDecoder, TokenizerOnDemand
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Scheduler:
             self.kv, self.queues, estimate, self.stats, args.shared_prefix_attention
         )
         # decodes the text of requests with stop strings; builds the grammars' token tables
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args)
+        self.tokenizer = TokenizerOnDemand(args)
         self.grammar = GrammarBackend(args, self.tokenizer, config.vocab_size)
         self.overlap = not args.disable_overlap_schedule
         self._after_chunk = False
@@ -85,9 +85,9 @@ class Scheduler:
         """Queue a request the caller validated (engine/frontend/input_processor.py)."""
         req = Req(request, self.config.context_length)
         sp = req.sampling
-        if sp.stop_strings and self.tokenizer is not None:
+        if sp.stop_strings and self.tokenizer.available:
             req.stop_decoder = IncrementalDecoder(
-                self.tokenizer, sp.skip_special_tokens, sp.spaces_between_special_tokens
+                self.tokenizer.get(), sp.skip_special_tokens, sp.spaces_between_special_tokens
             )
         if grammar_key(sp) is not None:
             try:
