@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.batch.forward_batch import ForwardMode
 from engine.batch.req import Req
 from engine.batch.shared_prefix import SharedPrefix
@@ -22,5 +24,8 @@ class ScheduledBatch:
     extend_lens: list[int]  # new tokens per request this step (all 1 in decode)
     starts: list[int]  # each request's first new position (its KV length before this step)
     slots: list[int]  # pool slot of each new token, requests in order
+    # extend: the slots of the cached prefix each request was just admitted with (empty for
+    # the others): the runner writes them into the request's table row with the new slots
+    cached_slots: list[np.ndarray] = field(default_factory=list, kw_only=True)
     # decode: groups of requests that share a cached prefix (empty: attention reads each alone)
-    shared_prefixes: list[SharedPrefix] = field(default_factory=list)
+    shared_prefixes: list[SharedPrefix] = field(default_factory=list, kw_only=True)

@@ -8,7 +8,8 @@ A decode step names no token ids: each request's input is the token sampled for 
 which the model runner gathers on the device (ModelRunner.next_token), so the host need not
 know it yet (overlap scheduling). The per-request columns travel to the device in one copy,
 and the new tokens' slots (allocated by the scheduler) are written into the request->slot
-table with it.
+table with it; so are, in a prefill, the slots of the cached prefixes the batch's requests
+were just admitted with (one more copy for the batch, none per request).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def _build_extend(
     tokens = to_device(host, torch.int64, device)
     seq_lens = [start + n for start, n in zip(batch.starts, batch.extend_lens)]
     per_req = to_device([[r.pool_row for r in batch.reqs], seq_lens], torch.int64, device)
+    _write_cached_prefixes(batch, req_to_token)
     req_to_token.write_slots(tokens[3], tokens[1], tokens[2])
     forward = ForwardBatch(
         mode=ForwardMode.EXTEND,
@@ -120,3 +122,18 @@ def _build_extend(
         req_to_token=req_to_token.table,
     )
     return forward, plan
+
+
+def _write_cached_prefixes(batch: ScheduledBatch, req_to_token: ReqToTokenPool) -> None:
+    """The table rows of newly admitted requests get the slots of their cached prefixes: one
+    transfer of [rows, lengths, slots] for the batch."""
+    admitted = [(r.pool_row, p) for r, p in zip(batch.reqs, batch.cached_slots) if len(p)]
+    if not admitted:
+        return
+    k = len(admitted)
+    host = np.concatenate(
+        [np.array([row for row, _ in admitted]), np.array([len(p) for _, p in admitted])]
+        + [p for _, p in admitted]
+    )
+    packed = to_device(host, torch.int64, req_to_token.table.device)
+    req_to_token.write_prefixes(packed[:k], packed[k : 2 * k], packed[2 * k :])

@@ -75,8 +75,11 @@ class DecodePlanner:
             self._last, self._last_groups = reqs, groups
         starts = [r.kv_len for r in reqs]
         slots = self.kv.extend_by_one(reqs)  # new pages in one allocation
-        self.stats.shared_prefix_steps += bool(groups)
-        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), starts, slots, groups)
+        batch = ScheduledBatch(
+            ForwardMode.DECODE, reqs, [1] * len(reqs), starts, slots, shared_prefixes=groups
+        )
+        self.stats.shared_prefix_steps += bool(batch.shared_prefixes)  # (what the runner gets)
+        return batch
 
     def retract(self, req: Req) -> None:
         """Put an admitted request back at the head of the queue; its KV stays in the prefix cache."""

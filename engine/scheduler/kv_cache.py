@@ -23,6 +23,8 @@ from engine.transfer import to_device
 if TYPE_CHECKING:
     from engine.batch.req import Req
 
+_NONE = np.empty(0, dtype=np.int64)
+
 
 class KVCache:
     def __init__(
@@ -58,18 +60,26 @@ class KVCache:
         """How many leading tokens the cache could serve (nothing is locked)."""
         return len(self.tree.match_prefix(tokens)[0]) if self.tree else 0
 
-    def admit(self, req: Req, limit: int) -> int:
-        """Give the request a table row and the cached prefix of its first `limit` tokens; returns its length."""
-        slots, node = self.tree.match_prefix(req.fill_ids[:limit]) if self.tree else ([], None)
+    def admit(self, req: Req, limit: int) -> np.ndarray:
+        """Give the request a table row and the cached prefix of its first `limit` tokens; returns
+        that prefix's slots (int64), which the batch that admits it writes into its row.
+
+        NOTE: costs no Python work per cached token: the request keeps only the pages it
+        computes itself (`kv_pages` starts at page prefix_len // page_size), and the table row is
+        written on the device with the rest of the batch (ReqToTokenPool.write_prefixes).
+        """
+        slots, node = self.tree.match_prefix(req.fill_ids[:limit]) if self.tree else (_NONE, None)
         req.pool_row = self.req_to_token.alloc()
         if node is not None:
             self.tree.lock(node)
         req.last_node = node
-        req.kv_pages = self.tree.pages_of(slots) if len(slots) else []
+        req.kv_pages = []
         req.prefix_len = req.kv_len = len(slots)
-        if len(slots):
-            self.req_to_token.write(req.pool_row, 0, to_device(slots, torch.int64, self.device))
-        return len(slots)
+        return slots
+
+    def pages_held(self, req: Req) -> int:
+        """Pages behind the request's KV: its cached prefix's and its own."""
+        return req.prefix_len // self.page_size + len(req.kv_pages)
 
     def extend(self, req: Req, num_tokens: int) -> list[int]:
         """Slots for the request's next `num_tokens` tokens, allocating pages as needed.
@@ -78,14 +88,14 @@ class KVCache:
         batch's slots at once (ReqToTokenPool.write_slots), one transfer per step, not per request.
         """
         start, end = req.kv_len, req.kv_len + num_tokens
-        new_pages = self.pages_for(end) - len(req.kv_pages)
+        new_pages = self.pages_for(end) - self.pages_held(req)
         if new_pages > 0:
             req.kv_pages.extend(self._alloc(new_pages))
-        ps = self.page_size
+        ps, base = self.page_size, req.prefix_len // self.page_size
         req.kv_len = end
-        pages = np.asarray(req.kv_pages[start // ps : self.pages_for(end)], dtype=np.int64)
+        own = np.asarray(req.kv_pages[start // ps - base : self.pages_for(end) - base], np.int64)
         positions = np.arange(start, end)
-        return (pages[positions // ps - start // ps] * ps + positions % ps).tolist()
+        return (own[positions // ps - start // ps] * ps + positions % ps).tolist()
 
     def extend_by_one(self, reqs: list[Req]) -> list[int]:
         """A decode step's slots: one more token for each request, new pages in one allocation."""
@@ -96,12 +106,13 @@ class KVCache:
                 req.kv_pages.append(page)
                 req.kv_len += 1
             return pages
-        full = [r for r in reqs if len(r.kv_pages) * ps == r.kv_len]
+        full = [r for r in reqs if r.kv_len % ps == 0]  # (KV ends on a page boundary: all full)
         for req, page in zip(full, self._alloc(len(full))):
             req.kv_pages.append(page)
         slots = []
         for req in reqs:
-            slots.append(req.kv_pages[req.kv_len // ps] * ps + req.kv_len % ps)
+            n = req.kv_len - req.prefix_len  # own tokens; prefix_len is page-aligned
+            slots.append(req.kv_pages[n // ps] * ps + n % ps)
             req.kv_len += 1
         return slots
 
@@ -115,31 +126,30 @@ class KVCache:
         if aligned <= req.prefix_len:
             return
         present, node = self._insert_computed(req, aligned)
-        duplicates = req.kv_pages[req.prefix_len // ps : present // ps]
-        if (
-            duplicates
-        ):  # another request cached the same tokens meanwhile: read its pages, free ours
+        own_cached = (aligned - req.prefix_len) // ps  # own pages the cache holds from now on
+        duplicates = req.kv_pages[: (present - req.prefix_len) // ps]
+        if duplicates:  # another request cached the same tokens meanwhile: read its, free ours
             cached, node = self.tree.match_prefix(req.fill_ids[:aligned])
-            self.req_to_token.write(req.pool_row, 0, to_device(cached, torch.int64, self.device))
-            req.kv_pages[: aligned // ps] = self.tree.pages_of(cached)
+            theirs = to_device(cached[req.prefix_len : present], torch.int64, self.device)
+            self.req_to_token.write(req.pool_row, req.prefix_len, theirs)
             self.allocator.free(duplicates)
+        del req.kv_pages[:own_cached]
         self.tree.lock(node)
         self.tree.unlock(req.last_node)
         req.last_node, req.prefix_len = node, aligned
 
     def release(self, req: Req) -> None:
         """The request leaves: cache what it computed, free the rest, return its row."""
-        ps = self.page_size
-        own_from = req.prefix_len // ps  # pages before this index belong to the cache
-        keep_until = own_from
+        keep = 0  # own pages from here on are freed
         if self.tree is not None:
+            ps = self.page_size
             aligned = max(req.kv_len - req.kv_len % ps, req.prefix_len)
             present = self._insert_computed(req, aligned)[0]
-            # the cache now owns pages [present/ps, aligned/ps); [own_from, present/ps) duplicate it
-            self.allocator.free(req.kv_pages[own_from : present // ps])
-            keep_until = aligned // ps
+            # the cache now owns [present, aligned); the request's [prefix_len, present) duplicate it
+            self.allocator.free(req.kv_pages[: (present - req.prefix_len) // ps])
+            keep = (aligned - req.prefix_len) // ps
             self.tree.unlock(req.last_node)
-        self.allocator.free(req.kv_pages[keep_until:])
+        self.allocator.free(req.kv_pages[keep:])
         self.req_to_token.free(req.pool_row)
         req.kv_pages, req.pool_row, req.kv_len, req.prefix_len, req.last_node = [], -1, 0, 0, None
 
@@ -152,7 +162,7 @@ class KVCache:
         (tokens of the whole prefix cached already, the node where it ends). Costs the new
         tokens only: the walk starts where the request's cached prefix ends."""
         ps, start = self.page_size, req.prefix_len
-        pages = np.asarray(req.kv_pages[start // ps : aligned // ps], dtype=np.int64)
+        pages = np.asarray(req.kv_pages[: (aligned - start) // ps], dtype=np.int64)
         slots = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
         present, node = self.tree.extend(req.last_node, req.fill_ids[start:aligned], slots)
         return start + present, node

@@ -21,6 +21,8 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
+
 from engine.batch.forward_batch import ForwardMode
 from engine.batch.req import Req
 from engine.batch.scheduled_batch import ScheduledBatch
@@ -32,6 +34,7 @@ from engine.server_args import ServerArgs
 
 LPM_MAX_SORT = 128  # longest-prefix-match ordering looks at this many waiting requests
 IN_BATCH_PREFIX_TOKENS = 32
+_NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 class PrefillPlanner:
@@ -59,6 +62,7 @@ class PrefillPlanner:
         budget = self.max_prefill_tokens
         reqs: list[Req] = []
         lens: list[int] = []
+        prefixes: list[np.ndarray] = []  # the slots of each request's newly matched cached prefix
         planned_pages = 0
         if q.chunked is not None:
             req = q.chunked
@@ -67,6 +71,7 @@ class PrefillPlanner:
             if need <= self.kv.available_pages:
                 reqs.append(req)
                 lens.append(n)
+                prefixes.append(_NO_SLOTS)  # its row holds its prefix since its first chunk
                 budget -= n
                 planned_pages += need
                 if req.kv_len + n == req.fill_len:  # last chunk: it decodes from now on
@@ -81,7 +86,8 @@ class PrefillPlanner:
             if reserved is None:
                 reserved = self.estimate.tokens_to_come(q.running)
             req = q.waiting[0]
-            cached = self.kv.admit(req, self._prefix_limit(req))
+            prefix = self.kv.admit(req, self._prefix_limit(req))
+            cached = len(prefix)
             remaining = req.fill_len - cached
             n = min(remaining, self.chunk_size)
             if n > budget:
@@ -109,6 +115,7 @@ class PrefillPlanner:
             self._on_admit(req, cached)
             reqs.append(req)
             lens.append(n)
+            prefixes.append(prefix)
             budget -= n
             planned_pages += need
             if chunks:
@@ -121,7 +128,7 @@ class PrefillPlanner:
         # an allocation may evict cached prefixes, never one this batch is about to read
         starts = [r.kv_len for r in reqs]
         slots = [s for req, n in zip(reqs, lens) for s in self.kv.extend(req, n)]
-        return ScheduledBatch(ForwardMode.EXTEND, reqs, lens, starts, slots)
+        return ScheduledBatch(ForwardMode.EXTEND, reqs, lens, starts, slots, cached_slots=prefixes)
 
     def refuse_unadmittable(self) -> list[Req]:
         """Nothing runs, yet the head of the queue cannot be admitted: it can never fit; fail it alone."""
@@ -158,7 +165,7 @@ class PrefillPlanner:
                 req.input_logprobs, req.input_top_logprobs = [None], [None]
 
     def _pages_to_extend(self, req: Req, n: int) -> int:
-        return self.kv.pages_for(req.kv_len + n) - len(req.kv_pages)
+        return self.kv.pages_for(req.kv_len + n) - self.kv.pages_held(req)
 
     def _sort_waiting_by_prefix(self) -> None:
         waiting = self.queues.waiting

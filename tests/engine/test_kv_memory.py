@@ -56,14 +56,27 @@ def _req(rid: str, tokens: list[int], max_new: int = 4) -> Req:
     return Req(TokenizedRequest(rid=rid, input_ids=list(tokens), sampling=sampling, seed=0))
 
 
-def _extend(kv: KVCache, req: Req, n: int) -> list[int]:
-    """Grow a request by n tokens and record their slots in the table, as the batch builder does."""
+def _extend(kv: KVCache, req: Req, n: int, kv_content: dict | None = None) -> list[int]:
+    """Grow a request by n tokens and record their slots in the table, as the batch builder does;
+    `kv_content` (slot -> token), a brute-force KV pool, gets the tokens the model would store."""
     start = req.kv_len
     slots = kv.extend(req, n)
     kv.req_to_token.write_slots(
         torch.full((n,), req.pool_row), torch.arange(start, start + n), torch.tensor(slots)
     )
+    if kv_content is not None:
+        kv_content.update(zip(slots, req.fill_ids[start : start + n].tolist()))
     return slots
+
+
+def _admit(kv: KVCache, req: Req, limit: int) -> int:
+    """Admit the request and write its cached prefix into its row, as the batch builder does."""
+    prefix = kv.admit(req, limit)
+    if len(prefix):
+        kv.req_to_token.write_prefixes(
+            torch.tensor([req.pool_row]), torch.tensor([len(prefix)]), torch.from_numpy(prefix)
+        )
+    return len(prefix)
 
 
 def _tree_pages(kv: KVCache) -> list[int]:
@@ -74,12 +87,15 @@ def _check_ownership(kv: KVCache, live: list[Req]) -> None:
     """Every page is exactly one of: free, owned by one live request, held by the prefix cache."""
     free = kv.allocator.free_pages()
     cached = _tree_pages(kv)
-    owned = [p for r in live for p in r.kv_pages[r.prefix_len // kv.page_size :]]
+    owned = [p for r in live for p in r.kv_pages]
     every = free + cached + owned
     assert len(every) == len(set(every)), "a page is in two places"
     assert sorted(every) == list(range(1, kv.pool.num_pages + 1)), "a page leaked"
-    for r in live:  # a request's prefix pages are the cache's
-        assert set(r.kv_pages[: r.prefix_len // kv.page_size]) <= set(cached)
+    ps = kv.page_size
+    for r in live:  # a request's prefix pages (as its table row says) are the cache's
+        prefix_pages = kv.req_to_token.table[r.pool_row, : r.prefix_len : ps] // ps
+        assert set(prefix_pages.tolist()) <= set(cached)
+        assert kv.pages_held(r) == kv.pages_for(r.kv_len)
 
 
 @settings(max_examples=80, deadline=None)
@@ -88,14 +104,20 @@ def _check_ownership(kv: KVCache, live: list[Req]) -> None:
     num_pages=st.integers(8, 64),
     radix=st.booleans(),
     plan=st.lists(
-        st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=24), st.integers(0, 12)),
+        st.tuples(
+            st.lists(st.integers(0, 3), min_size=1, max_size=24),
+            st.integers(0, 12),
+            st.booleans(),
+        ),
         min_size=1,
         max_size=14,
     ),
 )
 def test_kv_cache_page_ownership(page_size, num_pages, radix, plan):
-    """Admit, grow token by token and release requests with overlapping prompts: no page is lost or shared
-    wrongly, the table says where each token is, and whatever the cache matched is the request's own prefix."""
+    """Admit, grow token by token, share (cache_prefix, as after a prefill step, at once or later
+    when another request may have cached the same tokens) and release requests with overlapping
+    prompts: no page is lost or shared wrongly, and each request's table row reads its own
+    tokens from a brute-force KV pool, whatever the cache served or took over."""
     pool = KVPool(
         num_pages,
         page_size,
@@ -108,31 +130,46 @@ def test_kv_cache_page_ownership(page_size, num_pages, radix, plan):
     table = ReqToTokenPool(max_requests=6, max_context=64, device=torch.device("cpu"))
     kv = KVCache(pool, table, enable_prefix_cache=radix)
     live: list[Req] = []
-    for i, (prompt, grow) in enumerate(plan):
+    kv_content: dict[int, int] = {}  # slot -> the token whose K/V it holds
+
+    def check_rows() -> None:
+        for r in live:
+            row = table.table[r.pool_row, : r.kv_len].tolist()
+            assert [kv_content[s] for s in row] == r.fill_ids[: r.kv_len].tolist()
+
+    for i, (prompt, grow, share_now) in enumerate(plan):
         req = _req(f"r{i}", prompt)
         if table.num_free == 0:
             kv.release(live.pop(0))
-        cached = kv.admit(req, len(prompt) - 1)
+        cached = _admit(kv, req, len(prompt) - 1)
         assert cached % page_size == 0 and cached <= len(prompt) - 1
-        need = kv.pages_for(len(prompt) + grow) - len(req.kv_pages)
+        need = kv.pages_for(len(prompt) + grow) - kv.pages_held(req)
         if need > kv.available_pages:
             kv.release(req)  # does not fit: back out, nothing computed
             _check_ownership(kv, live)
             continue
-        slots = table.table[req.pool_row, :cached].tolist() + _extend(kv, req, len(prompt) - cached)
+        _extend(kv, req, len(prompt) - cached, kv_content)
+        if share_now:  # (its row may now read another request's copy of the same tokens)
+            kv.cache_prefix(req)
         for t in range(grow):
             req.append_token(t % 4)
-            slots += _extend(kv, req, 1)
+            _extend(kv, req, 1, kv_content)
         live.append(req)
-        assert table.table[req.pool_row, : len(slots)].tolist() == slots
         owners = [
             s for r in live for s in table.table[r.pool_row, : r.kv_len].tolist()[r.prefix_len :]
         ]
         assert len(owners) == len(set(owners)), "two requests computed into one slot"
         _check_ownership(kv, live)
+        check_rows()
+        if i % 3 == 1:  # the others share late: what they computed may be cached already
+            for r in live:
+                kv.cache_prefix(r)
+            _check_ownership(kv, live)
+            check_rows()
         if i % 3 == 2:
             kv.release(live.pop(0))
             _check_ownership(kv, live)
+            check_rows()
     for req in live:
         kv.release(req)
     _check_ownership(kv, [])
@@ -152,7 +189,7 @@ def test_pages_follow_page_size():
     )
     kv = KVCache(pool, ReqToTokenPool(2, 32, torch.device("cpu")), enable_prefix_cache=False)
     req = _req("a", range(6), 3)
-    kv.admit(req, 5)
+    _admit(kv, req, 5)
     slots = _extend(kv, req, 6)
     assert len(req.kv_pages) == 2  # 6 tokens in pages of 4
     assert [s // 4 for s in slots] == [req.kv_pages[0]] * 4 + [req.kv_pages[1]] * 2
@@ -173,7 +210,7 @@ def test_decode_extension_equals_one_token_at_a_time(page_size):
         kv = KVCache(pool, ReqToTokenPool(8, 64, torch.device("cpu")), enable_prefix_cache=False)
         reqs = [_req(f"r{n}", range(n), 40) for n in (1, 2, 3, 5, 8)]
         for req in reqs:
-            kv.admit(req, 0)
+            _admit(kv, req, 0)
             kv.extend(req, len(req.input_ids))
         return kv, reqs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import engine.attention.triton_backend as triton_backend
 import engine.scheduler.shared_prefix as shared_prefix
 from engine.batch.shared_prefix import SharedPrefix
 from tests.engine.core import InProcessCore
@@ -51,11 +52,20 @@ def core(model_dir, **kwargs) -> InProcessCore:
     return InProcessCore(model_dir, **{**args, **kwargs})
 
 
-def test_grouped_decode_equals_plain_decode_and_transformers(llama_dir):
+def test_grouped_decode_equals_plain_decode_and_transformers(llama_dir, monkeypatch):
     first, late = few_shot_prompts()
     grouped = core(llama_dir)
+    kernel_calls = []  # the grouped kernel itself, not only the scheduler's plan, must run
+    kernel = triton_backend.shared_prefix_decode_attention
+    monkeypatch.setattr(
+        triton_backend,
+        "shared_prefix_decode_attention",
+        lambda *a, **kw: kernel_calls.append(1) or kernel(*a, **kw),
+    )
     outs = run_staggered(grouped, first, late)
-    assert grouped.scheduler.stats.shared_prefix_steps > 0, "no step read a shared prefix"
+    steps = grouped.scheduler.stats.shared_prefix_steps
+    assert steps > 0, "no step read a shared prefix"
+    assert len(kernel_calls) == steps * grouped.scheduler.config.num_layers
     # NOTE: the plain paths run on the PyTorch backend, which reads every request's whole
     # sequence (quick on the CPU); grouped against plain Triton decode is tests/kernels' job
     plain = core(llama_dir, attention_backend="torch")
