@@ -122,10 +122,10 @@ class InputProcessor:
             if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
                 return [self.tokenizer.encode(p) for p in prompt], True
             raise ValueError("prompt must be a str or a list of str")
-        if isinstance(input_ids, list) and input_ids and all(_is_token(t) for t in input_ids):
+        if isinstance(input_ids, list) and input_ids and _all_tokens(input_ids):
             return [list(input_ids)], False
         if isinstance(input_ids, list) and all(
-            isinstance(x, list) and all(_is_token(t) for t in x) for x in input_ids
+            isinstance(x, list) and _all_tokens(x) for x in input_ids
         ):
             return [list(x) for x in input_ids], True
         raise ValueError("input_ids must be a list of int token ids or a list of such lists")
@@ -145,11 +145,10 @@ class InputProcessor:
         check_grammar(sampling, has_tokenizer=self.tokenizer is not None)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"input_ids contain token ids outside [0, {self.config.vocab_size}): {bad[:5]}"
-            )
+        vocab = self.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:  # (C loops: a long prompt costs no Python per token)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            raise ValueError(f"input_ids contain token ids outside [0, {vocab}): {bad[:5]}")
         ids = self._fit_context(ids, sampling.max_new_tokens)
         need = len(ids) + sampling.max_new_tokens
         if need > self.max_total_tokens:
@@ -209,8 +208,10 @@ def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
     return frozenset() if eos is None else frozenset([eos])
 
 
-def _is_token(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
+def _all_tokens(ids: list) -> bool:
+    """Whether every item is an int (not a bool): checked per distinct type, so a prompt of
+    thousands of tokens costs a C loop over it, not a Python call per token."""
+    return all(issubclass(t, int) and not issubclass(t, bool) for t in set(map(type, ids)))
 
 
 def _per_request(name: str, value: Any, n: int, item_type: type) -> list[Any]:
