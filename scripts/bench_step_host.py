@@ -91,6 +91,9 @@ def main() -> None:
         + f", out {a.output_len}"
     )  # fmt: skip
     print(f"| steps: prefill / decode | {s.prefill_steps} / {s.decode_steps} |")
+    print(
+        f"| prefill tokens: computed / cached | {s.prefill_tokens_computed} / {s.prefill_tokens_cached} |"
+    )
     print(f"| wall (s) | {wall:.3f} |")
     print(f"| µs per step | {1e6 * wall / steps:.0f} |")
     print(f"| µs per generated token | {1e6 * wall / s.generated_tokens:.2f} |")

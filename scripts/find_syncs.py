@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import time
 import traceback
 import warnings
@@ -32,6 +34,14 @@ def main() -> None:
     ap.add_argument("--output-len", default="64")
     ap.add_argument("--shared-prefix-len", type=int, default=2000)
     ap.add_argument("--sync-debug", action="store_true")
+    ap.add_argument(
+        "--cuda-kernels", type=int, default=0, metavar="N",
+        help="print the N kernels that took the most device time over the run (torch.profiler)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--profile-prefill", type=int, default=0, metavar="N",
+        help="print the N functions with the most own time in the prefill forwards (cProfile)",
+    )  # fmt: skip
     a = ap.parse_args()
     folder = dummy_folder(a.model_config)
     args = ServerArgs.from_kwargs(
@@ -72,30 +82,112 @@ def main() -> None:
     for request in call.requests[8:]:
         sched.add_request(request)
     phases: collections.Counter = collections.Counter()
-    time_phase(sched.prefill, "plan", phases, "prefill.plan")
+    # each phase is kept apart for prefill and decode steps: the mode of the batch being launched
+    mode = {"now": "-"}
+    schedule = sched._schedule
+
+    def scheduled() -> object:
+        batch = schedule()
+        mode["now"] = "prefill" if batch is not None and batch.mode.name == "EXTEND" else "decode"
+        return batch
+
+    sched._schedule = scheduled
+    prefill_log = log_prefill_forwards(sched.runner)
+    if a.profile_prefill:
+        profile_prefill_forwards(sched.runner)
+    for owner, attr, name in [
+        (sched, "_launch", "launch (all of it)"),
+        (sched.runner, "forward", "runner.forward"),
+        (model_runner, "build_forward_batch", "build_forward_batch"),
+        (sched.runner.attn_backend, "init_forward_metadata", "attention metadata"),
+        (sched.runner.logits_step, "launch", "logits_step.launch"),
+        (sched.kv, "cache_prefix", "kv.cache_prefix"),
+    ]:
+        time_by_mode(owner, attr, phases, name, mode)
+    time_phase(sched.prefill, "plan", phases, "prefill.plan (every step)")
     time_phase(sched.decode, "plan", phases, "decode.plan")
-    time_phase(sched.runner, "forward_eager", phases, "forward_eager (prefill)")
-    time_phase(sched.runner, "forward", phases, "forward (all)")
-    time_phase(model_runner, "build_forward_batch", phases, "build_forward_batch")
-    time_phase(sched.runner.logits_step, "launch", phases, "logits_step.launch")
-    time_phase(sched.kv, "cache_prefix", phases, "kv.cache_prefix")
-    time_phase(sched, "_collect", phases, "collect")
+    time_phase(sched, "_collect", phases, "collect (wait + read)")
     if a.sync_debug:
         torch.cuda.set_sync_debug_mode("warn")
+    kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    if a.cuda_kernels:
+        kernels.start()
     t0 = time.perf_counter()
     steps = 0
     while sched.has_work():
         sched.step()
         steps += 1
     torch.cuda.set_sync_debug_mode(0)
+    if a.cuda_kernels:
+        torch.cuda.synchronize()
+        kernels.stop()
+        table = kernels.key_averages().table(
+            sort_by="self_device_time_total", row_limit=a.cuda_kernels
+        )
+        print(table)
     print(
-        f"{steps} steps in {time.perf_counter() - t0:.2f} s (sync debug on); launch {sched.stats.launch_seconds:.2f} s, prefill part {sched.stats.prefill_launch_seconds:.2f} s"
+        f"{steps} steps in {time.perf_counter() - t0:.2f} s; launch {sched.stats.launch_seconds:.2f} s, prefill part {sched.stats.prefill_launch_seconds:.2f} s; GPU wait {sched.stats.wait_seconds:.2f} s"
     )
-    for name, sec in phases.most_common():
+    for name, sec in sorted(phases.items()):
         print(f"| {name} | {sec:.3f} s |")
     print("| count | synchronising call | where (innermost first) |")
     for (message, where), n in seen.most_common(25):
         print(f"| {n} | {message} | {where} |")
+    print("| prefill forward | tokens | host ms | device busy when it began |")
+    for i, (tokens, ms, busy) in enumerate(prefill_log):
+        print(f"| {i} | {tokens} | {ms:.1f} | {busy} |")
+    if a.profile_prefill:
+        stats = pstats.Stats(sched.runner.prefill_profile)
+        stats.sort_stats("tottime").print_stats(a.profile_prefill)
+        stats.sort_stats("cumulative").print_stats(a.profile_prefill)
+
+
+def log_prefill_forwards(runner: model_runner.ModelRunner) -> list[tuple[int, float, bool]]:
+    """Per eager forward: its tokens, its host milliseconds, and whether the device was still
+    running earlier work when it began (a forward that waits shows a long host time then)."""
+    log: list[tuple[int, float, bool]] = []
+    forward = runner.forward_eager
+
+    def logged(batch, *args: object, **kwargs: object) -> torch.Tensor:
+        busy = not torch.cuda.current_stream().query()
+        t = time.perf_counter()
+        out = forward(batch, *args, **kwargs)
+        tokens = batch.input_ids.numel() if batch.input_ids is not None else batch.batch_size
+        log.append((tokens, 1e3 * (time.perf_counter() - t), busy))
+        return out
+
+    runner.forward_eager = logged
+    return log
+
+
+def time_by_mode(owner: object, attr: str, phases: dict, name: str, mode: dict) -> None:
+    """time_phase, with the seconds kept apart by the mode of the step being launched."""
+    fn = getattr(owner, attr)
+
+    def timed(*args: object, **kwargs: object) -> object:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases[f"{name} [{mode['now']}]"] += time.perf_counter() - t
+
+    setattr(owner, attr, timed)
+
+
+def profile_prefill_forwards(runner: model_runner.ModelRunner) -> None:
+    """cProfile the eager forwards (prefill steps: decode replays graphs) into runner.prefill_profile."""
+    profiler = cProfile.Profile()
+    forward = runner.forward_eager
+
+    def profiled(*args: object, **kwargs: object) -> torch.Tensor:
+        profiler.enable()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            profiler.disable()
+
+    runner.forward_eager = profiled
+    runner.prefill_profile = profiler
 
 
 if __name__ == "__main__":
