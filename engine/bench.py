@@ -308,6 +308,13 @@ def main(argv: list[str] | None = None) -> None:
             ),
         ),
         (
+            "device idle between steps (s) | share of wall",
+            "{:.2f} | {:.0%}".format(
+                state.get("device_idle_seconds", 0.0),
+                state.get("device_idle_seconds", 0.0) / max(result["wall"], 1e-9),
+            ),
+        ),
+        (
             "CUDA allocator: mallocs | frees | retries",
             "{} | {} | {}".format(
                 state.get("cuda_mallocs", "-"),

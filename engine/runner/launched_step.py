@@ -41,6 +41,8 @@ class LaunchedStep:
     label_logprobs: list[tuple[Req, torch.Tensor]] = field(default_factory=list)
     constrained: bool = False  # a grammar request drew here: read this before planning the next
     ready: torch.cuda.Event | None = None
+    # (the previous step's end, this step's start) in device time: see DeviceIdleClock
+    idle_gap: tuple[torch.cuda.Event | None, torch.cuda.Event | None] = (None, None)
 
     def copy_to_host(self) -> None:
         """Queue the device-to-host copies of what `fetch` reads, behind one event."""

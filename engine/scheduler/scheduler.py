@@ -38,6 +38,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runtime.messages import TokenizedRequest
 from engine.sampling.grammar import GrammarBackend, grammar_key
 from engine.scheduler.decode import DecodePlanner
+from engine.scheduler.device_idle import DeviceIdleClock
 from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate
 from engine.scheduler.prefill import PrefillPlanner
@@ -75,6 +76,7 @@ class Scheduler:
         self._inflight: LaunchedStep | None = None  # launched, not yet read (overlap only)
         self._finished_since_filter = False
         self._refused: list[Req] = []  # finished on arrival, reported by the next step
+        self.idle_clock = DeviceIdleClock(device)
 
     @property
     def max_total_tokens(self) -> int:
@@ -177,6 +179,8 @@ class Scheduler:
         self._filter_finished()
         if batch is None and self._inflight is None and not advanced:
             advanced = self.prefill.refuse_unadmittable()
+        if self._inflight is None and not self.has_work():
+            self.idle_clock.idle()
         self.stats.busy_seconds += time.perf_counter() - t0
         return advanced
 
@@ -195,13 +199,16 @@ class Scheduler:
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the step's device work; nothing here waits for the device."""
+        gap = self.idle_clock.around_launch()
         step = self.runner.step(batch)
+        step.idle_gap = gap
         if batch.mode is ForwardMode.EXTEND:
             self.stats.prefill_tokens_computed += sum(batch.extend_lens)
             for req in batch.reqs:  # later requests find what this step computed
                 self.kv.cache_prefix(req)
         for req in step.sample_reqs:
             req.drawn += 1
+        self.idle_clock.launched()
         return step
 
     def _collect(self, step: LaunchedStep) -> list[Req]:
@@ -210,6 +217,7 @@ class Scheduler:
         tokens, chosen, top_values, top_ids = step.fetch()
         t1 = time.perf_counter()
         self.stats.wait_seconds += t1 - t0
+        self.stats.device_idle_seconds += self.idle_clock.seconds(step.idle_gap)
         advanced = [r for r in step.reqs if r.finish_reason is None]
         for lp in step.input_logprobs:
             if lp.req.finish_reason is None:

@@ -23,6 +23,8 @@ class SchedulerStats:
     prefill_launch_seconds: float = 0.0  # the part of launch_seconds spent on prefill steps
     wait_seconds: float = 0.0
     collect_seconds: float = 0.0
+    # device time between steps with nothing queued (CUDA only): what the host costs the device
+    device_idle_seconds: float = 0.0
 
     def counters(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)

@@ -5,10 +5,16 @@ so every captured graph size and every amount of padding is replayed."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from engine import Engine
+from engine.frontend.input_processor import InputProcessor
+from engine.model_config import ModelConfig
+from engine.scheduler.scheduler import Scheduler
+from engine.server_args import ServerArgs
 from tests.engine.core import InProcessCore
 from tests.tiny_models import random_prompts, special_token_ids
 
@@ -121,3 +127,32 @@ def test_bert_embeddings_on_the_gpu_match_sentence_transformers(tiny_bert_dir):
     got = torch.tensor([o["embedding"] for o in outs], dtype=torch.float64)
     cos = torch.nn.functional.cosine_similarity(got, ref.double(), dim=-1)
     assert cos.min() >= 0.9999, (cos.argmin().item(), cos.min().item())
+
+
+@pytest.mark.gpu
+def test_device_idle_is_the_host_time_between_steps(llama_dir, workload):
+    """A delay injected before each step's planning leaves the device idle for about that long
+    per step (the tiny model's steps take far less); without it, the device idles much less."""
+    prompts, params = workload
+    delay = 0.02
+
+    def idle_and_steps(pause: float) -> tuple[float, int]:
+        args = ServerArgs.from_kwargs(
+            model_path=str(llama_dir), dtype="float32", max_total_tokens=16384
+        )
+        config = ModelConfig.from_folder(args.model_path, args.dtype, args.context_length)
+        sched = Scheduler(args, config, torch.device("cuda"))
+        inputs = InputProcessor(args, config, None, sched.max_total_tokens)
+        schedule = sched._schedule
+        sched._schedule = lambda: time.sleep(pause) or schedule()
+        for request in inputs.make_call(None, prompts, params, False, None, None, None).requests:
+            sched.add_request(request)
+        while sched.has_work():
+            sched.step()
+        s = sched.stats
+        return s.device_idle_seconds, s.prefill_steps + s.decode_steps
+
+    idle, steps = idle_and_steps(delay)
+    assert delay * (steps - 1) * 0.9 <= idle <= delay * steps + 0.5
+    quick, _ = idle_and_steps(0.0)
+    assert quick < idle / 4
