@@ -13,6 +13,7 @@ runs the same prompts through transformers' continuous batching in the same proc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.model_config import ModelConfig
+from engine.scheduler.stats import SchedulerStats
 
 CONFIGS = Path(__file__).parent / "model_configs"
 
@@ -153,6 +155,9 @@ def run_engine(model_path: str, work: Workload, engine_args: dict) -> dict:
             input_ids=work.input_ids[:4], sampling_params={"max_new_tokens": 4, "ignore_eos": True}
         )
         engine.flush_cache()
+        # NOTE: the counters are the engine's since start-up; the table reports the measured
+        # run alone, so the warm-up's (its kernel compilation, on a fresh machine) is taken off
+        before = engine.get_server_info()["internal_states"][0]
         params = [
             {"temperature": 0.0, "max_new_tokens": o, "ignore_eos": True} for o in work.output_lens
         ]
@@ -160,10 +165,23 @@ def run_engine(model_path: str, work: Workload, engine_args: dict) -> dict:
         outs = engine.generate(input_ids=work.input_ids, sampling_params=params)
         wall = time.perf_counter() - t0
         info = engine.get_server_info()
+        info["internal_states"][0] = _counters_since(before, info["internal_states"][0])
     finally:
         engine.shutdown()
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
     return {"wall": wall, "startup": startup, "output_tokens": produced, "info": info}
+
+
+_COUNTERS = {f.name for f in dataclasses.fields(SchedulerStats)} | {
+    "cuda_mallocs",
+    "cuda_frees",
+    "cuda_alloc_retries",
+}
+
+
+def _counters_since(before: dict, after: dict) -> dict:
+    """The scheduler state `after`, its counters made relative to `before` (gauges as they are)."""
+    return {k: v - before[k] if k in _COUNTERS and k in before else v for k, v in after.items()}
 
 
 def run_transformers(model_path: str, work: Workload, device: torch.device) -> dict:

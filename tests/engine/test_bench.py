@@ -80,6 +80,13 @@ def test_cli_prints_the_table(llama_dir, capsys):
         ]
     )
     table = capsys.readouterr().out
+    # the counters are the measured run's: 6 prompts of 5..19 tokens and outputs of 3..5
+    # (not also the warm-up's 4 requests of 4 tokens each, nor its steps)
+    tokens = int(table.split("| input tokens")[1].split("|")[1].split()[0])
+    steps = table.split("| steps: prefill | decode (shared-prefix)")[1].split("|")[1:3]
+    prefill_steps, decode_steps = int(steps[0]), int(steps[1].split()[0])
+    assert 6 * 5 <= tokens <= 6 * 19
+    assert 1 <= prefill_steps <= 6 and 2 <= decode_steps <= 5
     for row in (
         "requests",
         "output tok/s",
