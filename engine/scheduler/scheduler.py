@@ -87,17 +87,20 @@ class Scheduler:
         """Queue a request the caller validated (engine/frontend/input_processor.py)."""
         req = Req(request, self.config.context_length)
         sp = req.sampling
-        if sp.stop_strings and self.tokenizer.available:
-            req.stop_decoder = IncrementalDecoder(
-                self.tokenizer.get(), sp.skip_special_tokens, sp.spaces_between_special_tokens
-            )
-        if grammar_key(sp) is not None:
-            try:
+        stage = "load the tokenizer"
+        try:  # NOTE: the caller validated the request; never let one request kill the loop
+            if sp.stop_strings and self.tokenizer.available:
+                # (the tokenizer loads here the first time, and its files may be gone since)
+                req.stop_decoder = IncrementalDecoder(
+                    self.tokenizer.get(), sp.skip_special_tokens, sp.spaces_between_special_tokens
+                )
+            stage = "compile the grammar"
+            if grammar_key(sp) is not None:
                 self.grammar.attach(req)
-            except Exception as e:  # the caller validated it; never let one request kill the loop
-                req.finish({"type": "abort", "message": f"cannot compile the grammar: {e}"})
-                self._refused.append(req)
-                return req
+        except Exception as e:
+            req.finish({"type": "abort", "message": f"cannot {stage}: {e}"})
+            self._refused.append(req)
+            return req
         self.queues.waiting.append(req)
         return req
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from transformers import AutoTokenizer
 
 from engine.detokenizer.detokenizer import Detokenizer
 from engine.runtime.messages import DecodeSpec, ReqOutput
 from engine.tokenization import IncrementalDecoder, stop_prefix_len
+from tests.engine.core import InProcessCore
 
 MULTIBYTE = ["naïve café 東京 🙂 done", "Ünïcödé → ∑ 𝔘 emoji 🤖🎉 end", "한국어 텍스트와 日本語"]
 
@@ -197,3 +200,21 @@ def test_streamed_deltas_have_no_broken_characters_that_the_full_text_lacks(engi
             )["text"]
         )
         assert joined.count("\ufffd") == sum(c["text"].count("\ufffd") for c in chunks)
+
+
+def test_a_stop_string_request_whose_tokenizer_is_gone_fails_alone(llama_dir, tmp_path):
+    """The scheduler loads the tokenizer at the first request with stop strings; if its files
+    have gone since the engine started, that request fails naming why, and the others run."""
+    folder = tmp_path / "model"
+    shutil.copytree(llama_dir, folder)
+    core = InProcessCore(folder, dtype="float32")  # (its caller side loaded the tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    params = {"max_new_tokens": 4, "ignore_eos": True}
+    stopped, plain = core.submit([[5, 6, 7], [5, 6, 7]], [{**params, "stop": ["x"]}, params])
+    while core.scheduler.has_work():
+        core.scheduler.step()
+    message = stopped.finish_reason["message"]
+    assert stopped.finish_reason["type"] == "abort", stopped.finish_reason
+    assert message.startswith("cannot load the tokenizer") and "tokenizer_path" in message
+    assert plain.finish_reason["type"] == "length" and len(plain.output_ids) == 4
