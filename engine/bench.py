@@ -341,8 +341,12 @@ def main(argv: list[str] | None = None) -> None:
             ),
         ),
         (
-            "CUDA graphs up to | overlap",
-            "{cuda_graph_max_bs} | {overlap_schedule}".format(**state),
+            "CUDA graphs: decode batch | prefill tokens | overlap",
+            "{} | {} | {}".format(
+                state["cuda_graph_max_bs"],
+                state.get("prefill_graph_max_tokens", 0),
+                state["overlap_schedule"],
+            ),
         ),
     ]
     if args.peer == "transformers":

@@ -67,6 +67,9 @@ class ServerArgs:
     attention_backend: str | None = None  # None: "triton" on CUDA with triton, else "torch"
     cuda_graph_max_bs: int | None = None  # None: DEFAULT_CUDA_GRAPH_MAX_BS, <= max_running_requests
     disable_cuda_graph: bool = False
+    # prefill steps of up to this many tokens replay a CUDA graph (gristmill's counterpart of
+    # SGLang's piecewise_cuda_graph_max_tokens, on by default); None: max_prefill_tokens; 0: none
+    prefill_cuda_graph_max_tokens: int | None = None
     disable_overlap_schedule: bool = False
     # parallelism
     tp_size: int = 1
@@ -141,6 +144,8 @@ class ServerArgs:
         if self.cuda_graph_max_bs is None:
             bs = min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
             object.__setattr__(self, "cuda_graph_max_bs", bs)
+        if self.prefill_cuda_graph_max_tokens is None:
+            object.__setattr__(self, "prefill_cuda_graph_max_tokens", self.max_prefill_tokens)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -240,6 +245,9 @@ _RULES: dict[str, _Rule] = {
     "page_size": _POSITIVE,
     "attention_backend": _one_of(ATTENTION_BACKENDS),
     "cuda_graph_max_bs": _POSITIVE,
+    "prefill_cuda_graph_max_tokens": _Rule(
+        ("0 (no prefill graphs)", "a positive integer"), lambda v: v >= 0
+    ),
     "tp_size": _POSITIVE,
     "base_gpu_id": _Rule(("a non-negative integer",), lambda v: v >= 0),
     "log_level": _one_of(LOG_LEVELS, fold_case=True),

@@ -23,7 +23,8 @@ from flows.sources import content_digest
 PERFORMANCE_ARGS = frozenset({
     "mem_fraction_static", "max_total_tokens", "max_running_requests", "max_prefill_tokens",
     "chunked_prefill_size", "schedule_policy", "page_size", "disable_radix_cache",
-    "cuda_graph_max_bs", "disable_cuda_graph", "disable_overlap_schedule", "log_level",
+    "cuda_graph_max_bs", "prefill_cuda_graph_max_tokens", "disable_cuda_graph",
+    "disable_overlap_schedule", "log_level",
     "stream_interval", "base_gpu_id", "random_seed", "model_path", "tokenizer_path",
 })  # fmt: skip
 

@@ -7,12 +7,19 @@ position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i`` (full prefix, 
 tokens). Numerics follow ``engine/attention/torch_backend.py``: scores ``q·k * scaling``, softmax in
 float32 (here online, flash style), output in ``q.dtype``.
 
+The grid is one program per (query head, tile): a tile is BLOCK_M queries of one request, named
+by a row ``(request, first query)`` of a ``tiles`` table that the host plans (``extend_tiles``,
+O(tiles) numpy, heaviest tile first so the longest programs start earliest). A table may carry
+filler rows past the batch's tiles (``capacity``): a CUDA graph captures the grid of the most
+tiles its token count can need, and each replay refills the table.
+
 ``extend_attention_ref`` is the same function in plain float64 PyTorch, independent of the kernel,
 for the tests.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -119,6 +126,7 @@ def _extend_attention_kernel(
     SeqLens,
     ExtendLens,
     QoIndptr,
+    Tiles,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -136,18 +144,15 @@ def _extend_attention_kernel(
     BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    pid_m = tl.program_id(2)
-
+    # the heads of one tile are neighbours in launch order: GQA heads share its K/V in L2
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = tl.load(Tiles + 2 * tile).to(tl.int64)
+    m_start = tl.load(Tiles + 2 * tile + 1).to(tl.int32)
     extend_len = tl.load(ExtendLens + b).to(tl.int32)
-    num_m = tl.cdiv(extend_len, BLOCK_M)
-    if pid_m >= num_m:
-        # the grid is sized for the longest extend of the batch; shorter requests stop here
+    if m_start >= extend_len:
+        # a filler tile: a captured grid is sized for the most tiles its token count can have
         return
-    # Reverse the tile order: the last tile of a request has the most keys (causal), and the
-    # pid_m = 0 programs are scheduled first, so the longest programs start earliest.
-    m_start = (num_m - 1 - pid_m) * BLOCK_M
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     prefix_len = seq_len - extend_len
@@ -211,6 +216,48 @@ def _default_blocks(
     return 64, 64, 4, 2
 
 
+def extend_block_m(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The queries per tile that `extend_attention` uses by default: plan tiles with it."""
+    return _default_blocks(head_dim, dtype, device)[0]
+
+
+# a filler row's first query is past every request's end, so its programs return at once
+_FILLER_M = 1 << 30
+
+
+def tile_capacity(num_tokens: int, num_requests: int, block_m: int) -> int:
+    """The most tiles a batch of `num_tokens` new tokens over at most `num_requests` requests can
+    have: every request adds at most one partial tile to the full ones."""
+    return num_tokens // block_m + min(num_requests, num_tokens)
+
+
+def extend_tiles(
+    extend_lens: list[int] | np.ndarray,
+    seq_lens: list[int] | np.ndarray,
+    block_m: int,
+    capacity: int | None = None,
+) -> np.ndarray:
+    """The tile table [tiles, 2] int64: (request, first query) of each BLOCK_M tile, the tile that
+    reads the most keys first; then filler rows up to `capacity` when given."""
+    n = np.asarray(extend_lens, dtype=np.int64)
+    per_req = -(-n // block_m)
+    total = int(per_req.sum())
+    req = np.repeat(np.arange(len(n)), per_req)
+    first = np.cumsum(per_req) - per_req  # each request's first tile
+    m_start = (np.arange(total) - np.repeat(first, per_req)) * block_m
+    prefix = np.asarray(seq_lens, dtype=np.int64) - n
+    keys = prefix[req] + np.minimum(m_start + block_m, n[req])  # the tile's last query sees these
+    order = np.argsort(-keys, kind="stable")
+    rows = total if capacity is None else capacity
+    if rows < total:
+        raise ValueError(f"{total} tiles exceed the table's capacity of {capacity}")
+    tiles = np.empty((rows, 2), dtype=np.int64)
+    tiles[:total, 0] = req[order]
+    tiles[:total, 1] = m_start[order]
+    tiles[total:] = (0, _FILLER_M)
+    return tiles
+
+
 def extend_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -221,7 +268,7 @@ def extend_attention(
     extend_lens: torch.Tensor,
     qo_indptr: torch.Tensor,
     scaling: float,
-    max_extend_len: int | None = None,
+    tiles: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
@@ -233,10 +280,10 @@ def extend_attention(
 
     q [T, Hq, D] (T = sum(extend_lens), request b at rows qo_indptr[b]:qo_indptr[b + 1]);
     k_buffer / v_buffer [num_slots, Hkv, D]; req_to_token [max_requests, max_context] int32;
-    req_pool_indices, seq_lens, extend_lens [B]; qo_indptr [B + 1]. ``max_extend_len`` sizes the
-    grid; pass it when the host knows it (the scheduler does), else it is read from
-    ``extend_lens`` (one device sync). ``out`` [T, Hq, D] may be given to write in place.
-    Returns out [T, Hq, D] in q.dtype.
+    req_pool_indices, seq_lens, extend_lens [B]; qo_indptr [B + 1]. ``tiles`` [N, 2] is the tile
+    table on q's device (``extend_tiles`` with this call's BLOCK_M, ``extend_block_m`` unless
+    ``block_m`` is given); without it, it is planned here from the lengths (one device sync).
+    ``out`` [T, Hq, D] may be given to write in place. Returns out [T, Hq, D] in q.dtype.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -249,12 +296,7 @@ def extend_attention(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
-    batch = extend_lens.shape[0]
-    if batch == 0 or num_tokens == 0:
-        return out
-    if max_extend_len is None:
-        max_extend_len = int(extend_lens.max())
-    if max_extend_len == 0:
+    if extend_lens.shape[0] == 0 or num_tokens == 0:
         return out
 
     bm, bn, warps, stages = _default_blocks(head_dim, q.dtype, q.device)
@@ -262,9 +304,14 @@ def extend_attention(
     warps, stages = num_warps or warps, num_stages or stages
     # float32 stays float32 (no tf32 on the tensor cores); for 16-bit inputs it is ignored
     input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if tiles is None:
+        planned = extend_tiles(extend_lens.tolist(), seq_lens.tolist(), bm)
+        tiles = torch.from_numpy(planned).to(q.device)
+    assert tiles.dim() == 2 and tiles.shape[1] == 2 and tiles.is_contiguous()
+    if tiles.shape[0] == 0:
+        return out
 
-    grid = (batch, num_q_heads, triton.cdiv(max_extend_len, bm))
-    _extend_attention_kernel[grid](
+    _extend_attention_kernel[(num_q_heads, tiles.shape[0])](
         q,
         k_buffer,
         v_buffer,
@@ -274,6 +321,7 @@ def extend_attention(
         seq_lens,
         extend_lens,
         qo_indptr,
+        tiles,
         scaling * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -306,10 +354,10 @@ def extend_attention_ref(
     extend_lens: torch.Tensor,
     qo_indptr: torch.Tensor,
     scaling: float,
-    max_extend_len: int | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same function in plain float64 PyTorch, one request at a time (for tests)."""
-    del max_extend_len  # only a grid-size hint for the kernel
+    del tiles  # how the kernel splits the work, not what it computes
     num_q_heads, num_kv_heads = q.shape[1], k_buffer.shape[1]
     group = num_q_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)

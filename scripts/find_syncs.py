@@ -143,20 +143,22 @@ def main() -> None:
 
 
 def log_prefill_forwards(runner: model_runner.ModelRunner) -> list[tuple[int, float, bool]]:
-    """Per eager forward: its tokens, its host milliseconds, and whether the device was still
-    running earlier work when it began (a forward that waits shows a long host time then)."""
+    """Per prefill forward (graph replay or eager): its tokens, its host milliseconds, and
+    whether the device was still running earlier work when it began (a forward that waits
+    shows a long host time then)."""
     log: list[tuple[int, float, bool]] = []
-    forward = runner.forward_eager
+    forward = runner.forward
 
     def logged(batch, *args: object, **kwargs: object) -> torch.Tensor:
+        if batch.input_ids is None:  # decode
+            return forward(batch, *args, **kwargs)
         busy = not torch.cuda.current_stream().query()
         t = time.perf_counter()
         out = forward(batch, *args, **kwargs)
-        tokens = batch.input_ids.numel() if batch.input_ids is not None else batch.batch_size
-        log.append((tokens, 1e3 * (time.perf_counter() - t), busy))
+        log.append((batch.input_ids.numel(), 1e3 * (time.perf_counter() - t), busy))
         return out
 
-    runner.forward_eager = logged
+    runner.forward = logged
     return log
 
 
@@ -175,18 +177,20 @@ def time_by_mode(owner: object, attr: str, phases: dict, name: str, mode: dict) 
 
 
 def profile_prefill_forwards(runner: model_runner.ModelRunner) -> None:
-    """cProfile the eager forwards (prefill steps: decode replays graphs) into runner.prefill_profile."""
+    """cProfile the prefill forwards into runner.prefill_profile."""
     profiler = cProfile.Profile()
-    forward = runner.forward_eager
+    forward = runner.forward
 
-    def profiled(*args: object, **kwargs: object) -> torch.Tensor:
+    def profiled(batch, *args: object, **kwargs: object) -> torch.Tensor:
+        if batch.input_ids is None:  # decode
+            return forward(batch, *args, **kwargs)
         profiler.enable()
         try:
-            return forward(*args, **kwargs)
+            return forward(batch, *args, **kwargs)
         finally:
             profiler.disable()
 
-    runner.forward_eager = profiled
+    runner.forward = profiled
     runner.prefill_profile = profiler
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the README's benchmark workloads. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [kernels|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile ...]
+# Usage there: bash scripts/gpu_session.sh [kernels|extend|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -31,6 +31,7 @@ for step in "${@:-kernels engine w1 w2}"; do
     echo "=== $s ($(date -u +%H:%M:%S))"
     case $s in
       kernels) tests tests/kernels ;;
+      extend) tests tests/kernels/test_extend_attention.py -m gpu -s ;;
       gpu) tests tests/engine/test_gpu_path.py tests/engine/test_generate_vs_transformers.py -n 8 ;;
       engine) tests tests/engine/test_generate_vs_transformers.py tests/engine/test_runtime_api.py \
                 tests/engine/test_prefix_cache_scheduling.py -n 8 ;;

@@ -36,7 +36,7 @@ def create_backend(
             )
         from engine.attention.triton_backend import TritonAttnBackend
 
-        return TritonAttnBackend(attn, shared_prefix)
+        return TritonAttnBackend(attn, dtype, device, shared_prefix)
     from engine.attention.torch_backend import TorchAttnBackend
 
     return TorchAttnBackend()

@@ -28,6 +28,8 @@ class AttentionLayer(Protocol):
 class AttentionBackend(ABC):
     # whether decode steps can be captured in CUDA graphs and replayed (with the hooks below)
     supports_cuda_graph = False
+    # whether prefill steps can (engine/runner/prefill_graph.py, with the init_prefill_* hooks)
+    supports_prefill_cuda_graph = False
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
@@ -43,6 +45,18 @@ class AttentionBackend(ABC):
         """Before a replay of the `padded`-size graph for `batch`, whose inputs are already in
         `static` ([4, max_bs]: positions, out_cache_loc, req_pool_indices, seq_lens)."""
         return None
+
+    def init_prefill_graph_capture(self, max_requests: int, max_tokens: int) -> None:
+        """Before the prefill graphs are captured: their batches have at most `max_requests`
+        requests (the padding request included) and `max_tokens` tokens."""
+        raise NotImplementedError
+
+    def init_prefill_graph_replay(
+        self, extend_lens: list[int], seq_lens: list[int], padded_tokens: int
+    ) -> None:
+        """Before a replay of the `padded_tokens` prefill graph; the lengths include the padding
+        request that owns the padded tokens."""
+        raise NotImplementedError
 
     @abstractmethod
     def forward_extend(

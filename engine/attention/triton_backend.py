@@ -12,10 +12,16 @@ and the two are merged by log-sum-exp. The result is the same attention as witho
 Under CUDA graphs the grouped kernel is what the graphs capture, reading its work items from
 static buffers that every replay fills (all-zero items and lengths when a batch has no
 groups: the prefix stage then does nothing).
+
+Extend (prefill) attention runs over a tile table planned on the host (kernels/extend_attention.py:
+`extend_tiles`), shipped with the batch's extend lengths and query offsets in one copy. Under the
+prefill CUDA graphs (engine/runner/prefill_graph.py) the three live in static buffers sized for
+`max_requests` and the most tiles of the graph's token count; each replay refills them.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionLayer
@@ -23,14 +29,27 @@ from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.batch.shared_prefix import MAX_SHARED_PREFIXES, SharedPrefix
 from engine.transfer import to_device
 from kernels.decode_attention import decode_attention
-from kernels.extend_attention import extend_attention
+from kernels.extend_attention import extend_attention, extend_block_m, extend_tiles, tile_capacity
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
 
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_prefill_cuda_graph = True
 
-    def __init__(self, attn: AttentionLayer, shared_prefix: bool = False) -> None:
+    def __init__(
+        self,
+        attn: AttentionLayer,
+        dtype: torch.dtype,
+        device: torch.device,
+        shared_prefix: bool = False,
+    ) -> None:
+        self.device = device
+        self.block_m = extend_block_m(attn.head_dim, dtype, device)
+        # this extend batch's (extend_lens [B], qo_indptr [B + 1], tiles [N, 2])
+        self.extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.graph_extend: torch.Tensor | None = None  # the prefill graphs' flat static buffer
+        self.graph_max_requests = 0
         self.shared_prefix = shared_prefix
         self.item_size = prefix_item_size(attn.num_heads // attn.num_kv_heads)
         # this batch's (prefix_lens [B], prefix_items [I, 2 + item_size]), or None: plain decode
@@ -48,13 +67,17 @@ class TritonAttnBackend(AttentionBackend):
         self.max_seq_len = None if batch.seq_lens_cpu is None else max(batch.seq_lens_cpu)
         self.prefix = None
         if batch.mode is ForwardMode.EXTEND:
-            lens = batch.extend_lens_cpu
-            self.max_extend_len = max(lens)
-            self.extend_lens = to_device(lens, torch.int64, batch.seq_lens.device)
-            self.qo_indptr = torch.zeros(
-                len(lens) + 1, dtype=torch.int64, device=batch.seq_lens.device
-            )
-            torch.cumsum(self.extend_lens, 0, out=self.qo_indptr[1:])
+            if batch.seq_lens_cpu is None:  # captured: the graph reads the static buffers
+                assert self.graph_extend is not None
+                capacity = self._graph_tiles(batch.positions.shape[0])
+                self.extend = self._split_extend(
+                    self.graph_extend, self.graph_max_requests, capacity
+                )
+            else:
+                lens = batch.extend_lens_cpu
+                host = self._extend_host(lens, batch.seq_lens_cpu, len(lens), None)
+                flat = to_device(host, torch.int64, batch.seq_lens.device)
+                self.extend = self._split_extend(flat, len(lens), None)
         elif batch.seq_lens_cpu is None:  # captured: the graph reads the static buffers
             if self.graph_prefix is not None:
                 bs = batch.batch_size
@@ -106,6 +129,27 @@ class TritonAttnBackend(AttentionBackend):
         items[: self.items_capacity(padded)].copy_(flat[padded:].view(-1, 2 + self.item_size))
         self._graph_holds = (groups, padded)
 
+    def init_prefill_graph_capture(self, max_requests: int, max_tokens: int) -> None:
+        self.graph_max_requests = max_requests
+        capacity = self._graph_tiles(max_tokens)
+        self.graph_extend = torch.zeros(
+            2 * max_requests + 1 + 2 * capacity, dtype=torch.int64, device=self.device
+        )
+
+    def init_prefill_graph_replay(
+        self, extend_lens: list[int], seq_lens: list[int], padded_tokens: int
+    ) -> None:
+        assert self.graph_extend is not None
+        host = self._extend_host(
+            extend_lens, seq_lens, self.graph_max_requests, self._graph_tiles(padded_tokens)
+        )
+        flat = to_device(host, torch.int64, self.graph_extend.device)
+        self.graph_extend[: len(host)].copy_(flat)
+
+    def _graph_tiles(self, padded_tokens: int) -> int:
+        """The tile rows of the prefill graph for `padded_tokens`: its grid, fixed at capture."""
+        return tile_capacity(padded_tokens, self.graph_max_requests, self.block_m)
+
     # ------------------------------------------------------------------ kernels
     def forward_decode(
         self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
@@ -126,13 +170,38 @@ class TritonAttnBackend(AttentionBackend):
     def forward_extend(
         self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
+        assert self.extend is not None
+        extend_lens, qo_indptr, tiles = self.extend
         return extend_attention(
             q, batch.kv_pool.k_buffers[layer.layer_id], batch.kv_pool.v_buffers[layer.layer_id],
-            batch.req_to_token, batch.req_pool_indices, batch.seq_lens, self.extend_lens,
-            self.qo_indptr, layer.scaling, max_extend_len=self.max_extend_len,
+            batch.req_to_token, batch.req_pool_indices, batch.seq_lens, extend_lens, qo_indptr,
+            layer.scaling, tiles, block_m=self.block_m,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
+    def _extend_host(
+        self, lens: list[int], seq_lens: list[int], rows: int, capacity: int | None
+    ) -> np.ndarray:
+        """extend_lens [rows] then qo_indptr [rows + 1] then the tile table, flat (one copy).
+        Rows past the batch's requests have no tokens (and no tiles). O(batch + tiles)."""
+        n = len(lens)
+        tiles = extend_tiles(lens, seq_lens, self.block_m, capacity)
+        flat = np.empty(2 * rows + 1 + tiles.size, dtype=np.int64)
+        flat[:n] = lens
+        flat[n:rows] = 0
+        flat[rows] = 0
+        np.cumsum(lens, out=flat[rows + 1 : rows + 1 + n])
+        flat[rows + 1 + n : 2 * rows + 1] = flat[rows + n]
+        flat[2 * rows + 1 :] = tiles.ravel()
+        return flat
+
+    @staticmethod
+    def _split_extend(
+        flat: torch.Tensor, rows: int, capacity: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tiles = flat[2 * rows + 1 :] if capacity is None else flat[2 * rows + 1 :][: 2 * capacity]
+        return flat[:rows], flat[rows : 2 * rows + 1], tiles.view(-1, 2)
+
     def _prefix_host(self, groups: list[SharedPrefix], bs: int, num_items: int | None) -> list[int]:
         """prefix_lens [bs] then the items [num_items (or as many as needed), 2 + item_size],
         flat: one host-to-device copy. O(batch)."""

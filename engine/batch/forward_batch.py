@@ -34,11 +34,12 @@ class ForwardBatch:
     req_pool_indices: torch.Tensor  # [B] int64, the request's row in req_to_token
     seq_lens: torch.Tensor  # [B] int64, KV length once this step's tokens are stored
     seq_lens_cpu: list[int] | None  # None while a CUDA graph is captured (lengths vary per replay)
-    extend_lens_cpu: list[int]  # new tokens per request (all 1 in decode)
+    extend_lens_cpu: list[int] | None  # new tokens per request (all 1 in decode); None: captured
     kv_pool: KVPool
     req_to_token: torch.Tensor  # [max_requests, max_context] int32
-    # decode: [positions, out_cache_loc, req_pool_indices, seq_lens] as one [4, B] tensor,
-    # of which the four fields above are rows (CUDA-graph replay copies it in one go)
+    # the fields above as rows of one tensor, which a CUDA-graph replay copies in one go:
+    # decode [positions, out_cache_loc, req_pool_indices, seq_lens] ([4, B]);
+    # extend [input_ids, positions, out_cache_loc, each token's table row] ([4, T])
     packed: torch.Tensor | None = None
     # decode: requests that share a cached prefix, which attention may read once per group
     shared_prefixes: list[SharedPrefix] | None = None

@@ -120,6 +120,7 @@ def _build_extend(
         extend_lens_cpu=list(batch.extend_lens),
         kv_pool=kv_pool,
         req_to_token=req_to_token.table,
+        packed=tokens,
     )
     return forward, plan
 

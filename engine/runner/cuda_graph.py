@@ -53,6 +53,7 @@ class DecodeCudaGraphs:
         vocab_size: int,
         dtype: torch.dtype,
         max_bs: int,
+        pool: object,
     ) -> None:
         self.forward_eager = forward_eager
         self.backend = backend
@@ -68,7 +69,7 @@ class DecodeCudaGraphs:
         self.static = self.padding.clone()
         self.logits = torch.empty((max_bs, vocab_size), dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture_all()
+        self._capture_all(pool)
 
     def fits(self, batch: ForwardBatch) -> bool:
         return batch.mode is ForwardMode.DECODE and batch.batch_size <= self.max_bs
@@ -90,7 +91,7 @@ class DecodeCudaGraphs:
         return self.logits[:bs]
 
     # ------------------------------------------------------------------ capture
-    def _capture_all(self) -> None:
+    def _capture_all(self, pool: object) -> None:
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         logger.info(
@@ -98,7 +99,6 @@ class DecodeCudaGraphs:
             len(self.sizes),
             self.max_bs,
         )
-        pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         # largest first: later, smaller graphs reuse the memory pool the first one grew
         for i, bs in enumerate(reversed(self.sizes)):

@@ -1,9 +1,9 @@
 """Owns the model weights, the KV pool tensors and the attention backend; runs one step.
 
 `step(batch)` is the scheduler's one call per step: build the batch's tensors
-(batch_builder), run the forward (a CUDA-graph replay for decode when one fits), and hand the
-logits to the logits step, which samples on the device and returns a LaunchedStep. Logits
-never leave this object.
+(batch_builder), run the forward (a CUDA-graph replay when one fits: cuda_graph.py for decode,
+prefill_graph.py for prefill), and hand the logits to the logits step, which samples on the
+device and returns a LaunchedStep. Logits never leave this object.
 
 Start-up on a GPU, in order:
   1. load the weights;
@@ -11,7 +11,8 @@ Start-up on a GPU, in order:
      pool measures the activation peak (and compiles the prefill kernels);
   3. the KV pool takes what `mem_fraction_static` allows for weights + pool, and never more
      than what is free minus that peak and the decode graphs' share;
-  4. decode CUDA graphs are captured over the real pool (unless disabled).
+  4. CUDA graphs are captured over the real pool (unless disabled): prefill first, then
+     decode, in one memory pool (a replay never overlaps another).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from engine.runner.cuda_graph import DecodeCudaGraphs
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model
 from engine.runner.logits_step import LogitsStep
+from engine.runner.prefill_graph import PrefillCudaGraphs
 from engine.server_args import ServerArgs
 from engine.transfer import to_device
 
@@ -74,11 +76,19 @@ class ModelRunner:
         )
         self.logits_step = LogitsStep(rows + 1, config.vocab_size, device, self.next_token)
         self.graphs: DecodeCudaGraphs | None = None
+        self.prefill_graphs: PrefillCudaGraphs | None = None
         if self._use_cuda_graphs():
+            pool = torch.cuda.graph_pool_handle()
+            if self._prefill_graph_tokens():
+                self.prefill_graphs = PrefillCudaGraphs(
+                    self.forward_hidden, self.attn_backend, self.kv_pool, self.req_to_token,
+                    config.hidden_size, config.dtype, self._prefill_graph_tokens(),
+                    max_requests=rows + 1, pool=pool,
+                )  # fmt: skip
             self.graphs = DecodeCudaGraphs(
                 self.forward_eager, self.attn_backend, self.kv_pool, self.req_to_token,
                 config.vocab_size, config.dtype,
-                max_bs=min(args.cuda_graph_max_bs, self.max_running_requests),
+                max_bs=min(args.cuda_graph_max_bs, self.max_running_requests), pool=pool,
             )  # fmt: skip
 
     # ------------------------------------------------------------------ one step
@@ -96,20 +106,26 @@ class ModelRunner:
         None), in the model's dtype: argmax needs no float32 copy, log-softmax makes one."""
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.replay(batch)
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(batch):
+            return self._logits(self.prefill_graphs.replay(batch), logit_rows)
         return self.forward_eager(batch, logit_rows)
 
     def forward_eager(
         self, batch: ForwardBatch, logit_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The forward itself (CUDA graphs capture this)."""
+        """The forward itself (the decode graphs capture this)."""
+        return self._logits(self.forward_hidden(batch), logit_rows)
+
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model up to its last hidden states (the prefill graphs capture this)."""
         self.attn_backend.init_forward_metadata(batch)
         input_ids = batch.input_ids
         if input_ids is None:  # decode: each request's last sampled token, gathered on the device
             input_ids = self.next_token[batch.req_pool_indices]
-        hidden = self.model(input_ids, batch.positions, batch)
-        if logit_rows is not None:
-            hidden = hidden[logit_rows]
-        return self.model.compute_logits(hidden)
+        return self.model(input_ids, batch.positions, batch)
+
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     # ------------------------------------------------------------------ memory
     def allocator_counters(self) -> dict[str, int]:
@@ -140,12 +156,12 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             fraction = self.args.mem_fraction_static
             static_budget = total * fraction - (total - free)  # weights + pool <= fraction
-            graphs = self._graph_bytes_estimate() if self._use_cuda_graphs() else 0
+            graphs = self._graph_bytes_estimate(activation_peak) if self._use_cuda_graphs() else 0
             headroom = free - activation_peak - graphs - _GPU_SLACK_BYTES
             tokens = int(min(static_budget, headroom) // per_token)
             logger.info(
                 "GPU memory: %.1f GiB total, %.1f GiB free after weights; activation peak "
-                "%.2f GiB, decode graphs ~%.2f GiB; mem_fraction_static %.2f",
+                "%.2f GiB, CUDA graphs ~%.2f GiB; mem_fraction_static %.2f",
                 total / 2**30, free / 2**30, activation_peak / 2**30, graphs / 2**30, fraction,
             )  # fmt: skip
         else:
@@ -167,11 +183,24 @@ class ModelRunner:
             and self.attn_backend.supports_cuda_graph
         )
 
-    def _graph_bytes_estimate(self) -> int:
-        """The decode graphs keep a logits buffer and share one pool sized by the largest batch."""
+    def _prefill_graph_tokens(self) -> int:
+        """The largest prefill step a graph replays (0: none), never above what a step holds."""
+        if not self.attn_backend.supports_prefill_cuda_graph:
+            return 0
+        tokens = min(self.args.prefill_cuda_graph_max_tokens, self.args.max_prefill_tokens)
+        # a capture's warm-up batch is padding requests of at most one table row each
+        return min(tokens, self.config.context_length * self.args.max_running_requests)
+
+    def _graph_bytes_estimate(self, activation_peak: int) -> int:
+        """The decode graphs keep a logits buffer and share one pool sized by the largest batch.
+        The prefill graphs' pool holds the activations of their largest step, which the eager
+        peak already reserves, unless eager prefills of more tokens still run beside them."""
         c = self.config
         per_row = c.vocab_size * (2 + 4 + 4) + 16 * (c.hidden_size + c.intermediate_size) * 4
-        return self.args.cuda_graph_max_bs * per_row
+        prefill = self._prefill_graph_tokens()
+        beside = prefill < self.args.max_prefill_tokens
+        prefill_pool = activation_peak * prefill // self.args.max_prefill_tokens if beside else 0
+        return self.args.cuda_graph_max_bs * per_row + prefill_pool
 
     def _warm_up(self) -> int:
         """Forwards over a throw-away pool: the largest prefill step, whose activation peak it

@@ -150,6 +150,9 @@ class Scheduler:
             "gen_throughput": s.generated_tokens / s.busy_seconds if s.busy_seconds else 0.0,
             "overlap_schedule": self.overlap,
             "cuda_graph_max_bs": self.runner.graphs.max_bs if self.runner.graphs else 0,
+            "prefill_graph_max_tokens": (
+                self.runner.prefill_graphs.max_tokens if self.runner.prefill_graphs else 0
+            ),
             **self.runner.allocator_counters(),
         }
 

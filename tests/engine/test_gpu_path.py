@@ -1,4 +1,4 @@
-"""The GPU fast path (Triton kernels, decode CUDA graphs, overlap scheduling) computes what the
+"""The GPU fast path (Triton kernels, CUDA graphs, overlap scheduling) computes what the
 CPU reference path computes: greedy tokens identical in float32, bf16 logprobs close to
 transformers'. Decode batch sizes sweep every value from the batch down to 1 as requests end,
 so every captured graph size and every amount of padding is replayed."""
@@ -41,8 +41,16 @@ def cpu_reference(llama_dir, workload):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "flags",
-    [{}, {"disable_cuda_graph": True}, {"disable_overlap_schedule": True}],
-    ids=["graphs+overlap", "eager", "no-overlap"],
+    [
+        {},
+        {"disable_cuda_graph": True},
+        {"disable_overlap_schedule": True},
+        # prefill steps of many token counts (prompts in chunks of 64, each over the request's
+        # earlier chunks): most small buckets of the prefill graphs, each padded differently
+        {"chunked_prefill_size": 64, "max_prefill_tokens": 300},
+        {"prefill_cuda_graph_max_tokens": 0},
+    ],
+    ids=["graphs+overlap", "eager", "no-overlap", "prefill-graphs", "decode-graphs-only"],
 )
 def test_gpu_greedy_equals_cpu_reference(llama_dir, workload, cpu_reference, flags):
     prompts, params = workload

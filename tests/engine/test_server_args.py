@@ -55,6 +55,11 @@ def refusal(**kwargs) -> str:
             "chunked_prefill_size must be -1 (no chunks), a positive integer or None, got 0 (int).",
         ),
         (
+            {"prefill_cuda_graph_max_tokens": -1},
+            "prefill_cuda_graph_max_tokens must be 0 (no prefill graphs), a positive integer or "
+            "None, got -1 (int).",
+        ),
+        (
             {"disable_radix_cache": "maybe"},
             "disable_radix_cache must be True or False, got 'maybe' (str).",
         ),

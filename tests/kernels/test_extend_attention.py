@@ -13,7 +13,12 @@ import math
 import pytest
 import torch
 
-from kernels.extend_attention import extend_attention, extend_attention_ref
+from kernels.extend_attention import (
+    extend_attention,
+    extend_attention_ref,
+    extend_tiles,
+    tile_capacity,
+)
 from tests.kernels.conftest import DEVICE, rel_err
 
 
@@ -147,12 +152,40 @@ def test_block_shapes(block_m, block_n):
     check(args, 1e-5, block_m=block_m, block_n=block_n)
 
 
-def test_max_extend_len_hint():
-    args = make_batch([5, 0], [20, 34], num_q_heads=2, num_kv_heads=2, head_dim=16, seed=3)
+def test_tiles_with_filler_rows():
+    """A tile table planned outside the call, in any order and with filler rows past the batch's
+    tiles (what a CUDA graph's fixed grid carries), gives the same result."""
+    args = make_batch([5, 0, 40], [20, 34, 3], num_q_heads=2, num_kv_heads=2, head_dim=16, seed=3)
     ref = extend_attention_ref(**args)
-    # the hint sizes the grid; a larger one than needed only adds idle programs
-    for hint in (None, 34, 100):
-        assert rel_err(extend_attention(**args, max_extend_len=hint), ref) < 1e-5
+    lens, seq = args["extend_lens"].tolist(), args["seq_lens"].tolist()
+    planned = extend_tiles(lens, seq, 16, capacity=tile_capacity(sum(lens), len(lens), 16))
+    assert len(planned) > 1 + 3 + 1, "the case must have filler rows"
+    for tiles in (planned, planned[::-1].copy()):
+        got = extend_attention(**args, tiles=torch.from_numpy(tiles).to(DEVICE), block_m=16)
+        assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_extend_tiles_against_brute_force(seed):
+    """Every (request, BLOCK_M tile) exactly once, the tiles that read more keys first, filler
+    rows after them; the capacity bound holds for any lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = int(torch.randint(1, 9, (1,), generator=gen))
+    lens = torch.randint(1, 200, (batch,), generator=gen).tolist()
+    prefixes = torch.randint(0, 300, (batch,), generator=gen).tolist()
+    seq = [p + n for p, n in zip(prefixes, lens)]
+    block_m = [16, 32, 64][seed]
+    want = {(b, m) for b, n in enumerate(lens) for m in range(0, n, block_m)}
+    capacity = tile_capacity(sum(lens), batch, block_m)
+    assert capacity >= len(want)
+    tiles = extend_tiles(lens, seq, block_m, capacity=capacity)
+    real = [tuple(t) for t in tiles.tolist() if t[1] < lens[t[0]]]
+    assert len(real) == len(want) and set(real) == want
+    assert all(t[1] >= max(lens) for t in tiles.tolist()[len(real) :]), "filler rows come last"
+    keys = [prefixes[b] + min(m + block_m, lens[b]) for b, m in real]
+    assert keys == sorted(keys, reverse=True)
+    with pytest.raises(ValueError, match="capacity"):
+        extend_tiles(lens, seq, block_m, capacity=len(want) - 1)
 
 
 def test_strided_q_and_out():
@@ -231,7 +264,7 @@ def test_gpu_realistic(dtype):
     prefix_lens = torch.randint(0, 2049, (8,), generator=gen).tolist()
     prefix_lens[0], prefix_lens[2] = 0, 2048
     args = make_batch(prefix_lens, extend_lens, 32, 8, 128, dtype=dtype, seed=1)
-    check(args, 1e-2, max_extend_len=max(extend_lens))
+    check(args, 1e-2)
 
 
 @pytest.mark.gpu
@@ -257,7 +290,9 @@ def test_gpu_speed_report(capsys):
     extend_lens = [1024, 512, 1024, 256, 1024, 768, 128, 1024]
     prefix_lens = [0, 2048, 1024, 0, 512, 2048, 256, 1536]
     args = make_batch(prefix_lens, extend_lens, 32, 8, 128, dtype=torch.bfloat16, seed=2)
-    ms = triton.testing.do_bench(lambda: extend_attention(**args, max_extend_len=1024))
+    tiles = extend_tiles(extend_lens, [p + e for p, e in zip(prefix_lens, extend_lens)], 128)
+    tiles = torch.from_numpy(tiles).to(DEVICE)  # planned once, as the backend does per batch
+    ms = triton.testing.do_bench(lambda: extend_attention(**args, tiles=tiles))
     # causal-visible (query, key) pairs, 2 matmuls x 2 flops each
     pairs = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
     tflops = 4 * pairs * 32 * 128 / (ms * 1e-3) / 1e12
