@@ -23,9 +23,10 @@ class ScheduledBatch:
     reqs: list[Req]
     extend_lens: list[int]  # new tokens per request this step (all 1 in decode)
     starts: list[int]  # each request's first new position (its KV length before this step)
-    slots: list[int]  # pool slot of each new token, requests in order
+    slots: list[int] | np.ndarray  # pool slot of each new token, requests in order
     # extend: the slots of the cached prefix each request was just admitted with (empty for
-    # the others): the runner writes them into the request's table row with the new slots
+    # the others): the runner writes them into the request's table row with the new slots.
+    # Requests admitted with one prefix share one array (the runner ships it once).
     cached_slots: list[np.ndarray] = field(default_factory=list, kw_only=True)
     # decode: groups of requests that share a cached prefix (empty: attention reads each alone)
     shared_prefixes: list[SharedPrefix] = field(default_factory=list, kw_only=True)

@@ -33,19 +33,26 @@ class ReqToTokenPool:
         """Row `row`, positions start.., get `slots` (a prefix served by the cache)."""
         self.table[row, start : start + slots.numel()] = slots.to(torch.int32)
 
-    def write_prefixes(self, rows: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> None:
-        """Row rows[i], positions 0 .. lens[i] - 1, gets the next lens[i] of `slots`: the cached
-        prefixes of a batch's newly admitted requests, in order (int64 tensors on the device).
+    def write_prefixes(
+        self,
+        rows: torch.Tensor,
+        lens: torch.Tensor,
+        sources: torch.Tensor,
+        slots: torch.Tensor,
+        total: int,
+    ) -> None:
+        """Row rows[i], positions 0 .. lens[i] - 1, gets slots[sources[i] : sources[i] + lens[i]]:
+        the cached prefixes of a batch's newly admitted requests, several of which may read one
+        stretch of `slots` (int64 tensors on the device; total = sum(lens), known to the host).
 
-        NOTE: one scatter for the batch, and no host work per token: the positions are
-        expanded on the device (output_size given, so nothing waits for it)."""
-        total = slots.numel()
+        NOTE: one gather and one scatter for the batch, and no host work per token: the
+        positions are expanded on the device (output_size given, so nothing waits for it)."""
         owner = torch.repeat_interleave(
             torch.arange(rows.numel(), device=rows.device), lens, output_size=total
         )
-        first = torch.cumsum(lens, 0) - lens  # where each request's prefix starts in `slots`
+        first = torch.cumsum(lens, 0) - lens  # where each request's entries start
         positions = torch.arange(total, device=rows.device) - first[owner]
-        self.table[rows[owner], positions] = slots.to(torch.int32)
+        self.table[rows[owner], positions] = slots[sources[owner] + positions].to(torch.int32)
 
     def write_slots(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """table[rows[i], positions[i]] = slots[i] for a whole batch (int64 tensors on the device)."""

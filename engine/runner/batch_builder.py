@@ -78,18 +78,25 @@ def _build_decode(
 def _build_extend(
     batch: ScheduledBatch, kv_pool: KVPool, req_to_token: ReqToTokenPool
 ) -> tuple[ForwardBatch, LogitPlan]:
-    """The token columns come from numpy (slices of each request's token array, ranges and
-    repeats): a prefill of 16k tokens costs a few array calls, not 16k list appends."""
+    """The token columns come from numpy (one concatenation of the requests' token slices,
+    repeats and ranges): a prefill of 16k tokens costs a few array calls, not 16k list appends,
+    and the loop over requests only plans their logits rows."""
     plan = LogitPlan()
-    total = sum(batch.extend_lens)
+    lens = np.asarray(batch.extend_lens, dtype=np.int64)
+    starts = np.asarray(batch.starts, dtype=np.int64)
+    rows = np.asarray([r.pool_row for r in batch.reqs], dtype=np.int64)
+    offsets = np.cumsum(lens) - lens  # where each request's first new token sits in the batch
+    total = int(lens.sum())
     host = np.empty((4, total), dtype=np.int64)  # ids, positions, slots, table rows
+    np.concatenate(
+        [r.fill_ids[s : s + n] for r, s, n in zip(batch.reqs, batch.starts, batch.extend_lens)],
+        out=host[0],
+    )
+    np.add(np.arange(total), np.repeat(starts - offsets, lens), out=host[1])
     host[2] = batch.slots
-    offset = 0  # where the request's first new token sits in the batch
-    for req, n, start in zip(batch.reqs, batch.extend_lens, batch.starts):
+    host[3] = np.repeat(rows, lens)
+    for req, n, start, offset in zip(batch.reqs, batch.extend_lens, batch.starts, offsets.tolist()):
         end = start + n
-        host[0, offset : offset + n] = req.fill_ids[start:end]
-        host[1, offset : offset + n] = np.arange(start, end)
-        host[3, offset : offset + n] = req.pool_row
         plan.starts.append(len(plan.rows))
         # logits at position p give the logprob of prompt token p + 1 (batch row offset + p - start)
         if req.wants_input_logprobs:
@@ -102,11 +109,10 @@ def _build_extend(
         if samples:
             plan.rows.append(offset + n - 1)
         plan.samples.append(samples)
-        offset += n
     device = req_to_token.table.device
     tokens = to_device(host, torch.int64, device)
-    seq_lens = [start + n for start, n in zip(batch.starts, batch.extend_lens)]
-    per_req = to_device([[r.pool_row for r in batch.reqs], seq_lens], torch.int64, device)
+    seq_lens = (starts + lens).tolist()
+    per_req = to_device(np.stack([rows, starts + lens]), torch.int64, device)
     _write_cached_prefixes(batch, req_to_token)
     req_to_token.write_slots(tokens[3], tokens[1], tokens[2])
     forward = ForwardBatch(
@@ -127,14 +133,26 @@ def _build_extend(
 
 def _write_cached_prefixes(batch: ScheduledBatch, req_to_token: ReqToTokenPool) -> None:
     """The table rows of newly admitted requests get the slots of their cached prefixes: one
-    transfer of [rows, lengths, slots] for the batch."""
-    admitted = [(r.pool_row, p) for r, p in zip(batch.reqs, batch.cached_slots) if len(p)]
-    if not admitted:
+    transfer of [rows, lengths, where each prefix starts, the distinct prefixes] for the batch.
+    Requests admitted with one prefix share its array (the planner's doing), so a batch of 256
+    items after one 2000-token instruction ships 2000 slots, not 512k."""
+    rows, lens, sources = [], [], []
+    distinct: dict[int, tuple[int, np.ndarray]] = {}  # id(array) -> (its start, the array)
+    shipped = 0
+    for req, prefix in zip(batch.reqs, batch.cached_slots):
+        if not len(prefix):
+            continue
+        if id(prefix) not in distinct:
+            distinct[id(prefix)] = (shipped, prefix)
+            shipped += len(prefix)
+        rows.append(req.pool_row)
+        lens.append(len(prefix))
+        sources.append(distinct[id(prefix)][0])
+    if not rows:
         return
-    k = len(admitted)
-    host = np.concatenate(
-        [np.array([row for row, _ in admitted]), np.array([len(p) for _, p in admitted])]
-        + [p for _, p in admitted]
-    )
+    k = len(rows)
+    host = np.concatenate([rows, lens, sources] + [p for _, p in distinct.values()])
     packed = to_device(host, torch.int64, req_to_token.table.device)
-    req_to_token.write_prefixes(packed[:k], packed[k : 2 * k], packed[2 * k :])
+    req_to_token.write_prefixes(
+        packed[:k], packed[k : 2 * k], packed[2 * k : 3 * k], packed[3 * k :], sum(lens)
+    )

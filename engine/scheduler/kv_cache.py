@@ -81,8 +81,8 @@ class KVCache:
         """Pages behind the request's KV: its cached prefix's and its own."""
         return req.prefix_len // self.page_size + len(req.kv_pages)
 
-    def extend(self, req: Req, num_tokens: int) -> list[int]:
-        """Slots for the request's next `num_tokens` tokens, allocating pages as needed.
+    def extend(self, req: Req, num_tokens: int) -> np.ndarray:
+        """Slots (int64) for the request's next `num_tokens` tokens, allocating pages as needed.
 
         NOTE: the request->slot table is not written here: the model runner writes a whole
         batch's slots at once (ReqToTokenPool.write_slots), one transfer per step, not per request.
@@ -94,8 +94,10 @@ class KVCache:
         ps, base = self.page_size, req.prefix_len // self.page_size
         req.kv_len = end
         own = np.asarray(req.kv_pages[start // ps - base : self.pages_for(end) - base], np.int64)
+        if ps == 1:  # a page is a slot
+            return own
         positions = np.arange(start, end)
-        return (own[positions // ps - start // ps] * ps + positions % ps).tolist()
+        return own[positions // ps - start // ps] * ps + positions % ps
 
     def extend_by_one(self, reqs: list[Req]) -> list[int]:
         """A decode step's slots: one more token for each request, new pages in one allocation."""

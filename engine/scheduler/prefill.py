@@ -80,6 +80,7 @@ class PrefillPlanner:
         if self.lpm:
             self._sort_waiting_by_prefix()
         heads: set[tuple[object, bytes]] = set()  # the uncached heads of the batch's prompts
+        shared: dict[object, np.ndarray] = {}  # each matched node's prefix slots
         reserved = None  # what the running requests may still generate: O(running), so lazily
         # NOTE: newly admitted requests join q.running (or become q.chunked) as they are planned
         while q.waiting and budget > 0 and q.num_running < self.max_running_requests:
@@ -115,7 +116,8 @@ class PrefillPlanner:
             self._on_admit(req, cached)
             reqs.append(req)
             lens.append(n)
-            prefixes.append(prefix)
+            # NOTE: requests admitted at one node get one array: the batch ships it once
+            prefixes.append(shared.setdefault(req.last_node, prefix) if cached else prefix)
             budget -= n
             planned_pages += need
             if chunks:
@@ -127,7 +129,7 @@ class PrefillPlanner:
         # NOTE: pages are allocated only now, after every admitted prefix was matched and locked:
         # an allocation may evict cached prefixes, never one this batch is about to read
         starts = [r.kv_len for r in reqs]
-        slots = [s for req, n in zip(reqs, lens) for s in self.kv.extend(req, n)]
+        slots = np.concatenate([self.kv.extend(req, n) for req, n in zip(reqs, lens)])
         return ScheduledBatch(ForwardMode.EXTEND, reqs, lens, starts, slots, cached_slots=prefixes)
 
     def refuse_unadmittable(self) -> list[Req]:

@@ -60,7 +60,7 @@ def _extend(kv: KVCache, req: Req, n: int, kv_content: dict | None = None) -> li
     """Grow a request by n tokens and record their slots in the table, as the batch builder does;
     `kv_content` (slot -> token), a brute-force KV pool, gets the tokens the model would store."""
     start = req.kv_len
-    slots = kv.extend(req, n)
+    slots = kv.extend(req, n).tolist()
     kv.req_to_token.write_slots(
         torch.full((n,), req.pool_row), torch.arange(start, start + n), torch.tensor(slots)
     )
@@ -74,9 +74,32 @@ def _admit(kv: KVCache, req: Req, limit: int) -> int:
     prefix = kv.admit(req, limit)
     if len(prefix):
         kv.req_to_token.write_prefixes(
-            torch.tensor([req.pool_row]), torch.tensor([len(prefix)]), torch.from_numpy(prefix)
+            torch.tensor([req.pool_row]),
+            torch.tensor([len(prefix)]),
+            torch.tensor([0]),
+            torch.from_numpy(prefix),
+            len(prefix),
         )
     return len(prefix)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_write_prefixes_against_brute_force(seed):
+    """Rows that share a stretch of the shipped slots (one cached prefix, shipped once) and rows
+    with their own all get exactly their stretch, and nothing else of the table changes."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = ReqToTokenPool(12, 40, torch.device("cpu"))
+    pool.table.copy_(torch.randint(0, 1000, pool.table.shape, generator=gen, dtype=torch.int32))
+    want = pool.table.clone()
+    slots = torch.randint(1, 1000, (60,), generator=gen)
+    rows = torch.randperm(12, generator=gen)[:7]
+    lens = torch.randint(1, 21, (7,), generator=gen)
+    # sources point into three stretches, several rows to the same one
+    sources = torch.tensor([0, 20, 0, 40, 20, 0, 40])
+    for row, n, src in zip(rows.tolist(), lens.tolist(), sources.tolist()):
+        want[row, :n] = slots[src : src + n].to(torch.int32)
+    pool.write_prefixes(rows, lens, sources, slots, int(lens.sum()))
+    assert torch.equal(pool.table, want)
 
 
 def _tree_pages(kv: KVCache) -> list[int]:
@@ -218,7 +241,7 @@ def test_decode_extension_equals_one_token_at_a_time(page_size):
     kv_b, single = setup()
     for _ in range(7):
         slots_a = kv_a.extend_by_one(batched)
-        slots_b = [kv_b.extend(req, 1)[0] for req in single]
+        slots_b = [int(kv_b.extend(req, 1)[0]) for req in single]
         assert slots_a == slots_b
         assert [r.kv_pages for r in batched] == [r.kv_pages for r in single]
         assert [r.kv_len for r in batched] == [r.kv_len for r in single]
