@@ -66,6 +66,60 @@ def main() -> None:
         torch.cuda.synchronize()
         cells = [host_us(fn, sizes) for sizes in (fixed, varied, bucketed)]
         print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    per_step_ops(dev)
+    first_logits(dev, dt)
+
+
+def per_step_ops(dev: torch.device) -> None:
+    """The small host-side operations every step makes, µs each."""
+    cols = torch.arange(4 * 256, dtype=torch.int64).view(4, 256)
+    tokens = torch.arange(256, device=dev)
+    pinned_in = torch.empty((4, 256), dtype=torch.int64, pin_memory=True)
+    pinned_out = torch.empty(256, dtype=torch.int64, pin_memory=True)
+    ops = {
+        "pin_memory() of [4, 256] int64 + copy to device": lambda _: cols.pin_memory().to(
+            dev, non_blocking=True
+        ),
+        "preallocated pinned: fill + copy to device": lambda _: pinned_in.copy_(cols).to(
+            dev, non_blocking=True
+        ),
+        "empty(pin_memory=True) + copy from device": lambda _: torch.empty(
+            256, dtype=torch.int64, pin_memory=True
+        ).copy_(tokens, non_blocking=True),
+        "preallocated pinned: copy from device": lambda _: pinned_out.copy_(
+            tokens, non_blocking=True
+        ),
+        "Event() + record": lambda _: torch.cuda.Event().record(),
+        "Event(enable_timing=True) + record": lambda _: torch.cuda.Event(
+            enable_timing=True
+        ).record(),
+        "table[rows, positions] = slots (index_put)": lambda _: tokens.new_zeros(
+            (300, 300)
+        ).__setitem__((tokens, tokens), tokens),
+    }
+    print("\n| per-step op | host µs |\n| --- | --- |")
+    for name, fn in ops.items():
+        fn(0)
+        torch.cuda.synchronize()
+        print(f"| {name} | {host_us(fn, [0] * CALLS):.1f} |")
+
+
+def first_logits(dev: torch.device, dt: torch.dtype) -> None:
+    """The first lm-head matmul at a new row count after one at 1 row: a new cuBLAS kernel loads
+    lazily (CUDA's default), which costs the host far more than a launch."""
+    w = torch.randn(151936, HIDDEN, device=dev, dtype=dt)
+    h = torch.randn(1024, HIDDEN, device=dev, dtype=dt)
+    F.linear(h[:1], w)
+    torch.cuda.synchronize()
+    print("\n| lm head rows | first call host µs | second call host µs |\n| --- | --- | --- |")
+    for m in (256, 200, 130, 64, 17, 3, 512, 1000):
+        cells = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            F.linear(h[:m], w)
+            cells.append(1e6 * (time.perf_counter() - t))
+        print(f"| {m} | {cells[0]:.0f} | {cells[1]:.0f} |")
 
 
 if __name__ == "__main__":

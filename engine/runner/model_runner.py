@@ -35,7 +35,7 @@ from engine.runner.cuda_graph import DecodeCudaGraphs
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model
 from engine.runner.logits_step import LogitsStep
-from engine.runner.prefill_graph import PrefillCudaGraphs
+from engine.runner.prefill_graph import PrefillCudaGraphs, prefill_capture_sizes
 from engine.server_args import ServerArgs
 from engine.transfer import to_device
 
@@ -63,6 +63,7 @@ class ModelRunner:
             args.attention_backend, device, attn, config.dtype, args.shared_prefix_attention
         )
         use_backend(self.model, self.attn_backend)
+        self._logit_buckets = prefill_capture_sizes(args.max_prefill_tokens)
         activation_peak = self._warm_up() if device.type == "cuda" else 0
         self.max_total_tokens = self._pool_tokens(activation_peak)
         self.max_running_requests = min(rows, self.max_total_tokens)
@@ -96,8 +97,15 @@ class ModelRunner:
     def step(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the batch's forward and everything its logits become; nothing here waits."""
         forward, plan = build_forward_batch(batch, self.kv_pool, self.req_to_token)
-        rows = None if plan.rows is None else to_device(plan.rows, torch.int64, self.device)
-        logits = self.forward(forward, rows)
+        if plan.rows is None:  # every row (decode)
+            logits = self.forward(forward, None)
+        else:
+            n = len(plan.rows)
+            # NOTE: the LM head runs on a bucket of rows (the last one repeated): each new row
+            # count costs cuBLAS a heuristic lookup, and a new kernel a lazy load (~4 ms on an
+            # H100); the buckets are few, and warmed up at start-up
+            padded = plan.rows + plan.rows[-1:] * (self._logit_rows_bucket(n) - n)
+            logits = self.forward(forward, to_device(padded, torch.int64, self.device))[:n]
         return self.logits_step.launch(batch, plan, logits, forward.req_pool_indices)
 
     @torch.inference_mode()
@@ -126,6 +134,12 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
+
+    def _logit_rows_bucket(self, rows: int) -> int:
+        """The row count the LM head runs for `rows` rows of a prefill step."""
+        if rows == 0:
+            return 0
+        return next((b for b in self._logit_buckets if b >= rows), rows)
 
     # ------------------------------------------------------------------ memory
     def allocator_counters(self) -> dict[str, int]:
@@ -220,12 +234,25 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         for small in ([1], [3, 14]):
             self._warm_up_forward(pool, small)
+        self._warm_up_lm_head()
         del pool
         torch.cuda.empty_cache()
         logger.info(
             "warm-up prefill of %d tokens: activation peak %.2f GiB", sum(lens), peak / 2**30
         )
         return peak
+
+    @torch.inference_mode()
+    def _warm_up_lm_head(self) -> None:
+        """The LM head at every row bucket a prefill's sampled rows can take (at most one per
+        running request), so its kernels load now rather than in the first steps."""
+        most = self._logit_rows_bucket(self.req_to_token.padding_row)
+        hidden = torch.zeros(
+            most, self.config.hidden_size, dtype=self.config.dtype, device=self.device
+        )
+        for rows in self._logit_buckets:
+            if rows <= most:
+                self.model.compute_logits(hidden[:rows])
 
     @torch.inference_mode()
     def _warm_up_forward(self, pool: KVPool, lens: list[int]) -> None:
