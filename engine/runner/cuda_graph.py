@@ -36,9 +36,14 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_bs: int) -> list[int]:
-    """Batch sizes to capture: dense where padding would waste a large fraction, sparser above."""
+    """Batch sizes to capture: dense where padding would waste a large fraction, sparser above
+    (beyond 256, at most 25% padding: four sizes an octave keep the capture short)."""
     sizes = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
-    sizes += list(range(80, 257, 16)) + list(range(288, max(max_bs, 288) + 1, 32))
+    sizes += list(range(80, 257, 16))
+    size = 320
+    while size < max_bs:
+        sizes.append(size)
+        size += 1 << (size.bit_length() - 3)
     capped = [s for s in sizes if s < max_bs]
     return capped + [max_bs]
 

@@ -67,9 +67,10 @@ def test_gpu_greedy_equals_cpu_reference(llama_dir, workload, cpu_reference, fla
 def test_graph_sizes_cover_the_batch():
     from engine.runner.cuda_graph import capture_sizes
 
-    for max_bs in (1, 3, 42, 160, 256, 300):
+    for max_bs in (1, 3, 42, 160, 256, 300, 1024, 1500):
         sizes = capture_sizes(max_bs)
         assert sizes == sorted(set(sizes)) and sizes[-1] == max_bs and sizes[0] == 1
+        assert all(b <= 1.25 * a for a, b in zip(sizes, sizes[1:]) if a >= 256)
 
 
 @pytest.mark.gpu
