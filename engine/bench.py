@@ -112,17 +112,31 @@ def weight_bytes(cfg: ModelConfig) -> int:
 
 
 def floor_seconds(
-    cfg: ModelConfig, work: Workload, max_running: int, bandwidth: float, flops: float
+    cfg: ModelConfig,
+    work: Workload,
+    max_running: int,
+    bandwidth: float,
+    flops: float,
+    kv_tokens: int | None = None,
 ) -> tuple[float, float]:
     """(decode floor, prefill floor) for this workload in seconds.
 
     A shared prefix counts once: its K/V once per decode step (per distinct prefix), its
     prefill once. So the floor stays honest for a run that reads and computes it once, and a
-    run that does not falls short of it."""
-    # decode: at least max(output_len) steps, and at least total/max_running if the batch is capped
-    steps = max(max(work.output_lens), math.ceil(work.output_tokens / max_running))
-    kv_per_token = cfg.kv_bytes_per_token(cfg.dtype)
+    run that does not falls short of it.
+
+    Decode takes at least max(output_len) steps, and at least total / concurrency, where the
+    concurrency is max_running capped by the KV pool (`kv_tokens`): by Little's law, requests
+    that hold their own prompt and on average half their output cannot run more than
+    pool / that footprint at a time, whatever max_running allows."""
     c = work.prefix_len
+    concurrency = max_running
+    if kv_tokens is not None:
+        own = [len(p) - c + o / 2 for p, o in zip(work.input_ids, work.output_lens)]
+        free = kv_tokens - c * min(work.num_prefixes, len(work.input_ids))
+        concurrency = min(max_running, max(1, int(free / (sum(own) / len(own)))))
+    steps = max(max(work.output_lens), math.ceil(work.output_tokens / concurrency))
+    kv_per_token = cfg.kv_bytes_per_token(cfg.dtype)
     kv_read = sum(
         kv_per_token * ((len(p) - c) * o + o * (o - 1) // 2)
         for p, o in zip(work.input_ids, work.output_lens)
@@ -276,7 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     # NOTE: tp ranks each read 1/tp of the weights and KV and do 1/tp of the FLOPs, so the
     # floor of a tensor-parallel group is the one-device floor over tp (all-reduces cost extra)
     tp = int(engine_args.get("tp_size", 1))
-    decode_floor, prefill_floor = floor_seconds(cfg, work, max_running, tp * bandwidth, tp * flops)
+    decode_floor, prefill_floor = floor_seconds(
+        cfg, work, max_running, tp * bandwidth, tp * flops, state["kv_total_tokens"]
+    )
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows = [
         ("device", device_name if tp == 1 else f"{tp} x {device_name} (tp_size={tp})"),

@@ -44,6 +44,11 @@ def test_decode_floor_counts_weights_per_step_and_kv_per_live_token(llama_dir):
     assert decode == 5 * weight_bytes(cfg) + kv  # 5 steps: the longest output, all in one batch
     capped, _ = floor_seconds(cfg, work, max_running=1, bandwidth=1.0, flops=1.0)
     assert capped == 8 * weight_bytes(cfg) + kv  # one request at a time: 3 + 5 steps
+    # a pool of 17 tokens holds one request's footprint (its prompt, half its output: 9 on
+    # average) at a time, whatever max_running says; 18 holds both
+    for pool, steps in ((17, 8), (18, 5)):
+        bound, _ = floor_seconds(cfg, work, max_running=8, bandwidth=1.0, flops=1.0, kv_tokens=pool)
+        assert bound == steps * weight_bytes(cfg) + kv
 
 
 def test_floor_counts_each_shared_prefix_once(llama_dir):
