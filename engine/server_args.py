@@ -32,13 +32,12 @@ ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 DEFAULT_MEM_FRACTION_STATIC = 0.85  # of GPU memory for weights + KV pool
-# At most this many requests run at once, by device; within it, admission counts KV pages (a
-# shared prefix once), so the pool decides how many actually run. On a GPU the decode graphs
-# cover all of them: a batch of short items after one cached instruction holds ~1000 rows in
-# a fraction of an H100's pool, and a decode step over 1000 rows reads the weights once, not 4x.
-DEFAULT_MAX_RUNNING_REQUESTS = {"cuda": 1024, "cpu": 256}
+# NOTE: 1024 on a GPU was measured and taken back (README, Performance): a shared-prefix run
+# gained 8% and the 2000-prompt queue kept 0.75 of its floor, but W2 lost 6% (more, smaller
+# prefill steps once admission alone bounded the batch)
+DEFAULT_MAX_RUNNING_REQUESTS = 256
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192
-DEFAULT_CUDA_GRAPH_MAX_BS = 1024
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class ServerArgs:
     # memory and scheduling
     mem_fraction_static: float | None = None  # None: DEFAULT_MEM_FRACTION_STATIC
     max_total_tokens: int | None = None  # None: sized from memory at start-up
-    max_running_requests: int | None = None  # None: DEFAULT_MAX_RUNNING_REQUESTS[device]
+    max_running_requests: int | None = None  # None: DEFAULT_MAX_RUNNING_REQUESTS
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # None: DEFAULT_CHUNKED_PREFILL_SIZE; -1: no chunks
     schedule_policy: str = "fcfs"
@@ -135,15 +134,13 @@ class ServerArgs:
             "tokenizer_path": self.model_path,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "mem_fraction_static": DEFAULT_MEM_FRACTION_STATIC,
+            "max_running_requests": DEFAULT_MAX_RUNNING_REQUESTS,
             "chunked_prefill_size": DEFAULT_CHUNKED_PREFILL_SIZE,
             "random_seed": random.SystemRandom().randrange(1 << 31),
         }
         for name, value in settle.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)  # frozen: settled once, while being built
-        if self.max_running_requests is None:
-            kind = "cpu" if self.device == "cpu" else "cuda"
-            object.__setattr__(self, "max_running_requests", DEFAULT_MAX_RUNNING_REQUESTS[kind])
         if self.attention_backend is None:
             gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton")
             object.__setattr__(self, "attention_backend", "triton" if gpu else "torch")
