@@ -48,6 +48,22 @@ def capture_sizes(max_bs: int) -> list[int]:
     return capped + [max_bs]
 
 
+def capture_graph(
+    forward: Callable[[], None], pool: object, stream: torch.cuda.Stream, warm_ups: int
+) -> torch.cuda.CUDAGraph:
+    """Run `forward` `warm_ups` times on `stream` (compiling its kernels and creating library
+    handles outside the capture), then capture it into a graph that allocates from `pool`."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warm_ups):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        forward()
+    return graph
+
+
 class DecodeCudaGraphs:
     def __init__(
         self,
@@ -121,15 +137,7 @@ class DecodeCudaGraphs:
         forward = self._forward_fn(bs)
         # the most K/V entries a decode batch of bs can read: the pool, plus a slot per padded row
         self.backend.init_graph_capture(bs, self.kv_pool.num_tokens + bs)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the kernels and create library handles outside capture
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            forward()
-        return graph
+        return capture_graph(forward, pool, stream, warm_ups=2)
 
     def _forward_fn(self, bs: int) -> Callable[[], None]:
         static = self.static

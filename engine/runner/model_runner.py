@@ -136,9 +136,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     def _logit_rows_bucket(self, rows: int) -> int:
-        """The row count the LM head runs for `rows` rows of a prefill step."""
-        if rows == 0:
-            return 0
+        """The row count the LM head runs for `rows` rows of a prefill step (on the CPU, `rows`:
+        there the padding would only add work)."""
+        if rows == 0 or self.device.type != "cuda":
+            return rows
         return next((b for b in self._logit_buckets if b >= rows), rows)
 
     # ------------------------------------------------------------------ memory

@@ -42,6 +42,7 @@ from engine.attention.backend import AttentionBackend
 from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
+from engine.runner.cuda_graph import capture_graph
 
 logger = logging.getLogger(__name__)
 
@@ -155,14 +156,7 @@ class PrefillCudaGraphs:
         self.backend.init_prefill_graph_replay(lens, lens, tokens)
         self.reqs[0, : len(lens)] = self.req_to_token.padding_row
         self.reqs[1, : len(lens)] = torch.tensor(lens)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            forward()  # compile the kernels and create library handles outside capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            forward()
-        return graph
+        return capture_graph(forward, pool, stream, warm_ups=1)
 
     def _forward_fn(self, tokens: int) -> Callable[[], None]:
         static = self.tokens
