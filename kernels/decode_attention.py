@@ -42,7 +42,8 @@ nothing and stage 2 skips it, so a fixed, generous split count is correct for an
 Shared prefixes (kernels/shared_prefix_attention.py) reuse both stages: stage 1 can start each
 request at its own token offset (``HAS_START``: it walks ``[start_lens[b], seq_lens[b])``, split
 by that suffix's length), and stage 2 can merge extra scratch columns written by the
-shared-prefix stage (``HAS_PREFIX``). Without them the kernels are the plain ones above.
+shared-prefix stage (``HAS_PREFIX``). Without them the kernels are the plain ones above. The
+shared-prefix stage walks and writes its splits with stage 1's own ``_attend_split``.
 """
 
 from __future__ import annotations
@@ -141,6 +142,104 @@ def _stage1_tile(
 
 
 @triton.jit
+def _attend_split(
+    Q,
+    K,
+    V,
+    ReqToToken,
+    MidO,
+    MidLse,
+    qk_scale,  # scaling * log2(e)
+    req,  # int64 batch index of the rows: a scalar, or one per row ([ROWS]) with REQ_PER_ROW
+    group_rows,  # [ROWS] each row's query head within the group of kv head kvh
+    row_mask,  # [ROWS] the rows that exist
+    r2t_row,  # the req_to_token row that holds the slots of tokens [start, end)
+    kvh,
+    col,  # the scratch column this split writes
+    start,
+    end,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_r2t,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROWS: tl.constexpr,
+    REQ_PER_ROW: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    """Attention of ROWS query rows over tokens [start, end) (start < end) of kv head ``kvh``,
+    the work of one stage-1 program (one request's GQA group) or of one shared-prefix program
+    (the groups of an item's members): an online softmax over [BLOCK_N, BLOCK_D] K/V tiles,
+    then each row's normalised partial output and log2-sum-exp to scratch column ``col``, all
+    that stage 2 reads of a split."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    heads = kvh * G + group_rows
+    # The [ROWS, BLOCK_D] pointers take per-row requests as a column; a scalar broadcasts.
+    req_col = req[:, None] if REQ_PER_ROW else req
+    row_d_mask = row_mask[:, None] & mask_d[None, :]
+    q = tl.load(
+        Q + req_col * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_d_mask,
+        other=0.0,
+    )  # [ROWS, BLOCK_D]; absent rows are 0: finite scores, never stored
+
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+
+    slot_row = ReqToToken + r2t_row * stride_r2t
+    k_head = K + kvh.to(tl.int64) * stride_kh
+    v_head = V + kvh.to(tl.int64) * stride_vh
+    # A `for` loop, which Triton software-pipelines (num_stages): the next tile's slot/K/V
+    # loads are issued before this tile's math. (kernels/interpreter.py lets the CPU
+    # interpreter run its run-time bounds.)
+    for n0 in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _stage1_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            end,
+            slot_row,
+            k_head,
+            v_head,
+            stride_kn,
+            stride_vn,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            USE_DOT,
+            DOT_PRECISION,
+        )
+
+    mo = (
+        MidO
+        + req_col * stride_mob
+        + heads[:, None] * stride_moh
+        + col * stride_mos
+        + offs_d[None, :]
+    )
+    tl.store(mo, acc / l_i[:, None], mask=row_d_mask)
+    ml = MidLse + req * stride_mlb + heads * stride_mlh + col
+    tl.store(ml, m_i + tl.log2(l_i), mask=row_mask)
+
+
+@triton.jit
 def _decode_stage1(
     Q,
     K,
@@ -192,61 +291,30 @@ def _decode_stage1(
 
     if start < end:  # empty splits (short requests) write nothing; stage 2 skips them
         row = tl.load(ReqPoolIdx + b).to(tl.int64)
+        # Rows past the group only pad the tile to tl.dot's 16 rows (module docstring).
         offs_g = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_g = offs_g < G
-        mask_d = offs_d < HEAD_DIM
-        heads = kvh * G + offs_g  # the query heads of this kv head
+        _attend_split(
+            Q, K, V, ReqToToken, MidO, MidLse, qk_scale,
+            b.to(tl.int64), offs_g, offs_g < G, row, kvh, split, start, end,
+            stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
+            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+            G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            ROWS=BLOCK_H, REQ_PER_ROW=False, USE_DOT=USE_DOT,
+        )  # fmt: skip
 
-        q = tl.load(
-            Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_g[:, None] & mask_d[None, :],
-            other=0.0,
-        )  # [BLOCK_H, BLOCK_D]; padding rows are 0 and produce harmless finite scores
 
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-
-        slot_row = ReqToToken + row * stride_r2t
-        k_head = K + kvh.to(tl.int64) * stride_kh
-        v_head = V + kvh.to(tl.int64) * stride_vh
-        # A `for` loop, which Triton software-pipelines (num_stages): the next tile's slot/K/V
-        # loads are issued before this tile's math. (kernels/interpreter.py lets the CPU
-        # interpreter run its run-time bounds.)
-        for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _stage1_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                n0,
-                end,
-                slot_row,
-                k_head,
-                v_head,
-                stride_kn,
-                stride_vn,
-                qk_scale,
-                HEAD_DIM,
-                BLOCK_N,
-                BLOCK_D,
-                USE_DOT,
-                DOT_PRECISION,
-            )
-
-        # Normalised partial output and its log2-sum-exp: stage 2 needs nothing else.
-        out_mask = mask_g[:, None] & mask_d[None, :]
-        mo = (
-            MidO
-            + b.to(tl.int64) * stride_mob
-            + heads[:, None] * stride_moh
-            + split * stride_mos
-            + offs_d[None, :]
-        )
-        tl.store(mo, acc / l_i[:, None], mask=out_mask)
-        ml = MidLse + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split
-        tl.store(ml, m_i + tl.log2(l_i), mask=mask_g)
+@triton.jit
+def _merge_split(m, l_sum, acc, mo, ml, col, stride_mos, mask_d):
+    """Scratch column ``col`` of a (request, head), a written split, folded into stage 2's
+    running merge: max ``m``, sum ``l_sum``, output ``acc`` (all log2 units, as stage 1)."""
+    lse = tl.load(ml + col)
+    o = tl.load(mo + col * stride_mos, mask=mask_d, other=0.0)
+    m_new = tl.maximum(m, lse)
+    alpha = tl.exp2(m - m_new)  # exp2(-inf) = 0 on the first split
+    w = tl.exp2(lse - m_new)
+    acc = acc * alpha + w * o
+    l_sum = l_sum * alpha + w
+    return m_new, l_sum, acc
 
 
 @triton.jit
@@ -300,14 +368,7 @@ def _decode_stage2(
     # split was never written.
     for s in range(0, MAX_SPLITS):
         if (s < num_kv_splits) & (s * split_len < suffix_len):
-            lse = tl.load(ml + s)
-            o = tl.load(mo + s * stride_mos, mask=mask_d, other=0.0)
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp2(m - m_new)  # exp2(-inf) = 0 on the first split
-            w = tl.exp2(lse - m_new)
-            acc = acc * alpha + w * o
-            l_sum = l_sum * alpha + w
-            m = m_new
+            m, l_sum, acc = _merge_split(m, l_sum, acc, mo, ml, s, stride_mos, mask_d)
     if HAS_PREFIX:
         # The shared-prefix stage's splits follow the suffix splits in the scratch; which ones
         # were written follows from the prefix length alone (that stage sizes its splits from
@@ -319,14 +380,7 @@ def _decode_stage2(
         for p in range(0, MAX_PREFIX_SPLITS):
             if (p < num_prefix_splits) & (p * prefix_split_len < prefix_len):
                 col = num_kv_splits + p
-                lse = tl.load(ml + col)
-                o = tl.load(mo + col * stride_mos, mask=mask_d, other=0.0)
-                m_new = tl.maximum(m, lse)
-                alpha = tl.exp2(m - m_new)
-                w = tl.exp2(lse - m_new)
-                acc = acc * alpha + w * o
-                l_sum = l_sum * alpha + w
-                m = m_new
+                m, l_sum, acc = _merge_split(m, l_sum, acc, mo, ml, col, stride_mos, mask_d)
 
     # seq_len == 0 (e.g. a padding row of a fixed-size batch) gives zeros, not NaN.
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)  # acc is 0 there too

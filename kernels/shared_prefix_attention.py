@@ -23,7 +23,7 @@ with extra split columns:
   rows of absent members are zero) and walks its slice of the prefix in ``[BLOCK_N, D]`` K/V
   tiles, each read once for every member: ``tl.dot`` does the scores of all members at once,
   and the K/V bytes per request drop by the item size. Online softmax in float32 with exp2, as
-  in stage 1 (it is the same tile function). Each member's normalised partial output and
+  in stage 1 (both run ``_attend_split``). Each member's normalised partial output and
   log2-sum-exp go to scratch column ``num_kv_splits + split`` of that member.
 * Merge: stage 2 of decode_attention (``HAS_PREFIX``) over both sets of columns.
 
@@ -72,12 +72,12 @@ import triton.language as tl
 
 from kernels.decode_attention import (
     _LOG2E,
+    _attend_split,
     _check_and_prepare,
     _kv_split_plan,
     _launch_stage1,
     _launch_stage2,
     _split_len,
-    _stage1_tile,
     _tiles,
 )
 
@@ -152,59 +152,18 @@ def _prefix_stage(
     if start < end:  # padding items (length 0) and splits past the prefix do nothing
         row = tl.load(item).to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
         # Row m of the tile is query head kvh*G + m%G of member m//G.
         members = tl.load(item + 2 + offs_m // G, mask=offs_m < ITEM_SIZE * G, other=-1)
         mask_m = members >= 0
         members = members.to(tl.int64)
-        heads = kvh * G + offs_m % G
-        row_mask = mask_m[:, None] & mask_d[None, :]
-        q = tl.load(
-            Q + members[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=row_mask,
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_D]; absent members' rows are 0: finite scores, never stored
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-        slot_row = ReqToToken + row * stride_r2t
-        k_head = K + kvh.to(tl.int64) * stride_kh
-        v_head = V + kvh.to(tl.int64) * stride_vh
-        for n0 in range(start, end, BLOCK_N):  # software-pipelined, as in stage 1
-            m_i, l_i, acc = _stage1_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                n0,
-                end,
-                slot_row,
-                k_head,
-                v_head,
-                stride_kn,
-                stride_vn,
-                qk_scale,
-                HEAD_DIM,
-                BLOCK_N,
-                BLOCK_D,
-                True,
-                DOT_PRECISION,
-            )
-
-        col = split_base + split
-        mo = (
-            MidO
-            + members[:, None] * stride_mob
-            + heads[:, None] * stride_moh
-            + col * stride_mos
-            + offs_d[None, :]
-        )
-        tl.store(mo, acc / l_i[:, None], mask=row_mask)
-        ml = MidLse + members * stride_mlb + heads * stride_mlh + col
-        tl.store(ml, m_i + tl.log2(l_i), mask=mask_m)
+        _attend_split(
+            Q, K, V, ReqToToken, MidO, MidLse, qk_scale,
+            members, offs_m % G, mask_m, row, kvh, split_base + split, start, end,
+            stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
+            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+            G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            ROWS=BLOCK_M, REQ_PER_ROW=True, USE_DOT=True,
+        )  # fmt: skip
 
 
 def shared_prefix_decode_attention(

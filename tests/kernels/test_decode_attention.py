@@ -20,6 +20,13 @@ from kernels.decode_attention import (
     decode_attention_ref,
 )
 from tests.kernels.conftest import DEVICE, rel_err
+from tests.kernels.decode_batch import (
+    decode_args,
+    nan_filled_empty,
+    paged_table,
+    qkv_view,
+    run_into_nan_out,
+)
 
 # float32 on the interpreter (and on the GPU, whose dots run in IEEE fp32 for fp32 inputs).
 TOL_FP32 = 1e-5
@@ -40,41 +47,29 @@ def make_batch(
     """A decode batch over a paged pool with shuffled slots and rows."""
     gen = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
-    total = sum(seq_lens)
-    num_slots = total + 9 if num_slots is None else num_slots
-    max_context = max(seq_lens) + 5
-    rows = B + spare_rows
-    # Unused table entries point at random (valid) slots: reading one would give a wrong answer.
-    req_to_token = torch.randint(
-        0, num_slots, (rows, max_context), generator=gen, dtype=torch.int32
-    )
-    req_pool_indices = torch.randperm(rows, generator=gen)[:B]  # a random subset, random order
-    slots = torch.randperm(num_slots, generator=gen).int()  # each token its own random slot
+    num_slots = sum(seq_lens) + 9 if num_slots is None else num_slots
+    req_to_token, row_order, slots = paged_table(gen, B + spare_rows, max(seq_lens) + 5, num_slots)
+    req_pool_indices = row_order[:B]  # a random subset of the rows, in random order
     start = 0
     for b, n in enumerate(seq_lens):
         req_to_token[req_pool_indices[b], :n] = slots[start : start + n]
         start += n
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype).to(device)
-
-    return dict(
-        q=randn(B, num_q_heads, head_dim),
-        k_buffer=randn(num_slots, num_kv_heads, head_dim),
-        v_buffer=randn(num_slots, num_kv_heads, head_dim),
-        req_to_token=req_to_token.to(device),
-        req_pool_indices=req_pool_indices.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        scaling=head_dim**-0.5,
+    return decode_args(
+        gen,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        num_slots,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        device,
     )
 
 
 def check(batch: dict, tol: float, **kwargs) -> torch.Tensor:
-    B, Hq, D = batch["q"].shape
-    out = torch.full((B, Hq, D), float("nan"), dtype=batch["q"].dtype, device=batch["q"].device)
-    got = decode_attention(**batch, out=out, **kwargs)
-    assert got is out
-    assert torch.isfinite(got).all(), "output not fully written"
+    got = run_into_nan_out(decode_attention, batch, **kwargs)
     ref = decode_attention_ref(**batch)
     assert ref.dtype == batch["q"].dtype
     err = rel_err(got, ref)
@@ -140,20 +135,11 @@ def test_auto_splits_with_a_large_hint():
     check(batch, TOL_FP32, max_seq_len=65)
 
 
-def test_scratch_and_output_never_read_unwritten(monkeypatch):
+def test_scratch_and_output_never_read_unwritten():
     """Every float buffer the kernel allocates (output, split scratch) starts as NaN."""
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
     batch = make_batch([1, 33, 9], 4, 1, 32, seed=5)
-    out = decode_attention(**batch, num_kv_splits=5)
-    monkeypatch.undo()
+    with nan_filled_empty():
+        out = decode_attention(**batch, num_kv_splits=5)
     assert torch.isfinite(out).all()
     assert rel_err(out, decode_attention_ref(**batch)) < TOL_FP32
 
@@ -161,10 +147,7 @@ def test_scratch_and_output_never_read_unwritten(monkeypatch):
 def test_non_contiguous_q():
     """q as a view into a fused qkv projection output (head stride != D)."""
     batch = make_batch([12, 41], 4, 2, 32, seed=6)
-    B, Hq, D = batch["q"].shape
-    qkv = torch.randn(B, Hq + 4, D, device=DEVICE)
-    qkv[:, :Hq] = batch["q"]
-    batch["q"] = qkv[:, :Hq]
+    batch["q"] = qkv_view(batch["q"])
     assert not batch["q"].is_contiguous()
     check(batch, TOL_FP32, num_kv_splits=2)
 

@@ -19,6 +19,13 @@ import torch
 from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
 from tests.kernels.conftest import DEVICE, rel_err
+from tests.kernels.decode_batch import (
+    decode_args,
+    nan_filled_empty,
+    paged_table,
+    qkv_view,
+    run_into_nan_out,
+)
 
 TOL_FP32 = 1e-5
 TOL_16BIT = 1e-2
@@ -63,14 +70,9 @@ def make_shared_batch(
     num_slots = total + 9 if num_slots is None else num_slots
     rows = B + len(groups) + 3 if num_rows is None else num_rows
     max_context = max(seq_lens + [1]) + 5 if max_context is None else max_context
-    # Unused table entries point at random (valid) slots: reading one would give a wrong answer.
-    req_to_token = torch.randint(
-        0, num_slots, (rows, max_context), generator=gen, dtype=torch.int32
-    )
-    perm_rows = torch.randperm(rows, generator=gen)
-    req_pool_indices = perm_rows[:B]
-    own_rows = perm_rows[B : B + len(groups)]  # rows holding only a group's prefix
-    slots = torch.randperm(num_slots, generator=gen).int()  # each token its own random slot
+    req_to_token, row_order, slots = paged_table(gen, rows, max_context, num_slots)
+    req_pool_indices = row_order[:B]
+    own_rows = row_order[B : B + len(groups)]  # rows holding only a group's prefix
     cursor = 0
 
     def take(n: int) -> torch.Tensor:
@@ -105,17 +107,20 @@ def make_shared_batch(
             items.append([0, 0] + [-1] * item_size)
     items = [items[i] for i in torch.randperm(len(items), generator=gen).tolist()]
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype).to(device)
-
+    args = decode_args(
+        gen,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        num_slots,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        device,
+    )
     return dict(
-        q=randn(B, num_q_heads, head_dim),
-        k_buffer=randn(num_slots, num_kv_heads, head_dim),
-        v_buffer=randn(num_slots, num_kv_heads, head_dim),
-        req_to_token=req_to_token.to(device),
-        req_pool_indices=req_pool_indices.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        scaling=head_dim**-0.5,
+        args,
         prefix_lens=torch.tensor(prefix_of, dtype=torch.int64, device=device),
         prefix_items=torch.tensor(items, dtype=torch.int64, device=device).reshape(
             -1, 2 + item_size
@@ -130,11 +135,7 @@ def plain(batch: dict) -> dict:
 
 def check(batch: dict, tol: float, **kwargs) -> torch.Tensor:
     """Against the float64 reference and against plain decode_attention (same split args)."""
-    B, Hq, D = batch["q"].shape
-    out = torch.full((B, Hq, D), float("nan"), dtype=batch["q"].dtype, device=batch["q"].device)
-    got = shared_prefix_decode_attention(**batch, out=out, **kwargs)
-    assert got is out
-    assert torch.isfinite(got).all(), "output not fully written"
+    got = run_into_nan_out(shared_prefix_decode_attention, batch, **kwargs)
     ref = decode_attention_ref(**plain(batch))
     err = rel_err(got, ref)
     assert err < tol, f"relative error vs reference {err:.3g} >= {tol}"
@@ -219,21 +220,12 @@ def test_no_items():
     check(batch, TOL_FP32)
 
 
-def test_scratch_and_output_never_read_unwritten(monkeypatch):
+def test_scratch_and_output_never_read_unwritten():
     """Every float buffer the function allocates (output, split scratch) starts as NaN: a
     column stage 2 merges must have been written by stage 1 or the prefix stage."""
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
     batch = make_shared_batch([(90, [2, 35, 6])], [0, 21], 4, 2, 32, item_size=2, seed=5)
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    out = shared_prefix_decode_attention(**batch, num_kv_splits=4, prefix_splits=4)
-    monkeypatch.undo()
+    with nan_filled_empty():
+        out = shared_prefix_decode_attention(**batch, num_kv_splits=4, prefix_splits=4)
     assert torch.isfinite(out).all()
     assert rel_err(out, decode_attention_ref(**plain(batch))) < TOL_FP32
 
@@ -241,10 +233,7 @@ def test_scratch_and_output_never_read_unwritten(monkeypatch):
 def test_non_contiguous_q():
     """q as a view into a fused qkv projection output (head stride != D)."""
     batch = make_shared_batch([(40, [3, 9])], [7], 4, 2, 32, item_size=2, seed=6)
-    B, Hq, D = batch["q"].shape
-    qkv = torch.randn(B, Hq + 4, D, device=DEVICE)
-    qkv[:, :Hq] = batch["q"]
-    batch["q"] = qkv[:, :Hq]
+    batch["q"] = qkv_view(batch["q"])
     check(batch, TOL_FP32, num_kv_splits=2)
 
 
