@@ -1,11 +1,17 @@
-"""Host lists to device tensors without stalling the device queue.
+"""Host arrays to device tensors, and back, without stalling the device queue.
 
 NOTE: a copy from pageable host memory to the GPU first waits for the stream to drain (CUDA's
 rule for pageable transfers), which would undo overlap scheduling; from pinned memory it is
 queued like a kernel. Every per-step host-to-device copy goes through here.
+
+Pinned buffers are reused in turn (PinnedRing), not allocated per copy: `pin_memory()` cost the
+host ~50 us a call on a busy H100 machine (the caching host allocator and its events), several
+times the copy itself, and a decode step makes its copies every few milliseconds.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -15,9 +21,58 @@ import torch
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
+class PinnedRing:
+    """Pinned host buffers used in turn, each grown to the largest copy it has held.
+
+    NOTE: a buffer is handed out again only after the device work that last used it has run:
+    `used()` records an event behind the copy, and `take` waits for the event of the buffer it
+    hands out. That covers host-to-device copies; for device-to-host copies the host must also
+    have read a buffer before it comes round again, so such a ring is deeper than the copies
+    of the steps that can be launched and not yet read (engine/runner/launched_step.py).
+    """
+
+    def __init__(self, depth: int) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * depth
+        self._events: list[torch.cuda.Event | None] = [None] * depth
+        self._next = 0
+        self._taken: list[int] = []  # handed out since the last `used`
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A pinned tensor of `shape` and `dtype`; call `used()` once its copy is queued."""
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()  # (long past, unless the ring is too shallow)
+        nbytes = math.prod(shape) * dtype.itemsize
+        buffer = self._buffers[i]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
+            self._buffers[i] = buffer
+        self._taken.append(i)
+        return buffer[:nbytes].view(dtype).view(shape)
+
+    def used(self, event: torch.cuda.Event | None = None) -> None:
+        """The copies of the buffers taken since the last call are queued: `event` (recorded
+        behind them) or a new one marks when they have run."""
+        if event is None:
+            event = torch.cuda.Event()
+            event.record()
+        for i in self._taken:
+            self._events[i] = event
+        self._taken.clear()
+
+
+_TO_DEVICE = PinnedRing(16)  # a prefill step makes a handful of copies, a decode step one
+
+
 def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # np.array copies (also an ndarray given): the tensor never aliases the caller's array
-    host = torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
     if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+        # np.array copies (also an ndarray given): the tensor never aliases the caller's array
+        return torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
+    host = np.asarray(values, dtype=_NUMPY_DTYPES[dtype])
+    pinned = _TO_DEVICE.take(host.shape, dtype)
+    pinned.numpy()[...] = host
+    out = pinned.to(device, non_blocking=True)
+    _TO_DEVICE.used()
+    return out

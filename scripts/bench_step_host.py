@@ -48,9 +48,8 @@ def main() -> None:
         model_path=folder,
         load_format="dummy",
         skip_tokenizer_init=True,
-        max_running_requests=a.running,
-        max_total_tokens=2_000_000,
-        **json.loads(a.engine_args),
+        **{"max_running_requests": a.running, "max_total_tokens": 2_000_000}
+        | json.loads(a.engine_args),
     )
     config = ModelConfig.from_folder(folder, args.dtype, args.context_length)
     sched = Scheduler(args, config, torch.device("cpu"))

@@ -17,10 +17,12 @@ import warnings
 
 import torch
 
+import engine.runner.batch_builder as batch_builder
 import engine.runner.model_runner as model_runner
 from engine.bench import dummy_folder, make_workload
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
+from engine.runner.launched_step import LaunchedStep
 from engine.scheduler.profile import time_phase
 from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
@@ -102,6 +104,14 @@ def main() -> None:
         (sched.runner.attn_backend, "init_forward_metadata", "attention metadata"),
         (sched.runner.logits_step, "launch", "logits_step.launch"),
         (sched.kv, "cache_prefix", "kv.cache_prefix"),
+        # the pieces of a decode step's launch
+        (batch_builder, "copy_to", "copy of the decode columns"),
+        (sched.runner.logits_step, "_sample", "logits_step._sample (draw, next inputs)"),
+        (LaunchedStep, "copy_to_host", "LaunchedStep.copy_to_host"),
+        (torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay"),
+        (sched.idle_clock, "around_launch", "idle clock (start event)"),
+        (sched.idle_clock, "launched", "idle clock (end event)"),
+        (sched.kv, "extend_by_one", "kv.extend_by_one"),
     ]:
         time_by_mode(owner, attr, phases, name, mode)
     time_phase(sched.prefill, "plan", phases, "prefill.plan (every step)")

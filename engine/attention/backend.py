@@ -43,7 +43,8 @@ class AttentionBackend(ABC):
 
     def init_graph_replay(self, batch: ForwardBatch, padded: int, static: torch.Tensor) -> None:
         """Before a replay of the `padded`-size graph for `batch`, whose inputs are already in
-        `static` ([4, max_bs]: positions, out_cache_loc, req_pool_indices, seq_lens)."""
+        `static` ([4, padded]: positions, out_cache_loc, req_pool_indices, seq_lens). The
+        step's new slots reach the request->slot table only when the graph runs."""
         return None
 
     def init_prefill_graph_capture(self, max_requests: int, max_tokens: int) -> None:

@@ -115,6 +115,12 @@ class FlashInferAttnBackend(AttentionBackend):
         self.graph_decode[bs] = wrapper
 
     def init_graph_replay(self, batch: ForwardBatch, padded: int, static: torch.Tensor) -> None:
+        # NOTE: the page list is gathered from the table now, before the graph runs; the graph
+        # writes the step's new slots into the table (ModelRunner.forward_hidden) too late for
+        # that, so they are written here first (the graph's write then changes nothing)
+        batch.req_to_token[batch.req_pool_indices, batch.positions] = batch.out_cache_loc.to(
+            torch.int32
+        )
         lens = list(batch.seq_lens_cpu) + [1] * (padded - batch.batch_size)
         # the padded rows' table row maps every position to the scratch slot 0
         kv_indptr, indices = self._page_table(lens, static[2, :padded], batch.req_to_token)

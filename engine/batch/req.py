@@ -8,23 +8,26 @@ was already sent back.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine.runtime.messages import TokenizedRequest
 from engine.tokenization import IncrementalDecoder, find_stop
 
+if TYPE_CHECKING:
+    from engine.batch.req_rows import ReqRows
+
 
 class Req:
     __slots__ = (
         "rid", "input_ids", "sampling", "seed", "return_logprob", "input_logprob_start",
         "top_logprobs_num", "stream", "embed_dimensions", "label_token_ids", "draw_limit",
-        "output_ids", "tokens", "_tokens_len", "drawn", "finish_reason", "cached_tokens",
+        "output_ids", "tokens", "_tokens_len", "_drawn", "finish_reason", "cached_tokens",
         "admitted_once", "admit_order", "input_logprob_next", "stop_decoder", "grammar",
         "input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs",
         "embedding", "label_logprobs",
-        "pool_row", "kv_pages", "kv_len", "prefix_len", "last_node",
+        "pool_row", "rows", "prefix_len", "last_node",
         "sent_len", "sent_first",
     )  # fmt: skip
 
@@ -57,7 +60,7 @@ class Req:
         self._tokens_len = self.prompt_len  # how much of `tokens` is written
         # NOTE: with overlap scheduling a sampled token reaches output_ids one step after it was
         # drawn on the device; meanwhile it is pending (its value lives in ModelRunner.next_token).
-        self.drawn = 0  # output tokens drawn on the device, pending ones included
+        self._drawn = 0  # output tokens drawn on the device, pending ones included (`drawn`)
         self.finish_reason: dict[str, Any] | None = None
         self.cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.admitted_once = False
@@ -75,11 +78,10 @@ class Req:
         self.embedding: list[float] | None = None  # encode()'s result
         self.label_logprobs: list[float] | None = None  # score()'s result
 
-        # ---- KV memory, owned by engine.memory.KVCache
-        self.pool_row = -1
-        self.kv_pages: list[int] = []
-        self.kv_len = 0  # tokens of fill_ids whose K/V are in the pool
-        self.prefix_len = 0  # of those, held by the prefix cache
+        # ---- KV memory, owned by engine.scheduler.kv_cache.KVCache
+        self.pool_row = -1  # the request's row in the request->slot table while admitted
+        self.rows: ReqRows | None = None  # the columns of that row (kv_len, pages, drawn)
+        self.prefix_len = 0  # of the tokens whose K/V are in the pool, those the prefix cache holds
         self.last_node: Any = None  # the cache node locked for this request
 
         # ---- what was already sent to the caller
@@ -88,6 +90,24 @@ class Req:
 
     def __repr__(self) -> str:
         return f"Req({self.rid!r}, prompt {self.prompt_len}, output {len(self.output_ids)})"
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens of fill_ids whose K/V are in the pool (0 unless admitted)."""
+        return int(self.rows.kv_len[self.pool_row]) if self.rows is not None else 0
+
+    @property
+    def drawn(self) -> int:
+        """Output tokens drawn on the device, pending ones included (while admitted, a column
+        of its row: a decode step advances the whole batch's at once)."""
+        return int(self.rows.drawn[self.pool_row]) if self.rows is not None else self._drawn
+
+    @drawn.setter
+    def drawn(self, value: int) -> None:
+        if self.rows is not None:
+            self.rows.drawn[self.pool_row] = value
+        else:
+            self._drawn = value
 
     @property
     def prompt_len(self) -> int:

@@ -22,7 +22,7 @@ class ScheduledBatch:
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]  # new tokens per request this step (all 1 in decode)
-    starts: list[int]  # each request's first new position (its KV length before this step)
+    starts: list[int] | np.ndarray  # each request's first new position (its KV length before)
     slots: list[int] | np.ndarray  # pool slot of each new token, requests in order
     # extend: the slots of the cached prefix each request was just admitted with (empty for
     # the others): the runner writes them into the request's table row with the new slots.
@@ -30,3 +30,8 @@ class ScheduledBatch:
     cached_slots: list[np.ndarray] = field(default_factory=list, kw_only=True)
     # decode: groups of requests that share a cached prefix (empty: attention reads each alone)
     shared_prefixes: list[SharedPrefix] = field(default_factory=list, kw_only=True)
+    # decode: each request's table row, and its draws so far (pending ones included: the seeded
+    # draw's step), as arrays: the runner builds the step's columns from them without a
+    # Python pass over the requests
+    rows: np.ndarray | None = field(default=None, kw_only=True)
+    drawn: np.ndarray | None = field(default=None, kw_only=True)

@@ -9,6 +9,8 @@ requests (page_size 1), and one vectorised slice costs what a single Python pop 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
@@ -28,15 +30,16 @@ class PageAllocator:
     def free_pages(self) -> list[int]:
         return self._stack[: self._top].tolist()
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int) -> np.ndarray:
+        """n pages (int64)."""
         if n > self._top:
             raise MemoryError(f"asked for {n} KV pages, {self._top} free")
         pages = self._stack[self._top - n : self._top][::-1].copy()
         self._top -= n
         self._out[pages] = True
-        return pages.tolist()
+        return pages
 
-    def free(self, pages: list[int]) -> None:
+    def free(self, pages: Sequence[int] | np.ndarray) -> None:
         if not len(pages):
             return
         ids = np.asarray(pages, dtype=np.int64)

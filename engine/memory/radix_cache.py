@@ -189,8 +189,8 @@ class RadixCache:
 
     def _common_len(self, key: np.ndarray, tokens: np.ndarray, start: int) -> int:
         limit = min(len(key), len(tokens) - start)
-        differ = np.flatnonzero(key[:limit] != tokens[start : start + limit])
-        n = int(differ[0]) if len(differ) else limit
+        same = key[:limit] == tokens[start : start + limit]
+        n = limit if same.all() else int(same.argmin())  # (argmin: the first False)
         return n - n % self.page_size
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:

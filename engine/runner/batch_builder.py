@@ -6,10 +6,11 @@ prompt-token logprobs the request asked for.
 
 A decode step names no token ids: each request's input is the token sampled for it last,
 which the model runner gathers on the device (ModelRunner.next_token), so the host need not
-know it yet (overlap scheduling). The per-request columns travel to the device in one copy,
-and the new tokens' slots (allocated by the scheduler) are written into the request->slot
-table with it; so are, in a prefill, the slots of the cached prefixes the batch's requests
-were just admitted with (one more copy for the batch, none per request).
+know it yet (overlap scheduling). Its per-request columns travel to the device in one copy,
+into the buffer the decode CUDA graphs read. A prefill's token columns travel in one copy too,
+and its new tokens' slots (allocated by the scheduler) are written into the request->slot
+table with them; so are the slots of the cached prefixes the batch's requests were just
+admitted with (one more copy for the batch, none per request).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.batch.scheduled_batch import ScheduledBatch
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
+from engine.runner.decode_inputs import DecodeInputs
 from engine.transfer import to_device
 
 
@@ -38,41 +40,50 @@ class LogitPlan:
 
 
 def build_forward_batch(
-    batch: ScheduledBatch, kv_pool: KVPool, req_to_token: ReqToTokenPool
+    batch: ScheduledBatch,
+    kv_pool: KVPool,
+    req_to_token: ReqToTokenPool,
+    decode_inputs: DecodeInputs,
+    decode_width: int,
 ) -> tuple[ForwardBatch, LogitPlan]:
+    """`decode_width`: the columns a decode's inputs take (its batch, then padding up to the size
+    of the decode graph that will run it)."""
     if batch.mode is ForwardMode.DECODE:
-        return _build_decode(batch, kv_pool, req_to_token)
+        return _build_decode(batch, kv_pool, req_to_token, decode_inputs, decode_width)
     return _build_extend(batch, kv_pool, req_to_token)
 
 
+_DECODE_PLAN = LogitPlan(rows=None)  # every row samples; nothing else to plan
+
+
 def _build_decode(
-    batch: ScheduledBatch, kv_pool: KVPool, req_to_token: ReqToTokenPool
+    batch: ScheduledBatch,
+    kv_pool: KVPool,
+    req_to_token: ReqToTokenPool,
+    decode_inputs: DecodeInputs,
+    width: int,
 ) -> tuple[ForwardBatch, LogitPlan]:
+    """One host-to-device copy, straight into the buffer the forward (or its graph) reads. The
+    new slots are written into the table by the forward itself (ModelRunner.forward_hidden)."""
+    packed, (positions, slots, rows, seq_lens), seq_lens_cpu = decode_inputs.write(
+        batch.starts, batch.slots, batch.rows, width
+    )
     n = len(batch.reqs)
-    # NOTE: the row order [positions, slots, rows, seq_lens] is what CUDA-graph replay copies
-    host = np.empty((4, n), dtype=np.int64)
-    host[0] = batch.starts
-    host[1] = batch.slots
-    host[2] = [r.pool_row for r in batch.reqs]
-    np.add(host[0], 1, out=host[3])
-    packed = to_device(host, torch.int64, req_to_token.table.device)
-    req_to_token.write_slots(packed[2], packed[0], packed[1])
-    plan = LogitPlan(list(range(n)), [0] * n, [True] * n, None)
     forward = ForwardBatch(
         mode=ForwardMode.DECODE,
         input_ids=None,
-        positions=packed[0],
-        out_cache_loc=packed[1],
-        req_pool_indices=packed[2],
-        seq_lens=packed[3],
-        seq_lens_cpu=host[3].tolist(),
+        positions=positions,
+        out_cache_loc=slots,
+        req_pool_indices=rows,
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens_cpu,
         extend_lens_cpu=[1] * n,
         kv_pool=kv_pool,
         req_to_token=req_to_token.table,
         packed=packed,
         shared_prefixes=batch.shared_prefixes,
     )
-    return forward, plan
+    return forward, _DECODE_PLAN
 
 
 def _build_extend(

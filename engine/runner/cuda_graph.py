@@ -1,16 +1,17 @@
 """CUDA graphs for decode: one captured forward per batch size, replayed with the batch padded up.
 
 A decode step of a small model is hundreds of short kernels; launching them from Python costs
-more than running them. Each captured size replays all of them in one launch. The graphs read
-their inputs from static buffers:
+more than running them. Each captured size replays all of them in one launch. The graph of
+size P reads its inputs from the [4, P] view of the runner's decode input buffer
+(engine/runner/decode_inputs.py):
 
-    static[0] positions   static[1] out_cache_loc   static[2] req_pool_indices   static[3] seq_lens
+    [0] positions   [1] out_cache_loc   [2] req_pool_indices   [3] seq_lens
 
-A replay copies the batch's packed [4, B] columns into the first B columns and resets the
-padding columns [B, padded) to a harmless request: position 0, slot 0, the table's padding
-row (all slot 0) and length 1. Slot 0 is the pool's scratch page, owned by nobody, so padded
-rows read and write only there. The graphs write logits into one shared buffer; a replay's
-logits are valid until the next replay, so the caller reads them (samples) before then.
+The batch builder has already filled that view: the batch's B columns, then padding columns
+[B, P) of a harmless request: position 0, slot 0, the table's padding row (all slot 0) and
+length 1. Slot 0 is the pool's scratch page, owned by nobody, so padded rows read and write
+only there. So a replay copies nothing. The graphs write logits into one shared buffer; a
+replay's logits are valid until the next replay, so the caller reads them (samples) before then.
 
 Token ids are gathered inside the graph from ModelRunner.next_token by request row, so no
 host value enters the graph at all.
@@ -31,6 +32,7 @@ from engine.attention.backend import AttentionBackend
 from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
+from engine.runner.decode_inputs import DecodeInputs
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class DecodeCudaGraphs:
         backend: AttentionBackend,
         kv_pool: KVPool,
         req_to_token: ReqToTokenPool,
+        decode_inputs: DecodeInputs,
         vocab_size: int,
         dtype: torch.dtype,
         max_bs: int,
@@ -80,14 +83,10 @@ class DecodeCudaGraphs:
         self.backend = backend
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
+        self.decode_inputs = decode_inputs
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
         self.device = device = req_to_token.table.device
-        padding = torch.tensor(
-            [0, 0, req_to_token.padding_row, 1], dtype=torch.int64, device=device
-        )
-        self.padding = padding[:, None].expand(4, max_bs).contiguous()
-        self.static = self.padding.clone()
         self.logits = torch.empty((max_bs, vocab_size), dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture_all(pool)
@@ -102,10 +101,10 @@ class DecodeCudaGraphs:
         """Run the decode batch; returns logits [B, vocab] in the model's dtype."""
         bs = batch.batch_size
         padded = self.padded_size(bs)
-        if padded > bs:
-            self.static[:, bs:padded].copy_(self.padding[:, bs:padded])
-        self.static[:, :bs].copy_(batch.packed)
-        self.backend.init_graph_replay(batch, padded, self.static)
+        static = self.decode_inputs.columns(padded)
+        # NOTE: the builder wrote the batch (and its padding) into the graph's own inputs
+        assert batch.packed.stride(0) == padded
+        self.backend.init_graph_replay(batch, padded, static)
         self.graphs[padded].replay()
         # NOTE: a view of the shared buffer: valid until the next replay (the scheduler samples
         # from it first; device work runs in launch order)
@@ -140,7 +139,8 @@ class DecodeCudaGraphs:
         return capture_graph(forward, pool, stream, warm_ups=2)
 
     def _forward_fn(self, bs: int) -> Callable[[], None]:
-        static = self.static
+        static = self.decode_inputs.columns(bs)
+        static.copy_(torch.from_numpy(self.decode_inputs.padding).expand(4, bs))
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=None,

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.batch.forward_batch import ForwardMode
 from engine.batch.req import Req
 from engine.batch.scheduled_batch import ScheduledBatch
 from engine.runner.batch_builder import LogitPlan
-from engine.runner.launched_step import InputLogprobs, LaunchedStep
+from engine.runner.launched_step import HostBuffers, InputLogprobs, LaunchedStep
 from engine.sampling.grammar import GrammarMasks
 from engine.sampling.penalties import PenaltyState, penalised_rows
 from engine.sampling.sampler import SamplingBatch, sample
@@ -38,6 +39,7 @@ class LogitsStep:
         self.penalties = PenaltyState(num_rows, vocab_size, device)
         self.grammar_masks = GrammarMasks(vocab_size, device)
         self._decode_asks: _Asks | None = None
+        self._to_host = HostBuffers()
 
     def launch(
         self,
@@ -62,9 +64,9 @@ class LogitsStep:
             if asks.maybe_constrained:
                 step.constrained = self.grammar_masks.apply(reqs, sample_logits)
             _suppress_early_stops(reqs, asks.min_new_tokens, sample_logits)
-            self._sample(step, sample_logits, pool_rows, asks)
+            self._sample(step, sample_logits, pool_rows, asks, batch.drawn)
             self.penalties.record(reqs, step.tokens, asks.penalised)
-        step.copy_to_host()
+        step.copy_to_host(self._to_host)
         return step
 
     def _asks_of(self, reqs: list[Req]) -> _Asks:
@@ -95,7 +97,12 @@ class LogitsStep:
         return sample_rows
 
     def _sample(
-        self, step: LaunchedStep, logits: torch.Tensor, pool_rows: torch.Tensor, asks: _Asks
+        self,
+        step: LaunchedStep,
+        logits: torch.Tensor,
+        pool_rows: torch.Tensor,
+        asks: _Asks,
+        step_drawn: np.ndarray | None,
     ) -> None:
         """Draw the step's tokens, store them as the next decode inputs of their request rows,
         and compute the output logprobs asked for (all before the next launch can run)."""
@@ -103,8 +110,9 @@ class LogitsStep:
         if asks.all_greedy:  # what sample() does for an all-greedy batch, without its inputs
             tokens = logits.argmax(-1)
         else:
-            tokens = sample(logits, self._sampling_batch(reqs))
-        self.next_token[pool_rows] = tokens
+            drawn = step_drawn if step_drawn is not None else [r.drawn for r in reqs]
+            tokens = sample(logits, self._sampling_batch(reqs, drawn))
+        self.next_token.index_copy_(0, pool_rows, tokens)  # (cheaper to launch than [] =)
         step.tokens = tokens
         rows = asks.logprob_rows
         if rows:
@@ -115,7 +123,8 @@ class LogitsStep:
             step.chosen = lp.gather(1, tokens[index].view(-1, 1)).view(-1)
             step.top_values, step.top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
 
-    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+    def _sampling_batch(self, reqs: list[Req], drawn: np.ndarray | list[int]) -> SamplingBatch:
+        """`drawn`: each request's draws so far, pending ones included (the draw's step)."""
         sp = [r.sampling for r in reqs]
         return SamplingBatch.from_rows(
             temperatures=[0.0 if s.is_greedy else s.temperature for s in sp],
@@ -123,7 +132,7 @@ class LogitsStep:
             top_ps=[s.top_p for s in sp],
             min_ps=[s.min_p for s in sp],
             seeds=[r.seed for r in reqs],
-            steps=[r.drawn for r in reqs],  # pending tokens included
+            steps=drawn,
             device=self.device,
         )
 

@@ -32,6 +32,7 @@ from engine.memory.req_to_token import ReqToTokenPool
 from engine.model_config import ModelConfig
 from engine.runner.batch_builder import build_forward_batch
 from engine.runner.cuda_graph import DecodeCudaGraphs
+from engine.runner.decode_inputs import DecodeInputs
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model
 from engine.runner.logits_step import LogitsStep
@@ -59,6 +60,8 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(rows, config.context_length, device)
         # the last token sampled for each request row: the input of its next decode step
         self.next_token = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        # a decode step's columns, read by its graph in place
+        self.decode_inputs = DecodeInputs(rows, self.req_to_token.padding_row, device)
         self.attn_backend = create_backend(
             args.attention_backend, device, attn, config.dtype, args.shared_prefix_attention
         )
@@ -88,7 +91,7 @@ class ModelRunner:
                 )  # fmt: skip
             self.graphs = DecodeCudaGraphs(
                 self.forward_eager, self.attn_backend, self.kv_pool, self.req_to_token,
-                config.vocab_size, config.dtype,
+                self.decode_inputs, config.vocab_size, config.dtype,
                 max_bs=min(args.cuda_graph_max_bs, self.max_running_requests), pool=pool,
             )  # fmt: skip
 
@@ -96,7 +99,12 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the batch's forward and everything its logits become; nothing here waits."""
-        forward, plan = build_forward_batch(batch, self.kv_pool, self.req_to_token)
+        n = len(batch.reqs)
+        graphed = self.graphs is not None and n <= self.graphs.max_bs
+        width = self.graphs.padded_size(n) if graphed else n  # (decode columns)
+        forward, plan = build_forward_batch(
+            batch, self.kv_pool, self.req_to_token, self.decode_inputs, width
+        )
         if plan.rows is None:  # every row (decode)
             logits = self.forward(forward, None)
         else:
@@ -126,6 +134,13 @@ class ModelRunner:
 
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """The model up to its last hidden states (the prefill graphs capture this)."""
+        if batch.mode is ForwardMode.DECODE:
+            # NOTE: a decode's new slots go into the table here, in the forward that the decode
+            # graphs capture: a replay writes them at no host cost (an indexed write launched
+            # from the host cost ~70 us a step). A prefill's are written by the batch builder.
+            self.req_to_token.write_slots(
+                batch.req_pool_indices, batch.positions, batch.out_cache_loc
+            )
         self.attn_backend.init_forward_metadata(batch)
         input_ids = batch.input_ids
         if input_ids is None:  # decode: each request's last sampled token, gathered on the device

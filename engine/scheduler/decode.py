@@ -10,7 +10,10 @@ the same.
 from __future__ import annotations
 
 import logging
-from operator import is_
+from itertools import compress
+from operator import attrgetter, is_
+
+import numpy as np
 
 from engine.batch.forward_batch import ForwardMode
 from engine.batch.req import Req
@@ -46,12 +49,17 @@ class DecodePlanner:
         self._last_groups: list[SharedPrefix] = []
 
     def plan(self) -> ScheduledBatch | None:
-        q, ps = self.queues, self.kv.page_size
+        """NOTE: O(1) Python work per request: the batch's columns (rows, KV lengths, draws) are
+        numpy arrays of ReqRows, gathered and advanced for the whole batch at once."""
+        q, table = self.queues, self.kv.rows
+        rows = _rows_of(q.running)
         # a request whose pending token is its last by length needs no further forward
-        reqs = [r for r in q.running if r.drawn < r.draw_limit]
-        while (len(reqs) if ps == 1 else sum(r.kv_len % ps == 0 for r in reqs)) > (
-            self.kv.available_pages
-        ):
+        live = table.drawn[rows] < table.draw_limit[rows]
+        if live.all():
+            reqs = list(q.running)  # NOTE: never q.running itself, which admission appends to
+        else:
+            reqs, rows = list(compress(q.running, live)), rows[live]
+        while self.kv.pages_to_extend_by_one(rows) > self.kv.available_pages:
             victim = q.chunked or (
                 max(reqs, key=lambda r: r.admit_order) if len(reqs) > 1 else None
             )
@@ -60,8 +68,8 @@ class DecodePlanner:
                     "a single running request does not fit the KV pool (validation should prevent this)"
                 )
             self.retract(victim)
-            if victim in reqs:
-                reqs.remove(victim)
+            reqs = [r for r in reqs if r is not victim]
+            rows = _rows_of(reqs)
         self.estimate.decay()
         if not reqs:
             return None
@@ -73,11 +81,12 @@ class DecodePlanner:
             # locked, so the prefix's pages (and slots) cannot change under it
             groups = shared_prefixes(reqs) if self.group_shared_prefixes else []
             self._last, self._last_groups = reqs, groups
-        starts = [r.kv_len for r in reqs]
-        slots = self.kv.extend_by_one(reqs)  # new pages in one allocation
+        starts = table.kv_len[rows]
+        slots = self.kv.extend_by_one(rows)  # new pages in one allocation
         batch = ScheduledBatch(
-            ForwardMode.DECODE, reqs, [1] * len(reqs), starts, slots, shared_prefixes=groups
-        )
+            ForwardMode.DECODE, reqs, [1] * len(reqs), starts, slots,
+            rows=rows, drawn=table.drawn[rows], shared_prefixes=groups,
+        )  # fmt: skip
         self.stats.shared_prefix_steps += bool(batch.shared_prefixes)  # (what the runner gets)
         return batch
 
@@ -89,3 +98,11 @@ class DecodePlanner:
         self.stats.retractions += 1
         self.estimate.reset()
         logger.info("retracted request %s (%d tokens) for lack of KV memory", req.rid, req.fill_len)
+
+
+_pool_row = attrgetter("pool_row")
+
+
+def _rows_of(reqs: list[Req]) -> np.ndarray:
+    """The requests' table rows (int64), gathered in C: no Python step per request."""
+    return np.fromiter(map(_pool_row, reqs), np.int64, len(reqs))

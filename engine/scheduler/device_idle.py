@@ -18,26 +18,39 @@ from __future__ import annotations
 
 import torch
 
+# Start events are reused in turn (creating one a step cost host time); an event is read when
+# its step is collected, at most two steps after it was recorded. A step's end is its own
+# `ready` event (LaunchedStep), recorded behind its last device work anyway.
+_EVENT_RING = 8
+
 
 class DeviceIdleClock:
     def __init__(self, device: torch.device) -> None:
         self.enabled = device.type == "cuda"
         self._prev_end: torch.cuda.Event | None = None
+        self._starts: list[torch.cuda.Event] = []
+        if self.enabled:
+            self._starts = [torch.cuda.Event(enable_timing=True) for _ in range(_EVENT_RING)]
+        self._next = 0
 
     def around_launch(self) -> tuple[torch.cuda.Event | None, torch.cuda.Event | None]:
         """Record the start event of a step about to be queued; returns (the previous step's
         end event, this start event): the gap the step's collection adds."""
         if not self.enabled:
             return None, None
-        start = torch.cuda.Event(enable_timing=True)
+        start = self._starts[self._next]
+        self._next = (self._next + 1) % _EVENT_RING
         start.record()
         return self._prev_end, start
 
-    def launched(self) -> None:
-        """The step's work is queued: its end event is the next step's reference."""
+    def launched(self, end: torch.cuda.Event | None) -> None:
+        """The step's work is queued, `end` (timed) recorded behind it, or None (a step that
+        copies nothing back): the next step's reference."""
         if self.enabled:
-            self._prev_end = torch.cuda.Event(enable_timing=True)
-            self._prev_end.record()
+            if end is None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+            self._prev_end = end
 
     @staticmethod
     def seconds(gap: tuple[torch.cuda.Event | None, torch.cuda.Event | None]) -> float:

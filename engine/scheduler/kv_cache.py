@@ -1,8 +1,8 @@
 """KV memory of requests: their pages and table rows, and the prefix cache behind them.
 
 The scheduler loop is the only caller: this is how it owns KV memory. A page belongs either to
-one request (pages it computed) or to the radix cache (shared prefixes, read by the requests
-that locked them). When a request leaves — finished, retracted or aborted — the page-aligned part of what it computed
+one request (pages it computed, kept in its row of ReqRows) or to the radix cache (shared
+prefixes, read by the requests that locked them). When a request leaves — finished, retracted or aborted — the page-aligned part of what it computed
 moves into the cache; duplicates of what the cache already holds and the partial last page
 are freed. Running short of free pages evicts unlocked cached prefixes first.
 """
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.batch.req_rows import ReqRows
 from engine.memory.kv_pool import KVPool
 from engine.memory.page_allocator import PageAllocator
 from engine.memory.radix_cache import RadixCache
@@ -36,6 +37,8 @@ class KVCache:
         self.device = req_to_token.table.device
         self.allocator = PageAllocator(pool.num_pages)
         self.tree = RadixCache(self.allocator, self.page_size) if enable_prefix_cache else None
+        rows, context = req_to_token.table.shape
+        self.rows = ReqRows(rows, self.pages_for(context))
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -64,22 +67,30 @@ class KVCache:
         """Give the request a table row and the cached prefix of its first `limit` tokens; returns
         that prefix's slots (int64), which the batch that admits it writes into its row.
 
-        NOTE: costs no Python work per cached token: the request keeps only the pages it
-        computes itself (`kv_pages` starts at page prefix_len // page_size), and the table row is
-        written on the device with the rest of the batch (ReqToTokenPool.write_prefixes).
+        NOTE: costs no Python work per cached token: the request's pages start at page
+        prefix_len // page_size, and the table row is written on the device with the rest of the
+        batch (ReqToTokenPool.write_prefixes).
         """
         slots, node = self.tree.match_prefix(req.fill_ids[:limit]) if self.tree else (_NONE, None)
-        req.pool_row = self.req_to_token.alloc()
         if node is not None:
             self.tree.lock(node)
         req.last_node = node
-        req.kv_pages = []
-        req.prefix_len = req.kv_len = len(slots)
+        req.prefix_len = len(slots)
+        row, table = self.req_to_token.alloc(), self.rows
+        table.kv_len[row] = len(slots)
+        table.base[row] = len(slots) // self.page_size
+        table.drawn[row] = req.drawn  # (read while the row is not yet the request's)
+        table.draw_limit[row] = req.draw_limit
+        req.pool_row, req.rows = row, table
         return slots
 
     def pages_held(self, req: Req) -> int:
         """Pages behind the request's KV: its cached prefix's and its own."""
-        return req.prefix_len // self.page_size + len(req.kv_pages)
+        return self.pages_for(req.kv_len)
+
+    def own_pages(self, req: Req) -> np.ndarray:
+        """The pages the request computed itself and still owns (a view of its row)."""
+        return self.rows.own(req.pool_row, req.prefix_len // self.page_size, self.pages_held(req))
 
     def extend(self, req: Req, num_tokens: int) -> np.ndarray:
         """Slots (int64) for the request's next `num_tokens` tokens, allocating pages as needed.
@@ -87,36 +98,42 @@ class KVCache:
         NOTE: the request->slot table is not written here: the model runner writes a whole
         batch's slots at once (ReqToTokenPool.write_slots), one transfer per step, not per request.
         """
-        start, end = req.kv_len, req.kv_len + num_tokens
-        new_pages = self.pages_for(end) - self.pages_held(req)
-        if new_pages > 0:
-            req.kv_pages.extend(self._alloc(new_pages))
-        ps, base = self.page_size, req.prefix_len // self.page_size
-        req.kv_len = end
-        own = np.asarray(req.kv_pages[start // ps - base : self.pages_for(end) - base], np.int64)
+        row, ps = req.pool_row, self.page_size
+        start = int(self.rows.kv_len[row])
+        end = start + num_tokens
+        first, last = self.pages_for(start), self.pages_for(end)
+        if last > first:
+            self.rows.own(row, first, last)[:] = self._alloc(last - first)
+        self.rows.kv_len[row] = end
         if ps == 1:  # a page is a slot
-            return own
+            return self.rows.own(row, start, end).astype(np.int64)
+        pages = self.rows.own(row, start // ps, last).astype(np.int64)
         positions = np.arange(start, end)
-        return own[positions // ps - start // ps] * ps + positions % ps
+        return pages[positions // ps - start // ps] * ps + positions % ps
 
-    def extend_by_one(self, reqs: list[Req]) -> list[int]:
-        """A decode step's slots: one more token for each request, new pages in one allocation."""
-        ps = self.page_size
+    def extend_by_one(self, rows: np.ndarray) -> np.ndarray:
+        """A decode step's slots (int64): one more token for each request row of `rows` (distinct),
+        new pages in one allocation, and no Python work per request."""
+        ps, table = self.page_size, self.rows
+        kv_len = table.kv_len[rows]
         if ps == 1:  # every token is a page of its own: the slots are the new pages
-            pages = self._alloc(len(reqs))
-            for req, page in zip(reqs, pages):
-                req.kv_pages.append(page)
-                req.kv_len += 1
-            return pages
-        full = [r for r in reqs if r.kv_len % ps == 0]  # (KV ends on a page boundary: all full)
-        for req, page in zip(full, self._alloc(len(full))):
-            req.kv_pages.append(page)
-        slots = []
-        for req in reqs:
-            n = req.kv_len - req.prefix_len  # own tokens; prefix_len is page-aligned
-            slots.append(req.kv_pages[n // ps] * ps + n % ps)
-            req.kv_len += 1
+            slots = self._alloc(len(rows))
+            table.set_page(rows, kv_len, slots)
+        else:
+            full = kv_len % ps == 0  # (KV ends on a page boundary: all its pages are full)
+            index = kv_len // ps
+            if full.any():
+                new = self._alloc(int(np.count_nonzero(full)))
+                table.set_page(rows[full], index[full], new)
+            slots = table.page_at(rows, index) * ps + kv_len % ps
+        table.kv_len[rows] = kv_len + 1
         return slots
+
+    def pages_to_extend_by_one(self, rows: np.ndarray) -> int:
+        """Pages a decode step of `rows` allocates."""
+        if self.page_size == 1:
+            return len(rows)
+        return int(np.count_nonzero(self.rows.kv_len[rows] % self.page_size == 0))
 
     def cache_prefix(self, req: Req) -> None:
         """Share what a still-running request has computed: move its page-aligned KV into the cache
@@ -124,36 +141,42 @@ class KVCache:
         if self.tree is None:
             return
         ps = self.page_size
-        aligned = req.kv_len - req.kv_len % ps
+        kv_len = req.kv_len
+        aligned = kv_len - kv_len % ps
         if aligned <= req.prefix_len:
             return
         present, node = self._insert_computed(req, aligned)
-        own_cached = (aligned - req.prefix_len) // ps  # own pages the cache holds from now on
-        duplicates = req.kv_pages[: (present - req.prefix_len) // ps]
-        if duplicates:  # another request cached the same tokens meanwhile: read its, free ours
+        first = req.prefix_len // ps
+        duplicates = self.rows.own(req.pool_row, first, present // ps)
+        if len(duplicates):  # another request cached the same tokens meanwhile: read its, free ours
             cached, node = self.tree.match_prefix(req.fill_ids[:aligned])
             theirs = to_device(cached[req.prefix_len : present], torch.int64, self.device)
             self.req_to_token.write(req.pool_row, req.prefix_len, theirs)
             self.allocator.free(duplicates)
-        del req.kv_pages[:own_cached]
+        # the cache owns the pages below `aligned` from now on: the request's own start there
         self.tree.lock(node)
         self.tree.unlock(req.last_node)
         req.last_node, req.prefix_len = node, aligned
 
     def release(self, req: Req) -> None:
         """The request leaves: cache what it computed, free the rest, return its row."""
-        keep = 0  # own pages from here on are freed
+        ps, row = self.page_size, req.pool_row
+        keep = req.prefix_len // ps  # own pages from here on are freed
+        end = self.pages_held(req)
         if self.tree is not None:
-            ps = self.page_size
-            aligned = max(req.kv_len - req.kv_len % ps, req.prefix_len)
+            kv_len = req.kv_len
+            aligned = max(kv_len - kv_len % ps, req.prefix_len)
             present = self._insert_computed(req, aligned)[0]
             # the cache now owns [present, aligned); the request's [prefix_len, present) duplicate it
-            self.allocator.free(req.kv_pages[: (present - req.prefix_len) // ps])
-            keep = (aligned - req.prefix_len) // ps
+            self.allocator.free(self.rows.own(row, keep, present // ps))
+            keep = aligned // ps
             self.tree.unlock(req.last_node)
-        self.allocator.free(req.kv_pages[keep:])
-        self.req_to_token.free(req.pool_row)
-        req.kv_pages, req.pool_row, req.kv_len, req.prefix_len, req.last_node = [], -1, 0, 0, None
+        self.allocator.free(self.rows.own(row, keep, end))
+        drawn = req.drawn  # its draws go with it
+        self.rows.kv_len[row] = 0
+        self.req_to_token.free(row)
+        req.pool_row, req.rows, req.prefix_len, req.last_node = -1, None, 0, None
+        req.drawn = drawn
 
     def flush(self) -> None:
         if self.tree is not None:
@@ -164,12 +187,12 @@ class KVCache:
         (tokens of the whole prefix cached already, the node where it ends). Costs the new
         tokens only: the walk starts where the request's cached prefix ends."""
         ps, start = self.page_size, req.prefix_len
-        pages = np.asarray(req.kv_pages[: (aligned - start) // ps], dtype=np.int64)
+        pages = self.rows.own(req.pool_row, start // ps, aligned // ps).astype(np.int64)
         slots = (pages[:, None] * ps + np.arange(ps)).reshape(-1)
         present, node = self.tree.extend(req.last_node, req.fill_ids[start:aligned], slots)
         return start + present, node
 
-    def _alloc(self, num_pages: int) -> list[int]:
+    def _alloc(self, num_pages: int) -> np.ndarray:
         short = num_pages - self.allocator.num_free
         if short > 0 and self.tree is not None:
             self.tree.evict(short * self.page_size)

@@ -212,9 +212,12 @@ class Scheduler:
             self.stats.prefill_tokens_computed += sum(batch.extend_lens)
             for req in batch.reqs:  # later requests find what this step computed
                 self.kv.cache_prefix(req)
-        for req in step.sample_reqs:
-            req.drawn += 1
-        self.idle_clock.launched()
+        if batch.rows is not None:  # decode: every request drew
+            self.kv.rows.drawn[batch.rows] += 1
+        else:
+            for req in step.sample_reqs:
+                req.drawn += 1
+        self.idle_clock.launched(step.ready)
         return step
 
     def _collect(self, step: LaunchedStep) -> list[Req]:
@@ -236,7 +239,9 @@ class Scheduler:
                 self._retire(req, {"type": "length", "length": 0})
         if step.logprob_rows:
             self._append_logprobs(step, chosen, top_values, top_ids)
-        for req, token in zip(step.sample_reqs, tokens):
+        # NOTE: one Python pass, the cheapest form at hundreds of requests (measured against
+        # array-column checks, which cost more in gathers than the loop's attribute reads)
+        for req, token in zip(step.sample_reqs, tokens.tolist()):
             if req.finish_reason is not None:  # aborted, or ended a step ago
                 continue
             req.append_token(token)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -110,7 +111,7 @@ def _check_ownership(kv: KVCache, live: list[Req]) -> None:
     """Every page is exactly one of: free, owned by one live request, held by the prefix cache."""
     free = kv.allocator.free_pages()
     cached = _tree_pages(kv)
-    owned = [p for r in live for p in r.kv_pages]
+    owned = [p for r in live for p in kv.own_pages(r).tolist()]
     every = free + cached + owned
     assert len(every) == len(set(every)), "a page is in two places"
     assert sorted(every) == list(range(1, kv.pool.num_pages + 1)), "a page leaked"
@@ -118,7 +119,9 @@ def _check_ownership(kv: KVCache, live: list[Req]) -> None:
     for r in live:  # a request's prefix pages (as its table row says) are the cache's
         prefix_pages = kv.req_to_token.table[r.pool_row, : r.prefix_len : ps] // ps
         assert set(prefix_pages.tolist()) <= set(cached)
-        assert kv.pages_held(r) == kv.pages_for(r.kv_len)
+        # its own pages (the host's column) are those its table row's own slots lie in
+        own_slots = kv.req_to_token.table[r.pool_row, r.prefix_len : r.kv_len]
+        assert (own_slots // ps).unique_consecutive().tolist() == kv.own_pages(r).tolist()
 
 
 @settings(max_examples=80, deadline=None)
@@ -214,13 +217,14 @@ def test_pages_follow_page_size():
     req = _req("a", range(6), 3)
     _admit(kv, req, 5)
     slots = _extend(kv, req, 6)
-    assert len(req.kv_pages) == 2  # 6 tokens in pages of 4
-    assert [s // 4 for s in slots] == [req.kv_pages[0]] * 4 + [req.kv_pages[1]] * 2
+    pages = kv.own_pages(req).tolist()
+    assert len(pages) == 2  # 6 tokens in pages of 4
+    assert [s // 4 for s in slots] == [pages[0]] * 4 + [pages[1]] * 2
     assert [s % 4 for s in slots] == [0, 1, 2, 3, 0, 1]
     _extend(kv, req, 2)
-    assert len(req.kv_pages) == 2  # token 7 and 8 still fit the second page
+    assert len(kv.own_pages(req)) == 2  # token 7 and 8 still fit the second page
     _extend(kv, req, 1)
-    assert len(req.kv_pages) == 3
+    assert len(kv.own_pages(req)) == 3
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 4])
@@ -240,9 +244,14 @@ def test_decode_extension_equals_one_token_at_a_time(page_size):
     kv_a, batched = setup()
     kv_b, single = setup()
     for _ in range(7):
-        slots_a = kv_a.extend_by_one(batched)
+        rows = np.array([r.pool_row for r in batched])
+        assert kv_a.pages_to_extend_by_one(rows) == sum(
+            kv_b.pages_for(r.kv_len + 1) - kv_b.pages_held(r) for r in single
+        )
+        slots_a = kv_a.extend_by_one(rows).tolist()
         slots_b = [int(kv_b.extend(req, 1)[0]) for req in single]
         assert slots_a == slots_b
-        assert [r.kv_pages for r in batched] == [r.kv_pages for r in single]
+        own_a = [kv_a.own_pages(r).tolist() for r in batched]
+        assert own_a == [kv_b.own_pages(r).tolist() for r in single]
         assert [r.kv_len for r in batched] == [r.kv_len for r in single]
         assert kv_a.allocator.num_free == kv_b.allocator.num_free
