@@ -6,9 +6,9 @@ value is a ValueError naming the argument before any process starts) and settles
 to the engine (``None``) to its value — the device, the attention backend, the request and
 CUDA-graph limits, the random seed — so every process reads the same settled arguments and
 ``get_server_info()`` shows them. What is derived from several arguments is a property, never a
-stored copy. Two values stay open because only the model folder or the device can settle them:
-``context_length`` (None: the model's) and ``max_total_tokens`` (None: sized from memory at
-start-up).
+stored copy. Three values stay open because only the model folder or the device can settle them:
+``context_length`` (None: the model's), ``max_total_tokens`` (None: sized from memory at
+start-up) and ``max_running_requests`` (None: from that pool, by ``running_requests_for``).
 """
 
 from __future__ import annotations
@@ -32,12 +32,18 @@ ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 DEFAULT_MEM_FRACTION_STATIC = 0.85  # of GPU memory for weights + KV pool
-# NOTE: 1024 on a GPU was measured and taken back (README, Performance): a shared-prefix run
-# gained 8% and the 2000-prompt queue kept 0.75 of its floor, but W2 lost 6% (more, smaller
-# prefill steps once admission alone bounded the batch)
-DEFAULT_MAX_RUNNING_REQUESTS = 256
+# max_running_requests left to the engine: a request row per TOKENS_PER_REQUEST_ROW tokens of
+# the KV pool, within [MIN, MAX] (running_requests_for). Rows are cheap and the pool bounds
+# admission anyway; requests of a few hundred tokens fill a large pool only with many rows (a
+# short item after a shared prefix holds ~100 tokens of its own). NOTE: a fixed 1024 was
+# measured and taken back once (W2 lost 6%: admission bounded by the pool alone made small
+# prefill steps, and retractions); admission now waits for room and reserves all of what
+# length-only requests will generate (engine/scheduler/prefill.py, new_tokens.py)
+TOKENS_PER_REQUEST_ROW = 256
+MIN_DEFAULT_RUNNING_REQUESTS = 256
+MAX_DEFAULT_RUNNING_REQUESTS = 1024
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192
-DEFAULT_CUDA_GRAPH_MAX_BS = 256
+DEFAULT_CUDA_GRAPH_MAX_BS = MAX_DEFAULT_RUNNING_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ class ServerArgs:
     # memory and scheduling
     mem_fraction_static: float | None = None  # None: DEFAULT_MEM_FRACTION_STATIC
     max_total_tokens: int | None = None  # None: sized from memory at start-up
-    max_running_requests: int | None = None  # None: DEFAULT_MAX_RUNNING_REQUESTS
+    max_running_requests: int | None = None  # None: from the KV pool (running_requests_for)
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # None: DEFAULT_CHUNKED_PREFILL_SIZE; -1: no chunks
     schedule_policy: str = "fcfs"
@@ -134,7 +140,6 @@ class ServerArgs:
             "tokenizer_path": self.model_path,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "mem_fraction_static": DEFAULT_MEM_FRACTION_STATIC,
-            "max_running_requests": DEFAULT_MAX_RUNNING_REQUESTS,
             "chunked_prefill_size": DEFAULT_CHUNKED_PREFILL_SIZE,
             "random_seed": random.SystemRandom().randrange(1 << 31),
         }
@@ -145,12 +150,28 @@ class ServerArgs:
             gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton")
             object.__setattr__(self, "attention_backend", "triton" if gpu else "torch")
         if self.cuda_graph_max_bs is None:
-            bs = min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_requests)
+            bs = min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_request_rows)
             object.__setattr__(self, "cuda_graph_max_bs", bs)
         if self.prefill_cuda_graph_max_tokens is None:
             object.__setattr__(self, "prefill_cuda_graph_max_tokens", self.max_prefill_tokens)
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def max_request_rows(self) -> int:
+        """The most requests that can ever run at once: request rows are made for this many
+        before the pool is sized (max_running_requests, or the most it can be derived to)."""
+        return self.max_running_requests or MAX_DEFAULT_RUNNING_REQUESTS
+
+    def running_requests_for(self, pool_tokens: int) -> int:
+        """max_running_requests for a KV pool of `pool_tokens` tokens: the argument if given,
+        else a request row per TOKENS_PER_REQUEST_ROW pool tokens within the default bounds;
+        never more requests than the pool has tokens."""
+        rows = self.max_running_requests
+        if rows is None:
+            rows = pool_tokens // TOKENS_PER_REQUEST_ROW
+            rows = max(MIN_DEFAULT_RUNNING_REQUESTS, min(MAX_DEFAULT_RUNNING_REQUESTS, rows))
+        return min(rows, pool_tokens)
+
     @property
     def shared_prefix_attention(self) -> bool:
         """Whether decode groups requests by their shared cached prefix: it needs the radix

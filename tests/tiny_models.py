@@ -380,3 +380,21 @@ def random_prompts(vocab_size: int, lengths, seed: int = 0, avoid_ids=None) -> l
     allowed = [i for i in range(vocab_size) if i not in avoid]
     rng = random.Random(seed)
     return [[rng.choice(allowed) for _ in range(int(n))] for n in lengths]
+
+
+def never_generated(outputs: list[list[int]], vocab_size: int = 512) -> int:
+    """A token id in none of `outputs` (nor special): as a stop id it never ends a request,
+    yet makes it one that could end early, whose KV admission can only guess (and may have to
+    retract); a request with no stop id at all has its whole length reserved. (Admission's
+    guess also learns from finished requests: see `guess_like_sglang`.)"""
+    seen = {t for out in outputs for t in out} | set(special_token_ids())
+    return next(t for t in range(vocab_size) if t not in seen)
+
+
+def guess_like_sglang(monkeypatch) -> None:
+    """Admission's estimate of what running requests will generate, as SGLang's: a ratio that
+    decays while decoding goes well, without the floor of what finished requests used. Tests
+    of retraction need a guess a small pool can prove wrong, whatever ran before."""
+    from engine.scheduler.new_tokens import NewTokenEstimate
+
+    monkeypatch.setattr(NewTokenEstimate, "finished", lambda self, req: None)

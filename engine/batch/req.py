@@ -139,6 +139,13 @@ class Req:
         self.output_ids.append(token)
 
     @property
+    def ends_by_length_only(self) -> bool:
+        """Nothing but its draw limit can end it (no stop ids, stop strings or grammar), so it
+        will generate all of its remaining tokens."""
+        sp = self.sampling
+        return not sp.stop_ids and not sp.stop_strings and self.grammar is None
+
+    @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.input_logprob_next < self.prompt_len - 1
 

@@ -36,7 +36,7 @@ class EmbeddingRunner:
         if self.is_encoder:
             self.model = load_model(config, args.load_format, device)
             self.max_batch_tokens = args.max_prefill_tokens
-            self.max_requests = args.max_running_requests
+            self.max_requests = args.max_request_rows
         else:
             # decode never runs here, so no decode graphs
             self.runner = ModelRunner(

@@ -37,6 +37,7 @@ from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model
 from engine.runner.logits_step import LogitsStep
 from engine.runner.prefill_graph import PrefillCudaGraphs, prefill_capture_sizes
+from engine.sampling.penalties import PenaltyState
 from engine.server_args import ServerArgs
 from engine.transfer import to_device
 
@@ -56,7 +57,7 @@ class ModelRunner:
         self.kv_dtype = config.dtype
         attn = attention_layers(self.model)[0]
         self.num_kv_heads = attn.num_kv_heads
-        rows = args.max_running_requests
+        rows = args.max_request_rows  # (how many of them run is decided once the pool is)
         self.req_to_token = ReqToTokenPool(rows, config.context_length, device)
         # the last token sampled for each request row: the input of its next decode step
         self.next_token = torch.zeros(rows + 1, dtype=torch.int64, device=device)
@@ -69,7 +70,7 @@ class ModelRunner:
         self._logit_buckets = prefill_capture_sizes(args.max_prefill_tokens)
         activation_peak = self._warm_up() if device.type == "cuda" else 0
         self.max_total_tokens = self._pool_tokens(activation_peak)
-        self.max_running_requests = min(rows, self.max_total_tokens)
+        self.max_running_requests = args.running_requests_for(self.max_total_tokens)
         self.kv_pool = self._new_pool(self.max_total_tokens // args.page_size)
         logger.info(
             "KV pool: %d tokens in pages of %d (%.1f MiB), %d request rows",
@@ -187,7 +188,11 @@ class ModelRunner:
             fraction = self.args.mem_fraction_static
             static_budget = total * fraction - (total - free)  # weights + pool <= fraction
             graphs = self._graph_bytes_estimate(activation_peak) if self._use_cuda_graphs() else 0
-            headroom = free - activation_peak - graphs - _GPU_SLACK_BYTES
+            # the penalty counts of every request row, made at the first penalised request
+            penalties = PenaltyState.bytes_for(
+                self.req_to_token.padding_row + 1, self.config.vocab_size
+            )
+            headroom = free - activation_peak - graphs - penalties - _GPU_SLACK_BYTES
             tokens = int(min(static_budget, headroom) // per_token)
             logger.info(
                 "GPU memory: %.1f GiB total, %.1f GiB free after weights; activation peak "
@@ -219,7 +224,7 @@ class ModelRunner:
             return 0
         tokens = min(self.args.prefill_cuda_graph_max_tokens, self.args.max_prefill_tokens)
         # a capture's warm-up batch is padding requests of at most one table row each
-        return min(tokens, self.config.context_length * self.args.max_running_requests)
+        return min(tokens, self.config.context_length * self.args.max_request_rows)
 
     def _graph_bytes_estimate(self, activation_peak: int) -> int:
         """The decode graphs keep a logits buffer and share one pool sized by the largest batch.

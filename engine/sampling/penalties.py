@@ -40,6 +40,11 @@ class PenaltyState:
         # which admission of which request a row's state belongs to (Req.admit_order is unique)
         self.owner: list[int] = [-1] * num_rows
 
+    @staticmethod
+    def bytes_for(num_rows: int, vocab_size: int) -> int:
+        """Device memory of the state once made: int32 counts and a bool mask per row."""
+        return num_rows * vocab_size * (4 + 1)
+
     def apply(
         self,
         reqs: list[Req],

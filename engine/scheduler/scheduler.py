@@ -61,7 +61,7 @@ class Scheduler:
         self.max_running_requests = self.runner.max_running_requests
         self.queues = RequestQueues()
         self.stats = SchedulerStats()
-        estimate = NewTokenEstimate(self.kv)
+        self.estimate = estimate = NewTokenEstimate(self.kv)
         self.prefill = PrefillPlanner(
             args, self.kv, self.queues, estimate, self.stats, self.max_running_requests
         )
@@ -266,6 +266,8 @@ class Scheduler:
     def _retire(self, req: Req, reason: dict) -> None:
         if not req.finished:
             req.finish(reason)
+        if req.finish_reason["type"] in ("length", "stop"):
+            self.estimate.finished(req)
         req.grammar = None
         if req.pool_row < 0:  # retracted while its last token was pending: it holds nothing
             self.queues.waiting.remove(req)

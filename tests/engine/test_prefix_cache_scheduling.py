@@ -10,7 +10,14 @@ import torch
 
 from engine import Engine
 from tests.engine.core import InProcessCore
-from tests.tiny_models import hf_greedy, load_hf_model, random_prompts, special_token_ids
+from tests.tiny_models import (
+    guess_like_sglang,
+    hf_greedy,
+    load_hf_model,
+    never_generated,
+    random_prompts,
+    special_token_ids,
+)
 
 MAX_NEW = 20
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
@@ -65,8 +72,9 @@ def test_outputs_do_not_depend_on_cache_or_chunk_size(llama_dir, workload, radix
 
 
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
-def test_outputs_survive_retraction_in_a_tiny_pool(llama_dir, workload, radix):
+def test_outputs_survive_retraction_in_a_tiny_pool(llama_dir, workload, radix, monkeypatch):
     prompts, refs = workload
+    guess_like_sglang(monkeypatch)
     longest = max(len(p) for p in prompts) + MAX_NEW
     core = InProcessCore(
         llama_dir,
@@ -76,13 +84,15 @@ def test_outputs_survive_retraction_in_a_tiny_pool(llama_dir, workload, radix):
         disable_radix_cache=not radix,
         page_size=1,
     )
-    outs = core.run(prompts, GREEDY)
+    # (a stop id they never produce: their KV is a guess, which a tiny pool proves wrong)
+    outs = core.run(prompts, {**GREEDY, "stop_token_ids": [never_generated(refs)]})
     assert core.scheduler.stats.retractions > 0, "the pool is small enough that decode must retract"
     assert outs == refs
 
 
-def test_seeded_sampling_survives_retraction(llama_dir, workload):
+def test_seeded_sampling_survives_retraction(llama_dir, workload, monkeypatch):
     prompts, _ = workload
+    guess_like_sglang(monkeypatch)
     params = [
         {
             "temperature": 1.0,
@@ -94,6 +104,7 @@ def test_seeded_sampling_survives_retraction(llama_dir, workload):
         for i in range(len(prompts))
     ]
     roomy = InProcessCore(llama_dir, dtype="float32", max_total_tokens=8192).run(prompts, params)
+    params = [{**p, "stop_token_ids": [never_generated(roomy)]} for p in params]  # (see above)
     tight_core = InProcessCore(
         llama_dir, dtype="float32", max_total_tokens=max(map(len, prompts)) + MAX_NEW
     )

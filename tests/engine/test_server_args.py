@@ -172,6 +172,25 @@ def test_none_leaves_an_argument_to_the_engine():
 
 
 @pytest.mark.parametrize(
+    ("pool_tokens", "given", "expected"),
+    [
+        (65_536, None, 256),  # a CPU's default pool: the least default
+        (300_000, None, 1024),  # 1171 rows by the pool, at most the decode graphs' 1024
+        (150_000, None, 585),  # a row per 256 pool tokens in between
+        (100, None, 100),  # never more requests than the pool has tokens
+        (10_000_000, 48, 48),  # given: kept
+        (20, 48, 20),
+    ],
+)
+def test_max_running_requests_follows_the_pool_unless_given(pool_tokens, given, expected):
+    args = ServerArgs.from_kwargs(model_path="m", max_running_requests=given)
+    assert args.running_requests_for(pool_tokens) == expected
+    # request rows are made before the pool is sized: for the most it can be
+    assert args.max_request_rows >= expected
+    assert args.cuda_graph_max_bs == min(1024, args.max_request_rows)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "name"),
     [({"stream_interval": "x"}, "stream_interval"), ({"random_seed": "abc"}, "random_seed")],
 )

@@ -9,7 +9,13 @@ import engine.attention.triton_backend as triton_backend
 import engine.scheduler.shared_prefix as shared_prefix
 from engine.batch.shared_prefix import SharedPrefix
 from tests.engine.core import InProcessCore
-from tests.tiny_models import hf_greedy, random_prompts, special_token_ids
+from tests.tiny_models import (
+    guess_like_sglang,
+    hf_greedy,
+    never_generated,
+    random_prompts,
+    special_token_ids,
+)
 
 NEW = 8
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True}
@@ -36,12 +42,12 @@ def few_shot_prompts() -> tuple[list[list[int]], list[list[int]]]:
     return first, late
 
 
-def run_staggered(core: InProcessCore, first, late) -> list[list[int]]:
+def run_staggered(core: InProcessCore, first, late, params=GREEDY) -> list[list[int]]:
     """Submit `first`, decode a few steps, then submit `late` (they join running groups)."""
-    reqs = core.submit(first, GREEDY)
+    reqs = core.submit(first, params)
     for _ in range(4):
         core.scheduler.step()
-    reqs += core.submit(late, GREEDY)
+    reqs += core.submit(late, params)
     while core.scheduler.has_work():
         core.scheduler.step()
     return [r.output_ids for r in reqs]
@@ -76,17 +82,21 @@ def test_grouped_decode_equals_plain_decode_and_transformers(llama_dir, monkeypa
     assert outs == [hf_greedy(llama_dir, p, NEW)[0] for p in first + late]
 
 
-def test_grouped_decode_under_retraction(llama_dir):
+def test_grouped_decode_under_retraction(llama_dir, monkeypatch):
     """A pool too small for every request's growth: decode retracts requests (their KV goes to
     the cache, they resume later) while groups form and change; the tokens do not."""
     first, late = few_shot_prompts()
+    refs = [hf_greedy(llama_dir, p, NEW)[0] for p in first + late]
+    # a stop id they never produce: their KV is a guess, which the small pool proves wrong
+    params = {**GREEDY, "stop_token_ids": [never_generated(refs)]}
+    guess_like_sglang(monkeypatch)
     small = {"max_total_tokens": 150, "chunked_prefill_size": 64}
     grouped = core(llama_dir, **small)
-    outs = run_staggered(grouped, first, late)
+    outs = run_staggered(grouped, first, late, params)
     stats = grouped.scheduler.stats
     assert stats.retractions > 0 and stats.shared_prefix_steps > 0
     no_cache = core(llama_dir, disable_radix_cache=True, attention_backend="torch", **small)
-    assert run_staggered(no_cache, first, late) == outs
+    assert run_staggered(no_cache, first, late, params) == outs == refs
 
 
 class _Node:
