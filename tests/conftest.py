@@ -31,6 +31,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_resident_engines(tmp_path_factory):
+    """Resident engines (engine/resident/) of this test session alone, in a folder of its own
+    (subprocesses inherit it): a developer's own are never attached to, nor stopped; any a
+    failed test left running are stopped at the end."""
+    folder = tmp_path_factory.mktemp("engines")
+    os.environ["GRISTMILL_ENGINES"] = str(folder)
+    yield folder
+    from engine.resident import resident_engines, stop_resident
+
+    for record in resident_engines():
+        stop_resident(record)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_tokenizer")

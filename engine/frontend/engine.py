@@ -125,7 +125,7 @@ class Engine:
                 "(an embedding engine); use encode()."
             )
         tm = self.tokenizer_manager
-        tm._check_usable()
+        tm.check_usable()
         return tm.inputs.make_call(
             arguments["prompt"], arguments["input_ids"], arguments["sampling_params"],
             arguments["return_logprob"], arguments["logprob_start_len"], arguments["top_logprobs_num"],
@@ -181,7 +181,7 @@ class Engine:
             )
         if not self.server_args.is_embedding:
             raise ValueError("encode() needs an embedding engine: start it with is_embedding=True.")
-        self.tokenizer_manager._check_usable()
+        self.tokenizer_manager.check_usable()
         return make_encode_call(self.tokenizer_manager.inputs, prompt, dimensions, rid)
 
     def score(
@@ -221,12 +221,17 @@ class Engine:
                 "score() needs a generation engine (its next-token logits); this one was started "
                 "with is_embedding=True."
             )
-        self.tokenizer_manager._check_usable()
+        self.tokenizer_manager.check_usable()
         return make_score_call(
             self.tokenizer_manager.inputs, query, items, label_token_ids, item_first
         )
 
     # ------------------------------------------------------------------ management
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer the engine encodes prompts with (None with skip_tokenizer_init)."""
+        return self.tokenizer_manager.tokenizer
+
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests run."""
         return bool(self.tokenizer_manager.control("flush_cache"))

@@ -107,7 +107,7 @@ class TokenizerManager:
         with self._send_lock:
             # NOTE: checked under the lock: _fail() and shutdown() set their flag before taking it,
             # so a request either sees the failure here or is registered in time to receive it.
-            self._check_usable()
+            self.check_usable()
             busy = [s.rid for s in states if s.rid in self._states]
             if busy:
                 raise ValueError(f"rid {busy[0]!r} is already in flight")
@@ -169,7 +169,7 @@ class TokenizerManager:
     def control(self, kind: str) -> Any:
         event, box = threading.Event(), []
         with self._send_lock:
-            self._check_usable()  # under the lock, as in submit()
+            self.check_usable()  # under the lock, as in submit()
             cid = next(self._control_ids)
             self._controls[cid] = (event, box)
             self._to_scheduler.send_pyobj(ControlReq(kind, cid))
@@ -239,7 +239,8 @@ class TokenizerManager:
             event.set()
 
     # ------------------------------------------------------------------ lifetime
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise what makes the engine unusable: shut down, or a child process gone."""
         if self._closed:
             raise RuntimeError("the engine has been shut down")
         if self._error is not None:

@@ -1,0 +1,61 @@
+"""A resident engine from the engine's own API: a bad start is refused with its reason and leaves
+nothing behind, and a client's requests give what the in-process core gives; a cancelled one is
+dropped in the engine. (The flows' use of it, attach and the `gristmill engine` commands: tests/
+flows/test_resident.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine import ResidentEngine, resident_engines, start_resident, stop_resident
+from tests.engine.core import InProcessCore
+from tests.processes import wait_gone
+from tests.tiny_models import random_prompts, special_token_ids
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def test_a_bad_start_says_why_and_leaves_nothing(tmp_path):
+    with pytest.raises(ValueError, match="max_total_tokens must be a positive integer"):
+        start_resident({"model_path": str(tmp_path), "max_total_tokens": -1})
+    with pytest.raises(ValueError, match="is not a folder"):  # the engine's refusal, as it is
+        start_resident({"model_path": str(tmp_path / "nowhere")})
+    assert not resident_engines()
+
+
+def test_requests_through_a_resident_engine(llama_dir):
+    prompts = random_prompts(512, [3, 9, 17, 30, 5, 12], seed=8, avoid_ids=special_token_ids())
+    reference = InProcessCore(llama_dir, dtype="float32").run(prompts, GREEDY)
+    record = start_resident({"model_path": str(llama_dir), "dtype": "float32"})
+    try:
+        with ResidentEngine(record) as engine:
+            outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert [o["output_ids"] for o in outs] == reference
+
+            async def cancelled() -> None:
+                task = asyncio.ensure_future(
+                    engine.async_generate(
+                        input_ids=prompts[0],
+                        sampling_params={**GREEDY, "max_new_tokens": 1000},
+                    )
+                )
+                await asyncio.sleep(0.2)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+            asyncio.run(cancelled())
+            deadline = time.monotonic() + 10
+            while engine.get_server_info()["resident"]["requests_running"]:
+                assert time.monotonic() < deadline, "the cancelled request still runs"
+                time.sleep(0.05)
+            info = engine.get_server_info()
+            assert info["resident"]["requests_served"] == len(prompts)
+            assert info["internal_states"][0]["num_running_reqs"] == 0
+    finally:
+        stop_resident(record)
+    assert not wait_gone([record.pid, *record.info["pids"].values()])
+    assert not resident_engines()
