@@ -4,14 +4,17 @@
     python deployments/serve.py      # register the deployments; run what is scheduled or triggered
 
 One long-lived process polls the Prefect API and starts each flow run in a subprocess, one
-at a time (`limit=1`): every run holds an engine, and two would share one GPU. Stopping it
-pauses the schedules. prefect.yaml stays the single description of the deployments, whether
+at a time (`limit=1`): every run holds an engine, and two would share one GPU. A run's engine
+stays resident after it (GRISTMILL_KEEP_ENGINES, default 1), so the next run of the same
+engine section starts generating within seconds; a run of another engine section replaces
+it. Stopping this process stops the engines it kept, and pauses the schedules. prefect.yaml stays the single description of the deployments, whether
 they are served from here or registered on a work pool with `prefect deploy`.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,9 +58,19 @@ def _schedule(entry: dict[str, Any]) -> Any:
 def main() -> None:
     from prefect import serve
 
+    from flows.resident import KEEP_ENGINES, stop_kept_engines
+
     os.chdir(ROOT)  # configs name their data and output folders relative to the repository
     sys.path.insert(0, str(ROOT))
-    serve(*load_deployments(), limit=1)
+    # a run's engine stays resident for the next runs of the same engine section, which attach
+    # to it in a moment (flows/resident.py); one at a time, as runs are (a GPU holds one)
+    os.environ.setdefault(KEEP_ENGINES, "1")
+    # SIGTERM (a service manager's stop) ends this process as Ctrl-C does: through `finally`
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        serve(*load_deployments(), limit=1)
+    finally:
+        stop_kept_engines()
 
 
 if __name__ == "__main__":

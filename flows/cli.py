@@ -4,6 +4,8 @@
                                                                 without one, the evaluate demo
     gristmill status RUN_DIR                                    rows done, tokens, shards
     gristmill show RUN_DIR [-n N]                               the first rows
+    gristmill engine start|status|stop                          resident engines, which runs
+                                                                attach to (flows/engine_cli.py)
 
 `run` checks the config, then takes the run folder's lock, before Prefect or an engine starts.
 It runs the flow in this process against the Prefect API in PREFECT_API_URL, or else a
@@ -38,6 +40,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from flows import engine_cli
 from flows.interrupts import EXIT_INTERRUPTED
 from flows.store import CheckpointStore
 
@@ -59,22 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser(
         "run", parents=[common], help="run a config; a rerun resumes where it stopped"
     )
-    run.add_argument(
-        "config",
-        type=Path,
-        nargs="?",
-        default=DEMO_CONFIG,
-        help="a YAML run config (default: the evaluate demo, configs/demo-evaluate.yaml)",
-    )
+    _config_arguments(run)
     run.add_argument("--fresh", action="store_true", help="delete this config's results first")
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set sampling.temperature=0 (value read as YAML)",
-    )
     status = commands.add_parser(
         "status", parents=[common], help="rows done of the total, tokens, shards"
     )
@@ -82,10 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     show = commands.add_parser("show", parents=[common], help="print the first rows")
     show.add_argument("run_dir", type=Path)
     show.add_argument("-n", type=int, default=5, help="how many rows (default 5)")
+    engine_cli.add_commands(commands, common, _config_arguments)
     args = parser.parse_args(argv)
     args.debug = args.debug or os.environ.get("GRISTMILL_DEBUG", "") not in ("", "0")
+    commands_run = {
+        "run": _run,
+        "status": _status,
+        "show": _show,
+        "engine": lambda a: engine_cli.run(a, _load),
+    }
     try:
-        return {"run": _run, "status": _status, "show": _show}[args.command](args)
+        return commands_run[args.command](args)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except Exception as e:  # a run's own failures are reported by _run; this is the rest
@@ -105,11 +101,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_config(args: argparse.Namespace) -> int:
     from flows.catalog import FLOWS
-    from flows.config import load_config
     from flows.prefect_server import prefect_api
     from flows.run_lock import lock_run, unlock_run
 
-    config = load_config(args.config, args.overrides)
+    config = _load(args)
     # the config checked and the folder locked in a second or two: before Prefect or an engine
     plan = lock_run(config)
     try:
@@ -125,6 +120,41 @@ def _run_config(args: argparse.Namespace) -> int:
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _config_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "config",
+        type=Path,
+        nargs="?",
+        help="a YAML run config (default: the evaluate demo, configs/demo-evaluate.yaml)",
+    )
+    command.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set sampling.temperature=0 (value read as YAML)",
+    )
+
+
+def _load(args: argparse.Namespace) -> Any:
+    """The command's config: CONFIG with its --set overrides, or the evaluate demo, whose model
+    and questions are found in the installed `demo` package from any working directory (its
+    results go to ./runs, as any config's relative output_dir)."""
+    from flows.config import load_config
+
+    if args.config is not None:
+        return load_config(args.config, args.overrides)
+    import demo
+
+    package = Path(demo.__file__).resolve().parent
+    paths = [
+        f"engine.model_path={package / 'model'}",
+        f"source.path={package / 'inputs' / 'arithmetic_eval.jsonl'}",
+    ]
+    return load_config(DEMO_CONFIG, paths + args.overrides)
 
 
 def _error_of(state: Any) -> BaseException:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +40,7 @@ from flows.parallel import generate_in_parallel
 from flows.plan import Finish, RunPlan, Work, plan_requests
 from flows.progress import Progress, artifact_key
 from flows.prompts import PromptRenderer
+from flows.resident import open_engine
 from flows.run_lock import lock_run, unlock_run
 from flows.sources import read_rows, row_ids
 from flows.store import CheckpointStore, write_parquet
@@ -88,14 +90,15 @@ def configure(config: RunConfig) -> RunPlan:
 
 @task(cache_policy=NO_CACHE)
 def init_engine(plan: RunPlan) -> Any:
-    """Start the engine that stays resident for the whole run."""
-    from engine import Engine
-
-    engine = Engine(**plan.config.engine.arguments())
+    """The engine of the whole run: a resident engine that serves this config's engine section
+    (`gristmill engine start`), attached to in a moment, or else one of the run's own."""
+    started = time.perf_counter()
+    engine, how = open_engine(plan.config.engine)
     info = engine.get_server_info()
     get_run_logger().info(
-        "engine ready in %.1fs on %s (scheduler and detokenizer pids %s)",
-        engine.startup_seconds,
+        "engine %s: ready in %.1fs on %s (scheduler and detokenizer pids %s)",
+        how,
+        time.perf_counter() - started,
         info["device"],
         sorted(info["pids"].values()),
     )
@@ -115,7 +118,8 @@ def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
         scan = store.open()
     table = read_rows(config.source)
     ids = row_ids(table, config.source.id_column)
-    tokenizer = engine.tokenizer_manager.tokenizer if engine is not None else _tokenizer(config)
+    tokenizer = engine.tokenizer if engine is not None and config.prompt.chat else None
+    tokenizer = tokenizer or _tokenizer(config)
     renderer = PromptRenderer(config.prompt, config.template_variables(), tokenizer)
     work = plan_requests(config, table, ids, scan.done_ids, renderer)
     store.write_json(
@@ -207,12 +211,18 @@ def collect(
 
 @task(cache_policy=NO_CACHE)
 def shutdown(engine: Any) -> None:
-    """Stop the engine's processes; runs also when an earlier step failed."""
+    """Stop the run's own engine, or detach from a resident one, which stays up; runs also
+    when an earlier step failed."""
+    from engine import ResidentEngine
+
     if engine is None:
         get_run_logger().info("no engine to stop")
         return
     engine.shutdown()
-    get_run_logger().info("engine stopped")
+    if isinstance(engine, ResidentEngine):
+        get_run_logger().info("detached from resident engine %s: it stays up", engine.record.id)
+    else:
+        get_run_logger().info("engine stopped")
 
 
 # ---------------------------------------------------------------------- helpers

@@ -187,3 +187,20 @@ def test_set_overrides_reach_nested_fields_as_yaml_values(tmp_path):
         load_config(config_file, ["flow=translate"])
     again = pickle.loads(pickle.dumps(refused.value))  # as Prefect moves errors between processes
     assert again.problems == refused.value.problems and str(again) == str(refused.value)
+
+
+def test_the_demo_runs_from_any_folder(prefect_api, tmp_path):
+    """`gristmill run` with no config, from a folder that is not the repository: the demo finds
+    its model and questions in the installed package and writes to ./runs."""
+    result = subprocess.run(
+        [shutil.which("gristmill") or "gristmill", "run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=flow_env(prefect_api),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = summary_lines(result.stdout)
+    assert summary["rows"] == "200" and summary["accuracy"] == "1.0"
+    assert (tmp_path / "runs" / "demo-arithmetic").is_dir()

@@ -40,7 +40,9 @@ def gristmill(prefect_api, demo_engine, tmp_path, capsys, monkeypatch) -> Callab
     monkeypatch.chdir(ROOT)
 
     def run(*args: str) -> str:
-        with lent_engine(demo_engine, DEMO_ENGINE):
+        # with no config, the demo's model is found in the package (from any folder)
+        asked = DEMO_ENGINE if args else {**DEMO_ENGINE, "model_path": str(ROOT / "demo/model")}
+        with lent_engine(demo_engine, asked):
             code = main(["run", *args, "--set", f"output_dir={tmp_path}"])
         printed = capsys.readouterr()
         assert code == 0, printed.err[-3000:]

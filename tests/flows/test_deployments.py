@@ -1,5 +1,6 @@
 """deployments/: prefect.yaml loads (as `prefect deploy` reads it, and as serve.py does), and a
-run triggered through the Prefect API, as the UI's "Run" button does, completes."""
+run triggered through the Prefect API, as the UI's "Run" button does, completes; its engine
+stays resident for the next run of the same engine section, until serve.py stops."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ from prefect.utilities.callables import parameter_schema
 from prefect.utilities.templating import apply_values
 
 from deployments.serve import PREFECT_FILE, ROOT, load_deployments
+from engine import resident_engines
 from flows.catalog import FLOWS
 from tests.flows.fixtures import (
     flow_env,
+    flow_run_logs,
     question_rows,
     wait_until,
     write_jsonl,
 )
+from tests.processes import wait_gone
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +106,20 @@ def test_a_run_triggered_through_the_api_completes(prefect_api, llama_dir, tmp_p
             "evaluate/evaluate", parameters={"config": config}, timeout=300, poll_interval=0.5
         )
         assert flow_run.state.is_completed(), (flow_run.state, time.monotonic() - started)
+        # the engine stayed resident: a run of the same engine section attaches to it
+        (kept,) = resident_engines()
+        again = config | {"output_dir": str(tmp_path / "again")}
+        second = run_deployment(
+            "evaluate/evaluate", parameters={"config": again}, timeout=300, poll_interval=0.5
+        )
+        assert second.state.is_completed(), second.state
+        assert f"started resident engine {kept.id}" in flow_run_logs(flow_run.id)
+        assert f"attached to resident engine {kept.id}" in flow_run_logs(second.id)
     finally:
         serve.terminate()
         serve.wait(timeout=30)
+    assert not resident_engines(), "serve.py stops the engines it kept"
+    assert not wait_gone([kept.pid, *kept.info["pids"].values()])
     (summary_file,) = (tmp_path / "runs" / "arithmetic-eval").glob("*/summary.json")
     summary = json.loads(summary_file.read_text())
     table = pq.read_table(summary["output"])
