@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -53,7 +54,9 @@ class ModelRunner:
         self.args = args
         self.config = config
         self.device = device
+        loading = time.perf_counter()
         self.model = load_model(config, args.load_format, device)
+        logger.info("weights loaded in %.1fs", time.perf_counter() - loading)
         self.kv_dtype = config.dtype
         attn = attention_layers(self.model)[0]
         self.num_kv_heads = attn.num_kv_heads

@@ -46,6 +46,8 @@ def run_child(role: str, config_path: str, process: type[ChildProcess]) -> int:
     root = logging.getLogger()
     root.handlers[:] = [ForwardingLogHandler(to_tokenizer, send_lock)]
     root.setLevel(config.args.log_level.upper())
+    # (what it cost to get here, mostly imports: scripts/startup_phases.py shows it)
+    logging.getLogger(__name__).info("%s process up, its imports done", role)
     try:
         process(config, ctx, to_tokenizer, send_lock).run()
     except BaseException as e:  # report anything, then exit non-zero

@@ -1,0 +1,117 @@
+"""How long a small `gristmill run` takes, whole command, with and without a resident engine and
+a Prefect server kept up: the loop of someone trying a prompt on 20 rows.
+
+    PYTHONPATH=. python scripts/bench_run_latency.py [--model-config qwen3-0.6b] [--rows 20]
+
+The model has dummy weights of a shipped architecture (engine/model_configs/) and the demo
+model's tokenizer, which is all a run of text prompts needs. Each run is `python -m flows.cli
+run CONFIG --fresh` in a process of its own, timed from its start to its exit. It also times
+`gristmill engine start` and the start-up phases of an engine (its log's timestamps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-config", default="qwen3-0.6b")
+    ap.add_argument("--rows", type=int, default=20)
+    ap.add_argument("--port", type=int, default=4299)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gristmill-latency-"))
+    config = _config(work, a.model_config, a.rows)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env["GRISTMILL_ENGINES"] = str(work / "engines")
+    env.pop("PREFECT_API_URL", None)
+    results: list[tuple[str, float]] = []
+
+    def run(label: str, *args: str, with_env: dict | None = None) -> None:
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "flows.cli", *args], env=with_env or env,
+            capture_output=True, text=True, cwd=work,
+        )  # fmt: skip
+        seconds = time.perf_counter() - started
+        if done.returncode != 0:
+            print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"{label}: exit {done.returncode}")
+        results.append((label, seconds))
+        print(f"{label}: {seconds:.1f} s", flush=True)
+
+    run("run, own engine, temporary Prefect server", "run", str(config), "--fresh")
+    run("run, own engine, temporary Prefect server (again)", "run", str(config), "--fresh")
+    server = _prefect_server(a.port, env)
+    try:
+        with_server = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{a.port}/api"}
+        run("run, own engine, Prefect server kept up", "run", str(config), "--fresh", with_env=with_server)
+        run("engine start (resident)", "engine", "start", str(config))
+        for attempt in ("", " (again)"):
+            run(f"run, resident engine, Prefect server kept up{attempt}", "run", str(config),
+                "--fresh", with_env=with_server)  # fmt: skip
+        run("run, resident engine, temporary Prefect server", "run", str(config), "--fresh")
+        run("engine stop", "engine", "stop")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    print(f"\n`gristmill run` of {a.rows} rows, {a.model_config} (dummy weights), whole command")
+    print("| what | wall (s) |\n| --- | --- |")
+    for label, seconds in results:
+        print(f"| {label} | {seconds:.1f} |")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _config(work: Path, model_config: str, rows: int) -> Path:
+    model = work / "model"
+    model.mkdir()
+    shutil.copy(ROOT / "engine" / "model_configs" / f"{model_config}.json", model / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "demo" / "model" / name, model / name)
+    source = work / "rows.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "text": f"item {i}"}) + "\n" for i in range(rows)))
+    config = {
+        "run_name": "latency",
+        "output_dir": str(work / "runs"),
+        "engine": {"model_path": str(model), "load_format": "dummy"},
+        "source": {"path": str(source), "id_column": "id"},
+        "prompt": {"template": "Say something about {{ text }}."},
+        "sampling": {"temperature": 0, "max_new_tokens": 16},
+    }
+    path = work / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _prefect_server(port: int, env: dict) -> subprocess.Popen:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--port", str(port)],
+        env={**env, "PREFECT_UI_ENABLED": "0", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=1):
+                return server
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit("the Prefect server did not start") from None
+            time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    main()
