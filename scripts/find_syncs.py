@@ -17,7 +17,6 @@ import warnings
 
 import torch
 
-import engine.runner.batch_builder as batch_builder
 import engine.runner.model_runner as model_runner
 from engine.bench import dummy_folder, make_workload
 from engine.frontend.input_processor import InputProcessor
@@ -105,7 +104,7 @@ def main() -> None:
         (sched.runner.logits_step, "launch", "logits_step.launch"),
         (sched.kv, "cache_prefix", "kv.cache_prefix"),
         # the pieces of a decode step's launch
-        (batch_builder, "copy_to", "copy of the decode columns"),
+        (sched.runner.decode_inputs, "write", "decode columns to the device"),
         (sched.runner.logits_step, "_sample", "logits_step._sample (draw, next inputs)"),
         (LaunchedStep, "copy_to_host", "LaunchedStep.copy_to_host"),
         (torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay"),
