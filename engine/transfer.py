@@ -22,48 +22,42 @@ _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np
 
 
 class PinnedRing:
-    """Pinned host buffers used in turn, each grown to the largest copy it has held.
+    """Pinned host buffers used in turn for host-to-device copies, each grown to the largest
+    copy it has held.
 
-    NOTE: a buffer is handed out again only after the device work that last used it has run:
-    `used()` records an event behind the copy, and `take` waits for the event of the buffer it
-    hands out. That covers host-to-device copies; for device-to-host copies the host must also
-    have read a buffer before it comes round again, so such a ring is deeper than the copies
-    of the steps that can be launched and not yet read (engine/runner/launched_step.py).
-    """
+    NOTE: a buffer is handed out again only after the copy that last read it has run: `used()`
+    records an event behind that copy, and `take` waits for the event of the buffer it hands
+    out (long past, unless the ring is shallower than the copies in flight)."""
 
     def __init__(self, depth: int) -> None:
         self._buffers: list[torch.Tensor | None] = [None] * depth
         self._events: list[torch.cuda.Event | None] = [None] * depth
         self._next = 0
-        self._taken: list[int] = []  # handed out since the last `used`
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A pinned tensor of `shape` and `dtype`; call `used()` once its copy is queued."""
         i = self._next
-        self._next = (i + 1) % len(self._buffers)
         event = self._events[i]
         if event is not None:
-            event.synchronize()  # (long past, unless the ring is too shallow)
+            event.synchronize()
         nbytes = math.prod(shape) * dtype.itemsize
         buffer = self._buffers[i]
         if buffer is None or buffer.numel() < nbytes:
             buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
             self._buffers[i] = buffer
-        self._taken.append(i)
         return buffer[:nbytes].view(dtype).view(shape)
 
-    def used(self, event: torch.cuda.Event | None = None) -> None:
-        """The copies of the buffers taken since the last call are queued: `event` (recorded
-        behind them) or a new one marks when they have run."""
-        if event is None:
-            event = torch.cuda.Event()
-            event.record()
-        for i in self._taken:
-            self._events[i] = event
-        self._taken.clear()
+    def used(self) -> None:
+        """The copy from the buffer last taken is queued on the current stream."""
+        event = self._events[self._next] or torch.cuda.Event()
+        event.record()
+        self._events[self._next] = event
+        self._next = (self._next + 1) % len(self._buffers)
 
 
-_TO_DEVICE = PinnedRing(16)  # a prefill step makes a handful of copies, a decode step one
+# NOTE: a prefill step makes a handful of copies through here; a decode step none (its columns
+# go through engine/runner/decode_inputs.py, its tokens back through launched_step.HostBuffers)
+_TO_DEVICE = PinnedRing(16)
 
 
 def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
