@@ -4,15 +4,36 @@ Besides the Engine, the names here are what other code (the flows) may use of th
 its argument and sampling-parameter validators, the model-folder reader, and the tokenizer
 loader, so that a config can be checked without starting an engine; and resident engines
 (engine/resident/): started once, attached to by later runs.
+
+NOTE: each name is imported when it is first asked for (PEP 562). `from engine import
+ServerArgs` loads no torch, so a process that only checks a config or attaches to a resident
+engine (`gristmill run`) does not pay torch's import, seconds on a GPU machine.
 """
 
-from engine.frontend.engine import Engine
-from engine.model_config import ModelConfig
-from engine.resident import ResidentEngine, resident_engines, start_resident, stop_resident
-from engine.sampling_params import SamplingParams
-from engine.server_args import ServerArgs
-from engine.tokenization import load_tokenizer
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.frontend.engine import Engine
+    from engine.model_config import ModelConfig
+    from engine.resident import ResidentEngine, resident_engines, start_resident, stop_resident
+    from engine.sampling_params import SamplingParams
+    from engine.server_args import ServerArgs
+    from engine.tokenization import load_tokenizer
+
+_WHERE = {
+    "Engine": "engine.frontend.engine",
+    "ModelConfig": "engine.model_config",
+    "ResidentEngine": "engine.resident",
+    "SamplingParams": "engine.sampling_params",
+    "ServerArgs": "engine.server_args",
+    "load_tokenizer": "engine.tokenization",
+    "resident_engines": "engine.resident",
+    "start_resident": "engine.resident",
+    "stop_resident": "engine.resident",
+}
 __all__ = [
     "Engine",
     "ModelConfig",
@@ -24,3 +45,15 @@ __all__ = [
     "start_resident",
     "stop_resident",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # once: later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -11,9 +11,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -21,15 +22,16 @@ ROPE_TYPES = ("default", "linear", "llama3")
 # Architectures that only embed: no LM head, no KV cache (engine/models/ builds them)
 ENCODER_ARCHITECTURES = frozenset({"BertModel"})
 
+# the names a dtype goes by -> torch's name of it
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
 
 
@@ -38,7 +40,7 @@ class ModelConfig:
     path: Path
     architecture: str
     hf: dict[str, Any]  # the raw config.json
-    dtype: torch.dtype
+    dtype_name: str  # the weights' and activations' dtype, by torch's name ("bfloat16")
     context_length: int
     eos_token_ids: frozenset[int]
 
@@ -98,6 +100,14 @@ class ModelConfig:
         config = cls(path, archs[0], hf, _resolve_dtype(dtype, hf), context_length, frozenset(eos))
         _ = config.rope_scaling  # validate early
         return config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype of dtype_name. NOTE: torch is imported here, not at the top: the
+        flows check a model folder with this class in a process that never loads torch."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -171,6 +181,8 @@ class ModelConfig:
     # ------------------------------------------------------------------ memory
     def kv_bytes_per_token(self, kv_dtype: torch.dtype, kv_heads: int | None = None) -> int:
         """K and V of one token over all layers; `kv_heads`: those one rank holds (default all)."""
+        import torch
+
         heads = self.num_kv_heads if kv_heads is None else kv_heads
         return 2 * self.num_layers * heads * self.head_dim * torch.finfo(kv_dtype).bits // 8
 
@@ -197,7 +209,7 @@ def _as_ids(value: Any) -> set[int]:
     return {int(v) for v in value}
 
 
-def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> torch.dtype:
+def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> str:
     if dtype != "auto":
         return _DTYPES[dtype]
     name = hf.get("dtype") or hf.get("torch_dtype") or "float32"

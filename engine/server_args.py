@@ -21,9 +21,12 @@ import random
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from engine.platform import cuda_available
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -138,7 +141,7 @@ class ServerArgs:
         """Each argument left to the engine gets its value here, and nowhere else."""
         settle = {
             "tokenizer_path": self.model_path,
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "device": "cuda" if cuda_available() else "cpu",
             "mem_fraction_static": DEFAULT_MEM_FRACTION_STATIC,
             "chunked_prefill_size": DEFAULT_CHUNKED_PREFILL_SIZE,
             "random_seed": random.SystemRandom().randrange(1 << 31),
@@ -190,6 +193,8 @@ class ServerArgs:
     def rank_device(self, rank: int) -> torch.device:
         """The device of tensor-parallel rank `rank`: GPU base_gpu_id + rank, the one named
         device (tp_size 1), or the CPU."""
+        import torch  # NOTE: here, not at the top: checking arguments needs no torch
+
         if self.device == "cpu":
             return torch.device("cpu")
         if self.device != "cuda":  # one explicit device (only with tp_size 1, checked above)
