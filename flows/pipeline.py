@@ -39,7 +39,7 @@ from flows.interrupts import Interrupted, interrupted, stop_softly
 from flows.parallel import generate_in_parallel
 from flows.plan import Finish, RunPlan, Work, plan_requests
 from flows.progress import Progress, artifact_key
-from flows.prompts import PromptRenderer
+from flows.prompts import ChatTemplate, PromptRenderer
 from flows.resident import open_engine
 from flows.run_lock import lock_run, unlock_run
 from flows.sources import read_rows, row_ids
@@ -107,8 +107,8 @@ def init_engine(plan: RunPlan) -> Any:
 
 @task(cache_policy=NO_CACHE)
 def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
-    """Read the input, skip rows already in shards, render the prompts of the rest (with the
-    engine's tokenizer, or without an engine the same tokenizer loaded here, for chat)."""
+    """Read the input, skip rows already in shards, render the prompts of the rest (chat ones
+    with the engine's chat template: _chat_template)."""
     logger = get_run_logger()
     config, store = plan.config, plan.store
     if fresh and store.folder.exists():
@@ -118,9 +118,9 @@ def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
         scan = store.open()
     table = read_rows(config.source)
     ids = row_ids(table, config.source.id_column)
-    tokenizer = engine.tokenizer if engine is not None and config.prompt.chat else None
-    tokenizer = tokenizer or _tokenizer(config)
-    renderer = PromptRenderer(config.prompt, config.template_variables(), tokenizer)
+    renderer = PromptRenderer(
+        config.prompt, config.template_variables(), _chat_template(config, engine)
+    )
     work = plan_requests(config, table, ids, scan.done_ids, renderer)
     store.write_json(
         "run.json", {"config": config.model_dump(mode="json"), "total_rows": work.total}
@@ -226,13 +226,21 @@ def shutdown(engine: Any) -> None:
 
 
 # ---------------------------------------------------------------------- helpers
-def _tokenizer(config: RunConfig) -> Any:
-    """The engine's tokenizer, loaded as the engine loads it; only chat prompts need one."""
+def _chat_template(config: RunConfig, engine: Any) -> ChatTemplate | None:
+    """The engine's chat template, for chat prompts: a resident engine renders them with its
+    own tokenizer (this process then loads none: transformers alone takes a second to import);
+    an engine of the run's own lends its tokenizer; without an engine (Dask: the engines are on
+    the workers) the same tokenizer is loaded here, as the engine loads it."""
+    from engine import ResidentEngine, ServerArgs, load_tokenizer
+
     if not config.prompt.chat:
         return None
-    from engine import ServerArgs, load_tokenizer
+    if isinstance(engine, ResidentEngine):
+        return engine.apply_chat_template
+    if engine is not None:
+        return engine.tokenizer.apply_chat_template
 
-    return load_tokenizer(ServerArgs.from_kwargs(**config.engine.arguments()))
+    return load_tokenizer(ServerArgs.from_kwargs(**config.engine.arguments())).apply_chat_template
 
 
 def _summary(

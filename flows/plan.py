@@ -19,6 +19,9 @@ from flows.prompts import PromptRenderer
 from flows.rows import input_columns, output_schema, work_table
 from flows.store import CheckpointStore, row_seed
 
+# Prompts rendered per call: a resident engine renders chat templates in one round trip each
+RENDER_BATCH = 1024
+
 # A flow's last word on the merged rows: (config, rows in input order) -> (rows, extra summary).
 Finish = Callable[[Any, pa.Table], tuple[pa.Table, dict[str, Any]]]
 
@@ -57,20 +60,36 @@ def plan_requests(
     }
     take: list[int] = []
     all_ids: list[str] = []
+    pending: list[dict[str, Any]] = []  # rows whose prompts are not rendered yet
+    counts: list[int] = []  # how many requests each pending row makes
+
+    def render_pending() -> None:
+        if not pending:
+            return
+        for prompt, count in zip(renderer.render_many(pending), counts):
+            requests["prompt"].extend([prompt] * count)
+        pending.clear()
+        counts.clear()
+
     for index, (row_id, row) in enumerate(zip(ids.to_pylist(), _pylist(table))):
-        prompt = None
+        count = 0
         for sample in range(samples):
             rid = row_id if samples == 1 else f"{row_id}/{sample}"
             all_ids.append(rid)
             if rid in done:
                 continue
-            prompt = prompt if prompt is not None else renderer.render(row)
+            count += 1
             take.append(index)
             requests["id"].append(rid)
             requests["source_id"].append(row_id)
             requests["sample"].append(sample)
-            requests["prompt"].append(prompt)
             requests["seed"].append(row_seed(config.seed, rid))
+        if count:  # one prompt per row, shared by its samples
+            pending.append(row)
+            counts.append(count)
+            if len(pending) == RENDER_BATCH:
+                render_pending()
+    render_pending()
     inputs = input_columns(config, table).take(pa.array(take, pa.int64()))
     todo = work_table(config, inputs, requests)
     return Work(

@@ -13,6 +13,7 @@ engine then tokenizes that text as SGLang's engine does (with the tokenizer's sp
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,20 +43,33 @@ def has_chat_template(tokenizer_path: str | Path) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
+# tokenizer.apply_chat_template, or a resident engine's (which renders with its own tokenizer):
+# called with a list of conversations, tokenize=False and add_generation_prompt=True
+ChatTemplate = Callable[..., Any]
+
+
 class PromptRenderer:
-    def __init__(self, prompt: PromptConfig, variables: dict[str, Any], tokenizer: Any) -> None:
+    def __init__(
+        self, prompt: PromptConfig, variables: dict[str, Any], chat_template: ChatTemplate | None
+    ) -> None:
         self.template = _ENV.from_string(prompt.template)
         self.chat = prompt.chat
         self.system = prompt.system
         self.variables = variables
-        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        if self.chat and chat_template is None:
+            raise ValueError("prompt.chat needs the tokenizer's chat template")
 
     def render(self, row: dict[str, Any]) -> str:
-        text = self.template.render({**row, "row": row, **self.variables})
-        if not self.chat:
-            return text
-        messages = [{"role": "system", "content": self.system}] if self.system else []
-        messages.append({"role": "user", "content": text})
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        return self.render_many([row])[0]
+
+    def render_many(self, rows: list[dict[str, Any]]) -> list[str]:
+        """The prompts of rows; the chat template renders them all in one call (one round
+        trip when a resident engine renders them)."""
+        texts = [self.template.render({**row, "row": row, **self.variables}) for row in rows]
+        if not self.chat or not texts:
+            return texts
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        conversations = [[*system, {"role": "user", "content": text}] for text in texts]
+        assert self.chat_template is not None
+        return list(self.chat_template(conversations, tokenize=False, add_generation_prompt=True))

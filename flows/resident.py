@@ -57,7 +57,7 @@ def open_engine(engine: EngineConfig) -> tuple[Any, str]:
     that finds none starts a resident engine rather than an engine of its own, for the next
     runs of the same engine section to attach to; at most N such kept engines live at once,
     the oldest idle ones stopped to make room."""
-    from engine import Engine, ResidentEngine, start_resident
+    from engine import ResidentEngine, start_resident
 
     record = find_resident(engine)
     if record is not None:
@@ -69,6 +69,8 @@ def open_engine(engine: EngineConfig) -> tuple[Any, str]:
             logger.warning("%s; starting another", e)
     keep = int(os.environ.get(KEEP_ENGINES, "0") or 0)
     if keep <= 0:
+        from engine import Engine  # NOTE: here: attaching to a resident engine loads no torch
+
         return Engine(**engine.arguments()), "started"
     _make_room(keep - 1)
     labels = {**engine_labels(engine), KEPT: True}

@@ -2,7 +2,8 @@
 
     client -> engine   (op, call_id, payload)
                        op: "generate" (Engine.generate's keyword arguments), "abort" (the call to
-                       drop), "info", "flush_cache"
+                       drop), "info", "flush_cache", "chat_template" ((conversations, keyword
+                       arguments) of the engine tokenizer's apply_chat_template)
     engine -> client   ("result", call_id, value) or ("error", call_id, kind, message)
 
 An error crosses as its kind and message and is raised again in the client as the same kind,
@@ -13,6 +14,7 @@ turn it into an error row and go on), a TypeError a wrong call, anything else a 
 from __future__ import annotations
 
 GENERATE, ABORT, INFO, FLUSH_CACHE = "generate", "abort", "info", "flush_cache"
+CHAT_TEMPLATE = "chat_template"
 RESULT, ERROR = "result", "error"
 
 _KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}

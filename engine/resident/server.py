@@ -13,6 +13,7 @@ scheduler or detokenizer died stops too, and leaves its folder marked failed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import pickle
@@ -89,6 +90,8 @@ class ResidentServer:
                 await self._reply(client, call_id, self.info)
             elif op == protocol.FLUSH_CACHE:
                 await self._reply(client, call_id, self.engine.flush_cache)
+            elif op == protocol.CHAT_TEMPLATE:
+                await self._reply(client, call_id, functools.partial(self._chat_template, *body))
 
     async def _generate(self, client: bytes, call_id: int, kwargs: dict[str, Any]) -> None:
         try:
@@ -109,6 +112,12 @@ class ResidentServer:
             await self._send(client, (protocol.RESULT, call_id, value))
         except Exception as e:
             await self._send(client, protocol.error_reply(call_id, e))
+
+    def _chat_template(self, conversation: Any, kwargs: dict[str, Any]) -> Any:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this resident engine has skip_tokenizer_init=True: no chat template")
+        return tokenizer.apply_chat_template(conversation, **kwargs)
 
     async def _send(self, client: bytes, reply: tuple) -> None:
         await self.socket.send_multipart([client, pickle.dumps(reply)])

@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import pytest
+from transformers import AutoTokenizer
 
 from engine import ResidentEngine, resident_engines, start_resident, stop_resident
 from tests.engine.core import InProcessCore
@@ -34,6 +35,15 @@ def test_requests_through_a_resident_engine(llama_dir):
         with ResidentEngine(record) as engine:
             outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
             assert [o["output_ids"] for o in outs] == reference
+
+            # chat templates render in the engine's process, as its tokenizer renders them here
+            chats = [[{"role": "user", "content": f"question {i}"}] for i in range(3)]
+            chats[1].insert(0, {"role": "system", "content": "Be brief."})
+            tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+            for kwargs in ({"add_generation_prompt": True}, {"add_generation_prompt": False}):
+                assert engine.apply_chat_template(
+                    chats, tokenize=False, **kwargs
+                ) == tokenizer.apply_chat_template(chats, tokenize=False, **kwargs)
 
             async def cancelled() -> None:
                 task = asyncio.ensure_future(

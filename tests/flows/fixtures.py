@@ -145,16 +145,23 @@ def settled_task_runs(flow_run_id: Any, *names: str, timeout: float = 30.0) -> l
             time.sleep(0.05)
 
 
-def flow_run_logs(flow_run_id: Any) -> str:
-    """A flow run's log messages, all that this process sent for it (they go in batches)."""
+def flow_run_logs(flow_run_id: Any, waiting_for: str | None = None, timeout: float = 30) -> str:
+    """A flow run's log messages, all that this process sent for it (they go in batches). A run
+    in another process (serve.py) sends its own batches, on its own schedule: `waiting_for`
+    waits until a message with that text has arrived, or `timeout` seconds."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.logging.handlers import APILogWorker
 
     APILogWorker.drain_all()
+    deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    return "\n".join(log.message for log in logs)
+        while True:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            text = "\n".join(log.message for log in logs)
+            if waiting_for is None or waiting_for in text or time.monotonic() > deadline:
+                return text
+            time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------- run folders and processes

@@ -113,8 +113,12 @@ def test_a_run_triggered_through_the_api_completes(prefect_api, llama_dir, tmp_p
             "evaluate/evaluate", parameters={"config": again}, timeout=300, poll_interval=0.5
         )
         assert second.state.is_completed(), second.state
-        assert f"started resident engine {kept.id}" in flow_run_logs(flow_run.id)
-        assert f"attached to resident engine {kept.id}" in flow_run_logs(second.id)
+        started_it, attached = (
+            f"started resident engine {kept.id}",
+            f"attached to resident engine {kept.id}",
+        )
+        assert started_it in flow_run_logs(flow_run.id, waiting_for=started_it)
+        assert attached in flow_run_logs(second.id, waiting_for=attached)
     finally:
         serve.terminate()
         serve.wait(timeout=30)

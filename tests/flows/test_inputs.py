@@ -13,13 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+import flows.plan
 from flows.config import PromptConfig, SourceConfig, load_config
 from flows.identity import run_identity
+from flows.plan import plan_requests
 from flows.preflight import preflight
 from flows.progress import Progress
 from flows.prompts import PromptRenderer, template_names
 from flows.sources import content_digest, read_rows, row_ids
-from tests.flows.fixtures import base_config, question_rows, write_jsonl
+from tests.flows.fixtures import base_config, expected_prompt, question_rows, write_jsonl
 
 ROWS = [{"qid": "a", "text": "x", "n": 1}, {"qid": "b", "text": "y", "n": 2}]
 
@@ -72,19 +74,25 @@ def test_prompts_render_columns_the_row_and_the_chat_template(llama_dir):
     plain = PromptRenderer(
         PromptConfig(template='{{ text }} {{ row["star rating"] }} {{ choices[0] }}'),
         {"choices": ["c"]},
-        tokenizer,
+        None,
     )
     assert plain.render(row) == "hi 5 c"
     assert plain.render({**row, "text": None}) == " 5 c", "a null column renders empty"
     chat = PromptRenderer(
-        PromptConfig(template="{{ text }}", chat=True, system="Be brief."), {}, tokenizer
+        PromptConfig(template="{{ text }}", chat=True, system="Be brief."),
+        {},
+        tokenizer.apply_chat_template,
     )
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert chat.render(row) == tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
+    # many rows in one call of the chat template: each as it renders alone
+    rows = [{"text": f"q{i}"} for i in range(5)]
+    assert chat.render_many(rows) == [chat.render(r) for r in rows]
+    assert chat.render_many([]) == []
     with pytest.raises(Exception, match="'missing' is undefined"):
-        PromptRenderer(PromptConfig(template="{{ missing }}"), {}, tokenizer).render(row)
+        PromptRenderer(PromptConfig(template="{{ missing }}"), {}, None).render(row)
     assert template_names("{{ a }}{% for x in b %}{{ x }}{% endfor %}") == {"a", "b"}
 
 
@@ -184,3 +192,35 @@ def test_input_columns_named_like_the_flows_columns_are_kept_as_input_name(llama
     synthesize = SynthesizeConfig.model_validate({**config.model_dump(), "flow": "synthesize",
                                                   "synthesize": {"n": 2}})  # fmt: skip
     assert output_column(synthesize, "sample") == "input_sample"
+
+
+def test_requests_skip_done_ids_and_share_a_rows_prompt_across_batches(
+    llama_dir, tmp_path, monkeypatch
+):
+    """Prompts render RENDER_BATCH rows per call (a resident engine's round trip): the requests
+    are still every (row, sample) not done, in input order, each with its own row's prompt."""
+    rows = question_rows(7)
+    source = write_jsonl(tmp_path / "q.jsonl", rows)
+    fields = {"flow": "synthesize", "sampling": {"temperature": 0.7}}
+    config = load_config(
+        base_config(llama_dir, source, tmp_path / "runs", **fields) | {"synthesize": {"n": 2}}
+    )
+    table = read_rows(config.source)
+    ids = row_ids(table, "qid")
+    done = {"q0000/0", "q0000/1", "q0003/1", "q0005/0"}
+    renderer = PromptRenderer(config.prompt, {}, None)
+    batches = []
+    render_many = renderer.render_many
+    monkeypatch.setattr(renderer, "render_many", lambda r: batches.append(len(r)) or render_many(r))
+    monkeypatch.setattr(flows.plan, "RENDER_BATCH", 2)
+    work = plan_requests(config, table, ids, done, renderer)
+    expected = [
+        (f"{row['qid']}/{k}", row["qid"], k, expected_prompt(row))
+        for row in rows
+        for k in range(2)
+        if f"{row['qid']}/{k}" not in done
+    ]
+    todo = work.todo.to_pydict()
+    assert list(zip(todo["id"], todo["source_id"], todo["sample"], todo["prompt"])) == expected
+    assert work.done_before == len(done) and work.total == 14
+    assert batches == [2, 2, 2]  # the 6 rows with a request left, 2 per call

@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from transformers import AutoTokenizer
 
 from engine import ResidentEngine, resident_engines, stop_resident
 from flows.cli import main
@@ -24,6 +25,7 @@ from flows.config import load_config
 from flows.resident import find_resident, open_engine
 from tests.flows.fixtures import (
     base_config,
+    expected_prompt,
     flow_env,
     question_rows,
     run_folder,
@@ -121,6 +123,39 @@ def test_two_runs_at_once_on_one_resident_engine(started, prefect_api, llama_dir
         done = pq.read_table(run_folder(tmp_path / name / "runs", name) / "output.parquet")
         assert sorted(done.column("id").to_pylist()) == [r["qid"] for r in question_rows(40, seed)]
     assert _served(record) - before == 80
+
+
+def test_a_run_on_a_resident_engine_loads_neither_torch_nor_transformers(
+    started, prefect_api, llama_dir, tmp_path
+):
+    """The command's own process only checks the config, renders prompts and writes rows: the
+    resident engine renders chat templates with its tokenizer, so `gristmill run` pays neither
+    torch's import nor transformers' (seconds on a GPU machine), and the prompts are the ones
+    the tokenizer renders here."""
+    rows = question_rows(12, seed=3)
+    source = write_jsonl(tmp_path / "q.jsonl", rows)
+    fields = {"prompt": {"chat": True, "system": "Be brief."}}
+    config = _config_file(tmp_path, base_config(llama_dir, source, tmp_path / "runs", **fields))
+    report = "print('LOADED', sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = f"import sys, flows.cli; code = flows.cli.main(sys.argv[1:]); {report}; sys.exit(code)"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "run", str(config)],
+        env=flow_env(prefect_api), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "LOADED []" in done.stdout
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    system = {"role": "system", "content": "Be brief."}
+    expected = {
+        r["qid"]: tokenizer.apply_chat_template(
+            [system, {"role": "user", "content": expected_prompt(r)}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for r in rows
+    }
+    table = pq.read_table(run_folder(tmp_path / "runs") / "output.parquet")
+    assert dict(zip(table.column("id").to_pylist(), table.column("prompt").to_pylist())) == expected
 
 
 def test_a_run_of_other_numerics_or_other_weights_starts_its_own(
