@@ -27,15 +27,17 @@ fingerprint folder. `status` and `show` only read: they never repair or delete a
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -332,5 +334,30 @@ def _clip(value: Any, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def command() -> NoReturn:
+    """The `gristmill` command (and `python -m flows.cli`): main(), then exit_promptly."""
+    exit_promptly(main())
+
+
+def exit_promptly(code: int) -> NoReturn:
+    """End the process as Python's own exit does, less its last part: what other threads must
+    finish first (Prefect drains its log and event workers there) and the atexit handlers (an
+    engine of the run's own stops its children, loggers flush), then the process ends without
+    tearing its modules down one by one, which takes 0.4 s with Prefect loaded (more with
+    torch): a tenth of a small run on a resident engine.
+
+    NOTE: threading._shutdown and atexit._run_exitfuncs are what the interpreter's exit calls,
+    in this order; where a Python lacks them, the exit is the ordinary one."""
+    shutdown = getattr(threading, "_shutdown", None)
+    run_exit_functions = getattr(atexit, "_run_exitfuncs", None)
+    if shutdown is None or run_exit_functions is None:
+        sys.exit(code)
+    shutdown()
+    run_exit_functions()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

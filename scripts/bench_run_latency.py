@@ -2,11 +2,14 @@
 a Prefect server kept up: the loop of someone trying a prompt on 20 rows.
 
     PYTHONPATH=. python scripts/bench_run_latency.py [--model-config qwen3-0.6b] [--rows 20]
+        [--chat] [--imports]
 
 The model has dummy weights of a shipped architecture (engine/model_configs/) and the demo
 model's tokenizer, which is all a run of text prompts needs. Each run is `python -m flows.cli
 run CONFIG --fresh` in a process of its own, timed from its start to its exit. It also times
-`gristmill engine start` and the start-up phases of an engine (its log's timestamps).
+`gristmill engine start`. `--chat` renders the prompts with the tokenizer's chat template (on a
+resident engine, by the engine). `--imports` also lists the slowest imports of a run on the
+resident engine (`python -X importtime`): what the command's own process still loads.
 """
 
 from __future__ import annotations
@@ -32,18 +35,23 @@ def main() -> None:
     ap.add_argument("--model-config", default="qwen3-0.6b")
     ap.add_argument("--rows", type=int, default=20)
     ap.add_argument("--port", type=int, default=4299)
+    ap.add_argument("--chat", action="store_true", help="chat prompts (the tokenizer's template)")
+    ap.add_argument("--imports", action="store_true", help="the slowest imports of a run")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gristmill-latency-"))
-    config = _config(work, a.model_config, a.rows)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    config = _config(work, a.model_config, a.rows, a.chat)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     env["GRISTMILL_ENGINES"] = str(work / "engines")
     env.pop("PREFECT_API_URL", None)
     results: list[tuple[str, float]] = []
 
-    def run(label: str, *args: str, with_env: dict | None = None) -> None:
+    def run(label: str, *args: str, with_env: dict | None = None, python: tuple = ()) -> str:
         started = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "flows.cli", *args], env=with_env or env,
+            [sys.executable, *python, "-m", "flows.cli", *args], env=with_env or env,
             capture_output=True, text=True, cwd=work,
         )  # fmt: skip
         seconds = time.perf_counter() - started
@@ -52,48 +60,79 @@ def main() -> None:
             raise SystemExit(f"{label}: exit {done.returncode}")
         results.append((label, seconds))
         print(f"{label}: {seconds:.1f} s", flush=True)
+        return done.stderr
 
     run("run, own engine, temporary Prefect server", "run", str(config), "--fresh")
     run("run, own engine, temporary Prefect server (again)", "run", str(config), "--fresh")
     server = _prefect_server(a.port, env)
     try:
         with_server = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{a.port}/api"}
-        run("run, own engine, Prefect server kept up", "run", str(config), "--fresh", with_env=with_server)
+        run(
+            "run, own engine, Prefect server kept up",
+            "run",
+            str(config),
+            "--fresh",
+            with_env=with_server,
+        )
         run("engine start (resident)", "engine", "start", str(config))
         for attempt in ("", " (again)"):
             run(f"run, resident engine, Prefect server kept up{attempt}", "run", str(config),
                 "--fresh", with_env=with_server)  # fmt: skip
+        if a.imports:
+            err = run("run, resident engine, Prefect server kept up (-X importtime)", "run",
+                      str(config), "--fresh", with_env=with_server, python=("-X", "importtime"))  # fmt: skip
+            _print_slowest_imports(err)
         run("run, resident engine, temporary Prefect server", "run", str(config), "--fresh")
         run("engine stop", "engine", "stop")
     finally:
         server.terminate()
         server.wait(timeout=30)
-    print(f"\n`gristmill run` of {a.rows} rows, {a.model_config} (dummy weights), whole command")
+    prompts = "chat prompts" if a.chat else "plain prompts"
+    print(
+        f"\n`gristmill run` of {a.rows} rows, {prompts}, {a.model_config} (dummy weights), whole command"
+    )
     print("| what | wall (s) |\n| --- | --- |")
     for label, seconds in results:
         print(f"| {label} | {seconds:.1f} |")
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _config(work: Path, model_config: str, rows: int) -> Path:
+def _config(work: Path, model_config: str, rows: int, chat: bool) -> Path:
     model = work / "model"
     model.mkdir()
     shutil.copy(ROOT / "engine" / "model_configs" / f"{model_config}.json", model / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ROOT / "demo" / "model" / name, model / name)
     source = work / "rows.jsonl"
-    source.write_text("".join(json.dumps({"id": i, "text": f"item {i}"}) + "\n" for i in range(rows)))
+    source.write_text(
+        "".join(json.dumps({"id": i, "text": f"item {i}"}) + "\n" for i in range(rows))
+    )
     config = {
         "run_name": "latency",
         "output_dir": str(work / "runs"),
         "engine": {"model_path": str(model), "load_format": "dummy"},
         "source": {"path": str(source), "id_column": "id"},
-        "prompt": {"template": "Say something about {{ text }}."},
+        "prompt": {"template": "Say something about {{ text }}.", "chat": chat},
         "sampling": {"temperature": 0, "max_new_tokens": 16},
     }
     path = work / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def _print_slowest_imports(stderr: str, top: int = 12) -> None:
+    """The imports of -X importtime that took longest, their own imports included, of those
+    no other import in the list contains (the top-level ones)."""
+    rows = []
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            _, cumulative, name = line.split("|")
+            if cumulative.strip().isdigit():
+                rows.append((int(cumulative), len(name) - len(name.lstrip()), name.strip()))
+    outer = [(us, name) for us, depth, name in rows if depth == 1]
+    print("slowest top-level imports of the command (s): " + ", ".join(
+        f"{name} {us / 1e6:.2f}" for us, name in sorted(outer, reverse=True)[:top]
+    ), flush=True)  # fmt: skip
 
 
 def _prefect_server(port: int, env: dict) -> subprocess.Popen:

@@ -40,6 +40,7 @@ from engine.server_args import ServerArgs
 from engine.tokenization import load_tokenizer
 
 _POLL_MS = 100
+_WAKE = b""  # on the in-process queue: not a call, only a nudge to the I/O thread
 _LIVENESS_SECONDS = 0.5
 _START_TIMEOUT_S = 1800.0
 _STOP_TIMEOUT_S = 60.0
@@ -115,6 +116,8 @@ class ResidentEngine:
             return
         self._closed = True
         self._fail(RuntimeError("detached from the resident engine"))
+        with self._send_lock:
+            self._outbox.send(_WAKE)  # the I/O thread sees _closed now, not at its next poll
         if self._io is not threading.current_thread():
             self._io.join(timeout=5)
         self._outbox.close(linger=0)
@@ -163,7 +166,8 @@ class ResidentEngine:
                 ready = dict(poller.poll(_POLL_MS))
                 if inbox in ready:
                     while inbox.poll(0):
-                        engine.send(inbox.recv())
+                        if (message := inbox.recv()) != _WAKE:
+                            engine.send(message)
                 if engine in ready:
                     while engine.poll(0):
                         self._deliver(pickle.loads(engine.recv()))

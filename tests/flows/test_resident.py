@@ -27,6 +27,7 @@ from tests.flows.fixtures import (
     base_config,
     expected_prompt,
     flow_env,
+    flow_run_logs,
     question_rows,
     run_folder,
     write_jsonl,
@@ -52,6 +53,16 @@ def _rows(folder: Path) -> dict[str, dict]:
 def _served(record) -> int:
     with ResidentEngine(record) as engine:
         return engine.get_server_info()["resident"]["requests_served"]
+
+
+def _flow_runs_named(name: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name]))
+        )
 
 
 def _only_resident():
@@ -134,16 +145,20 @@ def test_a_run_on_a_resident_engine_loads_neither_torch_nor_transformers(
     the tokenizer renders here."""
     rows = question_rows(12, seed=3)
     source = write_jsonl(tmp_path / "q.jsonl", rows)
-    fields = {"prompt": {"chat": True, "system": "Be brief."}}
+    fields = {"prompt": {"chat": True, "system": "Be brief."}, "run_name": "lean"}
     config = _config_file(tmp_path, base_config(llama_dir, source, tmp_path / "runs", **fields))
     report = "print('LOADED', sorted({'torch', 'transformers'} & set(sys.modules)))"
-    code = f"import sys, flows.cli; code = flows.cli.main(sys.argv[1:]); {report}; sys.exit(code)"
+    code = f"import atexit, sys, flows.cli; atexit.register(lambda: {report}); flows.cli.command()"
     done = subprocess.run(
         [sys.executable, "-c", code, "run", str(config)],
         env=flow_env(prefect_api), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "LOADED []" in done.stdout
+    # the command's prompt exit (flows.cli.exit_promptly) still sent the run's last log lines
+    (flow_run,) = _flow_runs_named("lean")
+    assert "detached from resident engine" in flow_run_logs(flow_run.id)
+    assert "Finished in state Completed()" in flow_run_logs(flow_run.id)
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     system = {"role": "system", "content": "Be brief."}
     expected = {
@@ -154,7 +169,7 @@ def test_a_run_on_a_resident_engine_loads_neither_torch_nor_transformers(
         )
         for r in rows
     }
-    table = pq.read_table(run_folder(tmp_path / "runs") / "output.parquet")
+    table = pq.read_table(run_folder(tmp_path / "runs", "lean") / "output.parquet")
     assert dict(zip(table.column("id").to_pylist(), table.column("prompt").to_pylist())) == expected
 
 
