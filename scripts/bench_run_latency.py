@@ -2,7 +2,7 @@
 a Prefect server kept up: the loop of someone trying a prompt on 20 rows.
 
     PYTHONPATH=. python scripts/bench_run_latency.py [--model-config qwen3-0.6b] [--rows 20]
-        [--chat] [--imports]
+        [--chat] [--imports] [--timeline]
 
 The model has dummy weights of a shipped architecture (engine/model_configs/) and the demo
 model's tokenizer, which is all a run of text prompts needs. Each run is `python -m flows.cli
@@ -10,6 +10,9 @@ run CONFIG --fresh` in a process of its own, timed from its start to its exit. I
 `gristmill engine start`. `--chat` renders the prompts with the tokenizer's chat template (on a
 resident engine, by the engine). `--imports` also lists the slowest imports of a run on the
 resident engine (`python -X importtime`): what the command's own process still loads.
+`--timeline` records such a run with py-spy (if installed) and prints, for each tenth of a
+second of the command's main thread, the gristmill function it was in and the library call
+under it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=4299)
     ap.add_argument("--chat", action="store_true", help="chat prompts (the tokenizer's template)")
     ap.add_argument("--imports", action="store_true", help="the slowest imports of a run")
+    ap.add_argument("--timeline", action="store_true", help="where a run's main thread is")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gristmill-latency-"))
     config = _config(work, a.model_config, a.rows, a.chat)
@@ -82,6 +86,8 @@ def main() -> None:
             err = run("run, resident engine, Prefect server kept up (-X importtime)", "run",
                       str(config), "--fresh", with_env=with_server, python=("-X", "importtime"))  # fmt: skip
             _print_slowest_imports(err)
+        if a.timeline:
+            _timeline(work, config, with_server)
         run("run, resident engine, temporary Prefect server", "run", str(config), "--fresh")
         run("engine stop", "engine", "stop")
     finally:
@@ -133,6 +139,47 @@ def _print_slowest_imports(stderr: str, top: int = 12) -> None:
     print("slowest top-level imports of the command (s): " + ", ".join(
         f"{name} {us / 1e6:.2f}" for us, name in sorted(outer, reverse=True)[:top]
     ), flush=True)  # fmt: skip
+
+
+def _timeline(work: Path, config: Path, env: dict, step: float = 0.1) -> None:
+    """One run on the resident engine under py-spy; per `step` seconds of its main thread, the
+    innermost gristmill frame and the library frames under it that were seen most."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    profile = work / "timeline.json"
+    rate = 200
+    command = [spy, "record", "-r", str(rate), "--idle", "-f", "speedscope", "-o", str(profile),
+               "--", sys.executable, "-m", "flows.cli", "run", str(config), "--fresh"]  # fmt: skip
+    if subprocess.run(command, env=env, cwd=work, capture_output=True).returncode != 0:
+        print("py-spy could not record the run", flush=True)
+        return
+    data = json.loads(profile.read_text())
+    frames = data["shared"]["frames"]
+    main_thread = data["profiles"][0]
+    per_step = max(1, int(rate * step))
+    ours = str(ROOT)
+
+    def label(f: int) -> str:  # a module's body by its file, a function by its name
+        name, file = frames[f]["name"], frames[f].get("file", "")
+        if name != "<module>":
+            return name
+        return "import " + file.split("site-packages/")[-1].removeprefix(ours + "/")
+
+    def describe(sample: list[int]) -> str:
+        ours_frames = [f for f in sample if frames[f].get("file", "").startswith(ours)]
+        where = label(ours_frames[-1]) if ours_frames else "-"
+        under = [f for f in sample if "importlib" not in frames[f].get("file", "")][-3:]
+        return where + " | " + " < ".join(label(f) for f in reversed(under))
+
+    print("timeline of one run on the resident engine (main thread, per 0.1 s):")
+    samples = main_thread["samples"]
+    for start in range(0, len(samples), per_step):
+        seen: dict[str, int] = {}
+        for sample in samples[start : start + per_step]:
+            key = describe(sample)
+            seen[key] = seen.get(key, 0) + 1
+        key = max(seen, key=seen.__getitem__)
+        print(f"  {start / rate:5.1f} s  {key[:150]}")
+    sys.stdout.flush()
 
 
 def _prefect_server(port: int, env: dict) -> subprocess.Popen:

@@ -10,7 +10,7 @@ if [ -d .whl ]; then  # pyzmq travels as a wheel: the machine has no network
   # (.pfw: Prefect and what it needs beyond the image, for the flows: carry it when a step runs one)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .pfw/*.whl 2>/dev/null)
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 fi
 if [ -f .fi/flashinfer-slim.tgz ]; then  # optional: FlashInfer unpacked beside the wheels
   mkdir -p /tmp/site && tar xzf .fi/flashinfer-slim.tgz -C /tmp/site
@@ -49,7 +49,7 @@ for step in "${@:-kernels engine w1 w2}"; do
       splits) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_decode_splits.py 2>&1 | tail -8 ;;
       w1-profile) GRISTMILL_PROFILE=$OUT/w1.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 2>&1 | grep "^|"
                   python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(22)" "$OUT/w1.prof" | tail -32 ;;
-      latency) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_run_latency.py --chat --imports 2>&1 | grep -v "^Loading\|WARNING" | tail -30 ;;
+      latency) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_run_latency.py --chat --imports --timeline 2>&1 | grep -v "^Loading\|WARNING" | tail -150 ;;
       startup) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/startup_phases.py 2>&1 | tail -30 ;;
       w1) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --json "$OUT/w1.json" 2>&1 | grep "^|" ;;
       w1-peer) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --peer transformers --json "$OUT/w1-peer.json" 2>&1 | grep "^|" ;;
