@@ -12,6 +12,10 @@ if [ -d .whl ]; then  # pyzmq travels as a wheel: the machine has no network
     .whl/*.whl $(ls .pfw/*.whl 2>/dev/null)
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 fi
+# The image sets PYTHONDONTWRITEBYTECODE=1: without this, every process would compile Prefect and
+# gristmill from source (import prefect: 3.8 s, against 1.4-1.9 s compiled), where a user's
+# `pip install` compiles at install time and Python caches the rest on its first import.
+python3 -m compileall -q -j 16 /tmp/site flows engine kernels deployments demo >/dev/null 2>&1
 if [ -f .fi/flashinfer-slim.tgz ]; then  # optional: FlashInfer unpacked beside the wheels
   mkdir -p /tmp/site && tar xzf .fi/flashinfer-slim.tgz -C /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .fi/*.whl 2>&1 | grep -v WARNING
