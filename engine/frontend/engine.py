@@ -17,6 +17,7 @@ The path of a request (ARCHITECTURE.md follows it file by file):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import weakref
@@ -28,7 +29,7 @@ from engine.frontend.results import Channel
 from engine.frontend.score import ScoreResult, make_score_call, score_result
 from engine.frontend.tokenizer_manager import TokenizerManager
 from engine.model_config import ModelConfig
-from engine.server_args import ServerArgs
+from engine.server_args import LOAD_FORMATS, ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +236,62 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests run."""
         return bool(self.tokenizer_manager.control("flush_cache"))
+
+    # ------------------------------------------------------------------ weights and profiles
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None
+    ) -> tuple[bool, str]:
+        """Serve another checkpoint of the same architecture and shapes (the next checkpoint of
+        a training run) without a restart; (success, message), as SGLang.
+
+        The requests already submitted finish on the old weights first; those submitted later
+        wait for the swap and run on the new ones. The prefix cache is emptied. A folder of
+        another architecture or other shapes, or a checkpoint that cannot be read whole, is
+        refused (success False, the message says why) and the old weights stay in service."""
+        if load_format is not None and load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)} or None, got {load_format!r}"
+            )
+        args = {"model_path": str(model_path), "load_format": load_format}
+        success, message = self.tokenizer_manager.control(
+            "update_weights_from_disk", args, timeout=None
+        )
+        if success:  # get_server_info names the weights in service, as SGLang's does
+            self.server_args = dataclasses.replace(self.server_args, model_path=str(model_path))
+        return success, message
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """A weight as the engine holds it, by its Hugging Face name (e.g.
+        "model.layers.0.self_attn.q_proj.weight"): its first `truncate_size` rows, as lists of
+        floats, to check what is loaded."""
+        if not isinstance(truncate_size, int) or truncate_size < 1:
+            raise ValueError(f"truncate_size must be a positive integer, got {truncate_size!r}")
+        args = {"name": name, "truncate_size": truncate_size}
+        return self.tokenizer_manager.control("get_weights_by_name", args)
+
+    def start_profile(
+        self,
+        output_dir: str | None = None,
+        num_steps: int | None = None,
+        activities: list[str] | None = None,
+        with_stack: bool | None = None,
+        record_shapes: bool | None = None,
+        profile_id: str | None = None,
+    ) -> None:
+        """Start a torch.profiler trace of the scheduler process(es), as SGLang: written by
+        stop_profile(), or after `num_steps` scheduler steps, to `<output_dir>/<profile_id>-TP-
+        <rank>.trace.json.gz` (output_dir: else $SGLANG_TORCH_PROFILER_DIR, else /tmp);
+        activities among "CPU" and "GPU". Open it in https://ui.perfetto.dev or chrome://tracing
+        (engine/scheduler/trace.py)."""
+        args = {
+            "output_dir": output_dir, "num_steps": num_steps, "activities": activities,
+            "with_stack": with_stack, "record_shapes": record_shapes, "profile_id": profile_id,
+        }  # fmt: skip
+        self.tokenizer_manager.control("start_profile", args)
+
+    def stop_profile(self) -> str:
+        """Stop the trace that start_profile() began and write it; the path of rank 0's file."""
+        return self.tokenizer_manager.control("stop_profile", timeout=None)
 
     def get_server_info(self) -> dict[str, Any]:
         tm = self.tokenizer_manager

@@ -166,18 +166,24 @@ class TokenizerManager:
             self.abort([s for s in states if s.index in live])
 
     # ------------------------------------------------------------------ control calls
-    def control(self, kind: str) -> Any:
+    def control(
+        self,
+        kind: str,
+        args: dict[str, Any] | None = None,
+        timeout: float | None = _CONTROL_TIMEOUT_S,
+    ) -> Any:
+        """The scheduler's answer to a control request (engine/scheduler/process.py). A timeout
+        of None waits as long as the scheduler works on it (an engine failure still ends the
+        wait: _fail answers every pending control with the error)."""
         event, box = threading.Event(), []
         with self._send_lock:
             self.check_usable()  # under the lock, as in submit()
             cid = next(self._control_ids)
             self._controls[cid] = (event, box)
-            self._to_scheduler.send_pyobj(ControlReq(kind, cid))
-        if not event.wait(_CONTROL_TIMEOUT_S):
+            self._to_scheduler.send_pyobj(ControlReq(kind, cid, args or {}))
+        if not event.wait(timeout):
             self._controls.pop(cid, None)
-            raise RuntimeError(
-                f"the scheduler did not answer {kind!r} within {_CONTROL_TIMEOUT_S:.0f}s"
-            )
+            raise RuntimeError(f"the scheduler did not answer {kind!r} within {timeout:.0f}s")
         if isinstance(box[0], Exception):
             raise box[0]
         return box[0]

@@ -70,12 +70,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
+    def shard_rows(self, shard_id: object) -> tuple[int, int]:
+        """(first row, rows) of projection `shard_id` in this rank's fused weight."""
+        assert isinstance(shard_id, int)
+        size = self.output_sizes[shard_id] // tp_size()
+        return sum(self.output_sizes[:shard_id]) // tp_size(), size
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
     ) -> None:
-        assert isinstance(shard_id, int)
-        size = self.output_sizes[shard_id] // tp_size()
-        offset = sum(self.output_sizes[:shard_id]) // tp_size()
+        offset, size = self.shard_rows(shard_id)
         if tp_size() > 1:
             loaded = loaded.narrow(0, tp_rank() * size, size)
         _copy_checked(
@@ -110,16 +114,19 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def shard_rows(self, shard_id: object) -> tuple[int, int]:
+        """(first row, rows) of projection `shard_id` ('q', 'k' or 'v') in this rank's weight."""
+        if shard_id == "q":
+            return 0, self.q_size
+        if shard_id in ("k", "v"):
+            return self.q_size + (self.kv_size if shard_id == "v" else 0), self.kv_size
+        raise ValueError(f"QKVParallelLinear shard must be 'q', 'k' or 'v', got {shard_id!r}")
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
     ) -> None:
-        if shard_id == "q":
-            offset, size, index = 0, self.q_size, tp_rank()
-        elif shard_id in ("k", "v"):
-            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, index = self.kv_size, tp_rank() // self.kv_replicas
-        else:
-            raise ValueError(f"QKVParallelLinear shard must be 'q', 'k' or 'v', got {shard_id!r}")
+        offset, size = self.shard_rows(shard_id)
+        index = tp_rank() if shard_id == "q" else tp_rank() // self.kv_replicas
         if tp_size() > 1:
             loaded = loaded.narrow(0, index * size, size)
         _copy_checked(

@@ -34,6 +34,49 @@ def load_model(config: ModelConfig, load_format: str, device: torch.device) -> n
     return model.eval()
 
 
+# config.json keys that fix every weight's shape: a checkpoint to swap in must agree on them
+_SHAPE_KEYS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
+)  # fmt: skip
+
+
+@torch.no_grad()
+def reload_weights(
+    model: nn.Module, config: ModelConfig, model_path: str, load_format: str
+) -> ModelConfig:
+    """Fill `model`'s parameters in place with another checkpoint of the same shapes; the new
+    folder's ModelConfig. In place, so CUDA graphs, which captured the parameters' addresses,
+    stay valid.
+
+    NOTE: nothing is copied until the whole checkpoint has been read and fitted to a twin of
+    the model on the meta device (names, shapes, no weight missing, every tensor readable), so
+    a refused checkpoint (ValueError) leaves the weights in service as they were."""
+    new = ModelConfig.from_folder(model_path, config.dtype_name, config.context_length)
+    if new.architecture != config.architecture:
+        raise ValueError(
+            f"{model_path} holds a {new.architecture}, but the engine serves a {config.architecture}"
+        )
+    differ = [k for k in _SHAPE_KEYS if new.hf.get(k) != config.hf.get(k)]
+    if differ:
+        raise ValueError(
+            f"{model_path} has other shapes than the model in service: "
+            + ", ".join(f"{k} {new.hf.get(k)} (serving {config.hf.get(k)})" for k in differ)
+        )
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+        return new
+    files = safetensors_files(new.path)
+    with torch.device("meta"):
+        twin = model_class(config)(config)
+    try:
+        twin.load_weights(iter_safetensors(files))
+    except RuntimeError as e:  # a shape the layer's own check did not name
+        raise ValueError(f"the checkpoint in {model_path} does not fit the model: {e}") from None
+    model.load_weights(iter_safetensors(files))
+    return new
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The checkpoint files: those the index names when there is one, else every *.safetensors."""
     index = folder / "model.safetensors.index.json"

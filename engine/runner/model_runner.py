@@ -35,7 +35,7 @@ from engine.runner.batch_builder import build_forward_batch
 from engine.runner.cuda_graph import DecodeCudaGraphs
 from engine.runner.decode_inputs import DecodeInputs
 from engine.runner.launched_step import LaunchedStep
-from engine.runner.loader import load_model
+from engine.runner.loader import load_model, reload_weights
 from engine.runner.logits_step import LogitsStep
 from engine.runner.prefill_graph import PrefillCudaGraphs, prefill_capture_sizes
 from engine.sampling.penalties import PenaltyState
@@ -98,6 +98,32 @@ class ModelRunner:
                 self.decode_inputs, config.vocab_size, config.dtype,
                 max_bs=min(args.cuda_graph_max_bs, self.max_running_requests), pool=pool,
             )  # fmt: skip
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, model_path: str, load_format: str | None) -> None:
+        """Another checkpoint of the same shapes into the weights in service (ValueError, and
+        the old weights kept, if it does not fit): engine/runner/loader.py: reload_weights."""
+        self.config = reload_weights(
+            self.model, self.config, model_path, load_format or self.args.load_format
+        )
+
+    def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """A checkpoint tensor as it is loaded (its first `truncate_size` rows, float32 lists),
+        by its Hugging Face name: get_weights_by_name."""
+        if self.args.tp_size > 1:
+            raise ValueError("get_weights_by_name reads engines of tp_size=1 in this version")
+        tied = name.removeprefix("model.") == "lm_head.weight" and self.config.tie_word_embeddings
+        mapped = ("embed_tokens.weight", None) if tied else self.model.checkpoint_to_param(name)
+        params = dict(self.model.named_parameters())
+        if mapped is None or mapped[0] not in params:
+            raise ValueError(f"no weight named {name!r} in the model (Hugging Face tensor names)")
+        param_name, shard = mapped
+        tensor = params[param_name].detach()
+        if shard is not None:
+            layer = self.model.get_submodule(param_name.rsplit(".", 1)[0])
+            offset, rows = layer.shard_rows(shard)
+            tensor = tensor.narrow(0, offset, rows)
+        return tensor[:truncate_size].float().cpu().tolist()
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()

@@ -90,10 +90,13 @@ class AbortReq:
 
 @dataclass
 class ControlReq:
-    """A request the scheduler answers with a ControlReply of the same id ('flush_cache', 'get_info', 'shutdown')."""
+    """A request the scheduler answers with a ControlReply of the same id: 'flush_cache',
+    'get_info', 'update_weights_from_disk', 'get_weights_by_name', 'start_profile',
+    'stop_profile'; `args` are the keyword arguments of the Engine method of that name."""
 
     kind: str
     id: int
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

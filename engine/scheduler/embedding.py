@@ -86,6 +86,12 @@ class EmbeddingScheduler:
     def flush_cache(self) -> bool:
         return not self.has_work()  # there is no prefix cache to empty
 
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple:
+        raise ValueError("update_weights_from_disk serves generation engines in this version")
+
+    def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        raise ValueError("get_weights_by_name serves generation engines in this version")
+
     def state(self) -> dict:
         s = self.stats
         return {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+from collections import deque
 
 import zmq
 
@@ -29,10 +30,12 @@ from engine.scheduler.output import outputs_to_send
 from engine.scheduler.profile import HostProfile
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.tp_group import TPGroup
+from engine.scheduler.trace import TorchTrace
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000
+_WHEN_IDLE = frozenset({"update_weights_from_disk"})  # controls that wait for running requests
 _GC_YOUNG_THRESHOLD = 20_000  # allocations between young collections (Python: 700)
 
 
@@ -57,6 +60,8 @@ class SchedulerProcess:
         self.stream_interval = args.stream_interval
         scheduler_cls = EmbeddingScheduler if args.is_embedding else Scheduler
         self.scheduler = scheduler_cls(args, model_config, device)
+        self.held: deque[object] = deque()  # messages behind a control that waits for idle
+        self.trace = TorchTrace()  # start_profile / stop_profile
         self.tp.barrier()  # every rank loaded before the engine is ready
         self._reply(
             Ready(
@@ -77,15 +82,35 @@ class SchedulerProcess:
             busy = self.scheduler.has_work()
             inbox = recv_all(self.inbox, 0 if busy else _IDLE_POLL_MS) if self.inbox else []
             for msg in self.tp.share(inbox):
-                self._handle(msg)
+                self._receive(msg)
+            self._release_held()
             if self.scheduler.has_work():
-                with profile:
+                with profile, self.trace:
                     finished = self.scheduler.step()
                 if not self.scheduler.has_work():
                     # before the last outputs leave: the caller may shut the engine down at once
                     profile.dump()
                 with profile:
                     self._send(finished)
+
+    def _receive(self, msg: object) -> None:
+        """Handle a message now, or hold it behind a control that waits for an idle engine.
+
+        NOTE: a control in _WHEN_IDLE (a weight update) runs once the requests already
+        received have finished; what arrives after it is held until it has run, in order, so
+        no request sees half-updated weights and each runs on the weights of its arrival."""
+        waits = isinstance(msg, ControlReq) and msg.kind in _WHEN_IDLE
+        if self.held or (waits and self.scheduler.has_work()):
+            self.held.append(msg)
+        else:
+            self._handle(msg)
+
+    def _release_held(self) -> None:
+        while self.held:
+            msg = self.held[0]
+            if isinstance(msg, ControlReq) and msg.kind in _WHEN_IDLE and self.scheduler.has_work():
+                return
+            self._handle(self.held.popleft())
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, TokenizedRequest):
@@ -95,15 +120,27 @@ class SchedulerProcess:
             if req is not None:  # lets the detokenizer drop its state for the request
                 self._send([req])
         elif isinstance(msg, ControlReq):
-            self._reply(ControlReply(msg.id, self._control(msg.kind)))
+            try:
+                value = self._control(msg.kind, msg.args)
+            except (ValueError, RuntimeError, TypeError) as e:  # the caller's to raise, not ours
+                value = e
+            self._reply(ControlReply(msg.id, value))
         else:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
 
-    def _control(self, kind: str) -> object:
+    def _control(self, kind: str, args: dict) -> object:
         if kind == "flush_cache":
             return self.scheduler.flush_cache()
         if kind == "get_info":
             return self.scheduler.state()
+        if kind == "update_weights_from_disk":
+            return self.scheduler.update_weights_from_disk(**args)
+        if kind == "get_weights_by_name":
+            return self.scheduler.weights_by_name(**args)
+        if kind == "start_profile":
+            return self.trace.start(rank=self.tp.rank, **args)
+        if kind == "stop_profile":
+            return self.trace.stop()
         raise ValueError(f"unknown control request {kind!r}")
 
     def _send(self, reqs: list[Req]) -> None:

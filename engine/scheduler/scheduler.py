@@ -135,6 +135,26 @@ class Scheduler:
         self.kv.flush()
         return True
 
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None
+    ) -> tuple[bool, str]:
+        """Another checkpoint of the model's shapes into service; (success, message), as SGLang.
+
+        NOTE: runs with no request queued or running: the scheduler process holds the call
+        (and what arrives after it) until the requests in flight have finished. The prefix
+        cache is emptied: its KV was computed with the old weights."""
+        assert not self.has_work(), "weights are swapped only on an idle engine"
+        try:
+            self.runner.update_weights(model_path, load_format)
+        except ValueError as e:
+            return False, f"Failed to update weights: {e}. The weights in service are unchanged."
+        self.kv.flush()
+        logger.info("weights updated from %s", model_path)
+        return True, "Succeeded to update model weights."
+
+    def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self.runner.weights_by_name(name, truncate_size)
+
     def state(self) -> dict:
         """Counters and queue lengths for get_server_info()."""
         s = self.stats

@@ -35,7 +35,7 @@ def qwen3_one_kv_head_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("model", ["llama_dir", "qwen3_one_kv_head_dir"])
-def test_tp2_equals_tp1(model, request):
+def test_tp2_equals_tp1(model, request, tmp_path):
     model_dir = request.getfixturevalue(model)
     prompts = random_prompts(400, LENGTHS, seed=9, avoid_ids=special_token_ids())
     core = InProcessCore(model_dir, dtype="float32")
@@ -51,6 +51,15 @@ def test_tp2_equals_tp1(model, request):
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         seeded = {**GREEDY, "temperature": 0.8, "sampling_seed": 4}
         sampled = engine.generate(input_ids=prompts, sampling_params=seeded)
+        # a weight update reaches each rank's share of every layer
+        if model == "llama_dir":
+            retrained = make_tiny_model(tmp_path / "retrained", "llama", seed=7)
+            assert engine.update_weights_from_disk(str(retrained)) == (
+                True, "Succeeded to update model weights."
+            )  # fmt: skip
+            swapped = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            one = InProcessCore(retrained, dtype="float32").run(prompts, GREEDY)
+            assert [o["output_ids"] for o in swapped] == one
     for i, (out, req) in enumerate(zip(outs, ref)):
         assert out["output_ids"] == req.output_ids, f"prompt {i}"
         got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
