@@ -116,8 +116,11 @@ class ResidentEngine:
             return
         self._closed = True
         self._fail(RuntimeError("detached from the resident engine"))
-        with self._send_lock:
-            self._outbox.send(_WAKE)  # the I/O thread sees _closed now, not at its next poll
+        with self._send_lock:  # the I/O thread sees _closed now, not at its next poll
+            try:  # NOTE: never blocks: an I/O thread that ended (the engine died) reads nothing
+                self._outbox.send(_WAKE, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         if self._io is not threading.current_thread():
             self._io.join(timeout=5)
         self._outbox.close(linger=0)
