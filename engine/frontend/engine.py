@@ -76,6 +76,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        session_params: dict | list[dict] | None = None,
         **unsupported: Any,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> a dict; a list -> a list of dicts in input order; stream=True -> an iterator of chunks.
@@ -103,6 +104,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        session_params: dict | list[dict] | None = None,
         **unsupported: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate(), awaited on the caller's event loop; stream=True gives an async iterator.
@@ -131,6 +133,7 @@ class Engine:
             arguments["prompt"], arguments["input_ids"], arguments["sampling_params"],
             arguments["return_logprob"], arguments["logprob_start_len"], arguments["top_logprobs_num"],
             arguments["rid"], arguments["return_text_in_logprobs"], arguments["stream"],
+            arguments["session_params"],
         )  # fmt: skip
 
     # ------------------------------------------------------------------ embeddings and scores
@@ -236,6 +239,39 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests run."""
         return bool(self.tokenizer_manager.control("flush_cache"))
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(
+        self,
+        capacity_of_str_len: int,
+        session_id: str | None = None,
+        streaming: bool = False,
+        timeout: float | None = None,
+    ) -> str:
+        """Open a multi-turn session; its id. A generate() call with session_params={"id": sid,
+        "rid": an earlier turn's meta_info["id"]} continues that turn: its prompt and output,
+        then the new input, with their KV kept for it in the prefix cache (no prefill again).
+        `timeout`: close the session after that many idle seconds. engine/scheduler/sessions.py
+        says what offset, replace and drop_previous_output do."""
+        if not isinstance(capacity_of_str_len, int) or capacity_of_str_len < 1:
+            raise ValueError(
+                f"capacity_of_str_len must be a positive integer, got {capacity_of_str_len!r}"
+            )
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(
+                f"timeout must be a positive number of seconds or None, got {timeout!r}"
+            )
+        if session_id is not None and not isinstance(session_id, str):
+            raise ValueError(f"session_id must be a str or None, got {session_id!r}")
+        args = {
+            "capacity_of_str_len": capacity_of_str_len, "session_id": session_id,
+            "streaming": bool(streaming), "timeout": timeout,
+        }  # fmt: skip
+        return self.tokenizer_manager.control("open_session", args)
+
+    def close_session(self, session_id: str) -> None:
+        """Close a session: its turns' KV is no longer kept for it (the cache may evict it)."""
+        self.tokenizer_manager.control("close_session", {"session_id": session_id})
 
     # ------------------------------------------------------------------ weights and profiles
     def update_weights_from_disk(

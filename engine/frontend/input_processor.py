@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.model_config import ModelConfig
-from engine.runtime.messages import TokenizedRequest
+from engine.runtime.messages import SESSION_PARAMS, TokenizedRequest
 from engine.sampling.grammar import check_grammar
 from engine.sampling_params import SamplingParams
 from engine.server_args import ServerArgs
@@ -64,6 +64,7 @@ class InputProcessor:
         rid: str | list[str] | None,
         return_text_in_logprobs: bool = False,
         stream: bool = False,
+        session_params: dict | list[dict] | None = None,
     ) -> GenerateCall:
         token_lists, is_batch = self._token_lists(prompt, input_ids)
         n = len(token_lists)
@@ -72,6 +73,7 @@ class InputProcessor:
         starts = _per_request("logprob_start_len", logprob_start_len, n, int)
         tops = _per_request("top_logprobs_num", top_logprobs_num, n, int)
         rids = _per_request("rid", rid, n, str)
+        sessions = _per_request("session_params", session_params, n, dict)
         requests = []
         for i in range(n):
             where = f"request {i}: " if is_batch else ""
@@ -79,6 +81,8 @@ class InputProcessor:
                 request = self._make_request(
                     token_lists[i], params[i], logprob[i], starts[i], tops[i], rids[i], stream
                 )
+                if sessions[i] is not None:
+                    request = self._session_turn(request, sessions[i])
             except ValueError as e:
                 raise ValueError(f"{where}{e}") from None
             n_samples = request.sampling.n
@@ -179,6 +183,32 @@ class InputProcessor:
             top_logprobs_num=top if return_logprob else 0,
             stream=stream,
         )
+
+    def _session_turn(self, request: TokenizedRequest, params: dict) -> TokenizedRequest:
+        """A request as a turn of a session: its session_params checked. A turn that continues
+        another (`rid`) loses a leading BOS, as in SGLang: its input is appended to a history
+        that starts with one already."""
+        unknown = sorted(set(params) - set(SESSION_PARAMS))
+        if unknown:
+            raise ValueError(
+                f"session_params has unknown key(s) {unknown}; allowed: {', '.join(SESSION_PARAMS)}"
+            )
+        if not isinstance(params.get("id"), str):
+            raise ValueError(
+                "session_params needs 'id': the session id that open_session() returned"
+            )
+        if params.get("rid") is not None and not isinstance(params["rid"], str):
+            raise ValueError(
+                f"session_params 'rid' must be a request id (str), got {params['rid']!r}"
+            )
+        offset = params.get("offset")
+        if offset is not None and (not isinstance(offset, int) or offset < 0):
+            raise ValueError(f"session_params 'offset' must be an integer >= 0, got {offset!r}")
+        ids = request.input_ids
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if params.get("rid") is not None and bos is not None and len(ids) > 1 and ids[0] == bos:
+            ids = ids[1:]
+        return dataclasses.replace(request, input_ids=ids, session_params=dict(params))
 
     def _fit_context(self, ids: list[int], max_new_tokens: int) -> list[int]:
         context = self.config.context_length

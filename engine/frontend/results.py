@@ -57,6 +57,8 @@ class ReqState:
         self.output_ids: list[int] = []
         self.finish_reason: dict | None = None
         self.completion_tokens = 0
+        # the scheduler's count: a session turn's prompt is its history and its own input
+        self.prompt_tokens = request.prompt_len
         self.cached_tokens = 0
         self.input_logprobs: list = []
         self.input_top_logprobs: list = []
@@ -73,6 +75,7 @@ class ReqState:
         self.text += out.text
         self.output_ids += out.new_ids
         self.completion_tokens = out.completion_tokens
+        self.prompt_tokens = out.prompt_tokens
         self.cached_tokens = out.cached_tokens
         self.output_logprobs += out.output_logprobs
         self.output_top_logprobs += out.output_top_logprobs
@@ -116,7 +119,7 @@ def meta_info(state: ReqState, tokenizer: PreTrainedTokenizerBase | None) -> dic
     meta: dict[str, Any] = {
         "id": request.rid,
         "finish_reason": state.finish_reason,
-        "prompt_tokens": request.prompt_len,
+        "prompt_tokens": state.prompt_tokens,
         "completion_tokens": state.completion_tokens,
         "cached_tokens": state.cached_tokens,
         "e2e_latency": (state.finished_at or time.perf_counter()) - state.created,

@@ -16,6 +16,9 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 
+# the keys of generate()'s session_params (engine/scheduler/sessions.py says what each does)
+SESSION_PARAMS = ("id", "rid", "offset", "replace", "drop_previous_output")
+
 
 @dataclass(frozen=True)
 class TokenizedRequest:
@@ -35,6 +38,8 @@ class TokenizedRequest:
     stream: bool = False
     embed_dimensions: int | None = None  # encode(): keep this many leading values (None: all)
     label_token_ids: list[int] | None = None  # score(): logprobs of these ids after the prompt
+    # generate(session_params=...): the session turn this continues (engine/scheduler/sessions.py)
+    session_params: dict[str, Any] | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -97,6 +102,14 @@ class ControlReq:
     kind: str
     id: int
     args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SessionTimeout:
+    """Rank 0's word that these sessions were idle past their timeout: every rank closes them
+    on the same step (a clock read on each rank could disagree, and the ranks' caches with it)."""
+
+    session_ids: list[str]
 
 
 @dataclass

@@ -92,6 +92,12 @@ class EmbeddingScheduler:
     def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         raise ValueError("get_weights_by_name serves generation engines in this version")
 
+    def open_session(self, **kwargs) -> str:
+        raise ValueError("sessions are for generation engines; this one embeds")
+
+    def close_session(self, session_id: str) -> None:
+        raise ValueError("sessions are for generation engines; this one embeds")
+
     def state(self) -> dict:
         s = self.stats
         return {

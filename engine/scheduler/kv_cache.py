@@ -178,6 +178,19 @@ class KVCache:
         req.pool_row, req.rows, req.prefix_len, req.last_node = -1, None, 0, None
         req.drawn = drawn
 
+    def hold(self, tokens: np.ndarray) -> object | None:
+        """Lock the cached prefix of `tokens` (a session's finished turn), so eviction spares it
+        until let_go; the node to give back."""
+        if self.tree is None:
+            return None
+        node = self.tree.match_prefix(tokens)[1]
+        self.tree.lock(node)
+        return node
+
+    def let_go(self, node: object) -> None:
+        if self.tree is not None and node is not None:
+            self.tree.unlock(node)
+
     def flush(self) -> None:
         if self.tree is not None:
             self.tree.reset()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from collections import deque
 
 import zmq
@@ -23,6 +24,7 @@ from engine.runtime.messages import (
     ControlReply,
     ControlReq,
     Ready,
+    SessionTimeout,
     TokenizedRequest,
 )
 from engine.scheduler.embedding import EmbeddingScheduler
@@ -35,6 +37,7 @@ from engine.scheduler.trace import TorchTrace
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000
+_SESSION_CHECK_SECONDS = 1.0
 _WHEN_IDLE = frozenset({"update_weights_from_disk"})  # controls that wait for running requests
 _GC_YOUNG_THRESHOLD = 20_000  # allocations between young collections (Python: 700)
 
@@ -62,6 +65,7 @@ class SchedulerProcess:
         self.scheduler = scheduler_cls(args, model_config, device)
         self.held: deque[object] = deque()  # messages behind a control that waits for idle
         self.trace = TorchTrace()  # start_profile / stop_profile
+        self._sessions_checked = time.monotonic()
         self.tp.barrier()  # every rank loaded before the engine is ready
         self._reply(
             Ready(
@@ -81,6 +85,8 @@ class SchedulerProcess:
         while True:
             busy = self.scheduler.has_work()
             inbox = recv_all(self.inbox, 0 if busy else _IDLE_POLL_MS) if self.inbox else []
+            if self.inbox is not None:  # (rank 0 decides; every rank closes on the same step)
+                inbox += self._sessions_timed_out()
             for msg in self.tp.share(inbox):
                 self._receive(msg)
             self._release_held()
@@ -105,6 +111,16 @@ class SchedulerProcess:
         else:
             self._handle(msg)
 
+    def _sessions_timed_out(self) -> list[SessionTimeout]:
+        """At most once a second: the sessions idle past their timeout, to close."""
+        now = time.monotonic()
+        if now - self._sessions_checked < _SESSION_CHECK_SECONDS:
+            return []
+        self._sessions_checked = now
+        sessions = getattr(self.scheduler, "sessions", None)
+        due = sessions.idle_past_timeout() if sessions is not None else []
+        return [SessionTimeout(due)] if due else []
+
     def _release_held(self) -> None:
         while self.held:
             msg = self.held[0]
@@ -119,6 +135,10 @@ class SchedulerProcess:
             req = self.scheduler.abort_request(msg.rid)
             if req is not None:  # lets the detokenizer drop its state for the request
                 self._send([req])
+        elif isinstance(msg, SessionTimeout):
+            for session_id in msg.session_ids:
+                logger.info("session %s closed: idle past its timeout", session_id)
+                self.scheduler.close_session(session_id)
         elif isinstance(msg, ControlReq):
             try:
                 value = self._control(msg.kind, msg.args)
@@ -137,6 +157,10 @@ class SchedulerProcess:
             return self.scheduler.update_weights_from_disk(**args)
         if kind == "get_weights_by_name":
             return self.scheduler.weights_by_name(**args)
+        if kind == "open_session":
+            return self.scheduler.open_session(**args)
+        if kind == "close_session":
+            return self.scheduler.close_session(**args)
         if kind == "start_profile":
             return self.trace.start(rank=self.tp.rank, **args)
         if kind == "stop_profile":

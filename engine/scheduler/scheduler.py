@@ -43,6 +43,7 @@ from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate
 from engine.scheduler.prefill import PrefillPlanner
 from engine.scheduler.queues import RequestQueues
+from engine.scheduler.sessions import Sessions
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
 from engine.tokenization import IncrementalDecoder, TokenizerOnDemand
@@ -76,6 +77,7 @@ class Scheduler:
         self._inflight: LaunchedStep | None = None  # launched, not yet read (overlap only)
         self._finished_since_filter = False
         self._refused: list[Req] = []  # finished on arrival, reported by the next step
+        self.sessions = Sessions(self.kv)  # open_session / session_params
         self.idle_clock = DeviceIdleClock(device)
 
     @property
@@ -85,7 +87,16 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: TokenizedRequest) -> Req:
         """Queue a request the caller validated (engine/frontend/input_processor.py)."""
+        refusal = None
+        if request.session_params is not None:  # a turn: its session's history comes first
+            try:
+                request = self.sessions.continue_turn(request)
+                self._check_fits(request)
+            except ValueError as e:
+                refusal = str(e)
         req = Req(request, self.config.context_length)
+        if refusal is not None:
+            return self._refuse(req, refusal)
         sp = req.sampling
         stage = "load the tokenizer"
         try:  # NOTE: the caller validated the request; never let one request kill the loop
@@ -98,11 +109,38 @@ class Scheduler:
             if grammar_key(sp) is not None:
                 self.grammar.attach(req)
         except Exception as e:
-            req.finish({"type": "abort", "message": f"cannot {stage}: {e}"})
-            self._refused.append(req)
-            return req
+            return self._refuse(req, f"cannot {stage}: {e}")
         self.queues.waiting.append(req)
         return req
+
+    def _refuse(self, req: Req, message: str) -> Req:
+        req.finish({"type": "abort", "message": message})
+        self._refused.append(req)
+        self._session_turn_ended(req)
+        return req
+
+    def _check_fits(self, request: TokenizedRequest) -> None:
+        """A session turn's history with its new input must fit the context and the pool."""
+        need = request.prompt_len + request.sampling.max_new_tokens
+        for limit, name in ((self.config.context_length, "the context length"),
+                            (self.max_total_tokens, "the KV pool (max_total_tokens)")):  # fmt: skip
+            if need > limit:
+                raise ValueError(
+                    f"the session's history and this turn need {need} tokens ({request.prompt_len} "
+                    f"input + max_new_tokens {request.sampling.max_new_tokens}), more than {name} "
+                    f"({limit})"
+                )
+
+    def _session_turn_ended(self, req: Req) -> None:
+        if req.session_id is not None:
+            self.sessions.finished(req)
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self, **kwargs) -> str:
+        return self.sessions.open(**kwargs)
+
+    def close_session(self, session_id: str) -> None:
+        self.sessions.close(session_id)
 
     def abort_request(self, rid: str) -> Req | None:
         """Drop a waiting or admitted request, freeing its pages; returns it, finished as aborted."""
@@ -112,6 +150,7 @@ class Scheduler:
                 self.queues.waiting.remove(req)
                 req.finish(reason)
                 req.grammar = None
+                self._session_turn_ended(req)
                 return req
         for req in self.queues.admitted():
             if req.rid == rid:
@@ -132,6 +171,7 @@ class Scheduler:
                 len(self.queues.waiting) + len(self.queues.running),
             )
             return False
+        self.sessions.drop_kv()  # (their next turns prefill their history again)
         self.kv.flush()
         return True
 
@@ -148,6 +188,7 @@ class Scheduler:
             self.runner.update_weights(model_path, load_format)
         except ValueError as e:
             return False, f"Failed to update weights: {e}. The weights in service are unchanged."
+        self.sessions.drop_kv()
         self.kv.flush()
         logger.info("weights updated from %s", model_path)
         return True, "Succeeded to update model weights."
@@ -162,6 +203,7 @@ class Scheduler:
         return {
             "num_running_reqs": self.queues.num_running,
             "num_waiting_reqs": len(self.queues.waiting),
+            "open_sessions": len(self.sessions.open_sessions),
             "kv_free_tokens": self.kv.free_tokens,
             "kv_total_tokens": self.max_total_tokens,
             "prefix_cache_tokens": self.kv.cached_tokens,
@@ -293,6 +335,7 @@ class Scheduler:
             self.queues.waiting.remove(req)
         else:
             self.kv.release(req)
+        self._session_turn_ended(req)  # (after release: the turn's tokens are cached by now)
         self.stats.requests_finished += 1
         self._finished_since_filter = True
 
