@@ -94,6 +94,13 @@ class ServerArgs:
     stream_interval: int = 1
     # structured output: json_schema allows any whitespace between JSON tokens unless this is set
     constrained_json_disable_any_whitespace: bool = False
+    # LoRA (engine/lora/): adapters loaded at start ([path, ...] named by their folder, or
+    # {name: path}); None with enable_lora: none yet (load_lora_adapter). Settled to {name: path}.
+    enable_lora: bool | None = None  # None: True when lora_paths are given
+    lora_paths: list | dict | None = None
+    max_loras_per_batch: int = 8  # adapter slots on the device: distinct adapters in one batch
+    max_lora_rank: int | None = None  # None: the largest rank of lora_paths (64 without them)
+    lora_target_modules: list | None = None  # None: those of lora_paths (all seven without them)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -101,7 +108,9 @@ class ServerArgs:
 
     def _validate(self) -> None:
         for field in dataclasses.fields(self):
-            _check_argument(field.name, getattr(self, field.name))
+            if field.name not in _LORA_COLLECTIONS:  # (checked by _check_lora)
+                _check_argument(field.name, getattr(self, field.name))
+        self._check_lora()
         # what no single argument's type and range can say: what is missing, what is not built
         # yet, and the rules between arguments
         if self.attention_backend == "flashinfer" and not importlib.util.find_spec("flashinfer"):
@@ -136,6 +145,52 @@ class ServerArgs:
                 f"tp_size must be 1 with is_embedding=True (embedding engines run on one device "
                 f"in this version), got {self.tp_size}."
             )
+
+    def _check_lora(self) -> None:
+        from engine.lora import TARGET_MODULES
+
+        paths = self.lora_paths
+        if paths is not None:
+            if isinstance(paths, dict):
+                bad = [
+                    k for k, v in paths.items() if not (isinstance(k, str) and isinstance(v, str))
+                ]
+            elif isinstance(paths, (list, tuple)):
+                bad = [p for p in paths if not isinstance(p, str)]
+            else:
+                bad = [paths]
+            if bad:
+                raise ValueError(
+                    "lora_paths must be a list of adapter folders or a dict {name: folder}, "
+                    f"got {paths!r} ({type(paths).__name__})"
+                )
+        targets = self.lora_target_modules
+        if targets is not None:
+            if not isinstance(targets, (list, tuple)):
+                raise ValueError(
+                    f"lora_target_modules must be a list of module names, got {targets!r} "
+                    f"({type(targets).__name__})"
+                )
+            unknown = [t for t in targets if t not in (*TARGET_MODULES, "all")]
+            if unknown:
+                raise ValueError(
+                    f"lora_target_modules {unknown} are not supported; allowed: "
+                    f"{', '.join(TARGET_MODULES)} or 'all'"
+                )
+        if self.enable_lora is False and paths:
+            raise ValueError("lora_paths are given but enable_lora=False: drop one of them")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.enable_lora) or bool(self.lora_paths)
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """lora_paths as {name: folder} (a list's folders are named by their last part)."""
+        paths = self.lora_paths or {}
+        if isinstance(paths, dict):
+            return dict(paths)
+        return {str(p).rstrip("/").rsplit("/", 1)[-1]: str(p) for p in paths}
 
     def _settle_defaults(self) -> None:
         """Each argument left to the engine gets its value here, and nowhere else."""
@@ -283,6 +338,9 @@ _RULES: dict[str, _Rule] = {
     "stream_interval": _POSITIVE,
 }
 
+_RULES["max_loras_per_batch"] = _POSITIVE
+_RULES["max_lora_rank"] = _POSITIVE
+_LORA_COLLECTIONS = ("lora_paths", "lora_target_modules")
 _ANNOTATIONS = typing.get_type_hints(ServerArgs)
 _TYPE_WORDS = {
     bool: ("True", "False"),

@@ -26,7 +26,7 @@ class Req:
         "output_ids", "tokens", "_tokens_len", "_drawn", "finish_reason", "cached_tokens",
         "admitted_once", "admit_order", "input_logprob_next", "stop_decoder", "grammar",
         "input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs",
-        "embedding", "label_logprobs", "session_id",
+        "embedding", "label_logprobs", "session_id", "lora_name",
         "pool_row", "rows", "prefix_len", "last_node",
         "sent_len", "sent_first",
     )  # fmt: skip
@@ -45,6 +45,7 @@ class Req:
         self.label_token_ids = request.label_token_ids
         # the session whose turn this is (engine/scheduler/sessions.py), if any
         self.session_id = (request.session_params or {}).get("id")
+        self.lora_name = request.lora_name  # its LoRA adapter; its prefixes are cached apart
         # drawn tokens that end the request by length whatever they are
         limit = request.sampling.max_new_tokens
         if context_length is not None:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # generate() arguments of SGLang that this engine does not serve; passing them is an error, not a no-op
 _UNSUPPORTED_GENERATE_ARGS = (
-    "image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor",
+    "image_data", "audio_data", "video_data", "custom_logit_processor",
     "token_ids_logprob", "return_hidden_states", "bootstrap_host", "bootstrap_port",
     "bootstrap_room", "data_parallel_rank",
 )  # fmt: skip
@@ -77,6 +77,7 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         session_params: dict | list[dict] | None = None,
+        lora_path: str | list[str | None] | None = None,
         **unsupported: Any,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> a dict; a list -> a list of dicts in input order; stream=True -> an iterator of chunks.
@@ -105,6 +106,7 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         session_params: dict | list[dict] | None = None,
+        lora_path: str | list[str | None] | None = None,
         **unsupported: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate(), awaited on the caller's event loop; stream=True gives an async iterator.
@@ -133,7 +135,7 @@ class Engine:
             arguments["prompt"], arguments["input_ids"], arguments["sampling_params"],
             arguments["return_logprob"], arguments["logprob_start_len"], arguments["top_logprobs_num"],
             arguments["rid"], arguments["return_text_in_logprobs"], arguments["stream"],
-            arguments["session_params"],
+            arguments["session_params"], arguments["lora_path"],
         )  # fmt: skip
 
     # ------------------------------------------------------------------ embeddings and scores
@@ -239,6 +241,28 @@ class Engine:
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests run."""
         return bool(self.tokenizer_manager.control("flush_cache"))
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora_adapter(
+        self, lora_name: str, lora_path: str, pinned: bool = False
+    ) -> LoraAdapterResult:
+        """Load a PEFT LoRA adapter folder under `lora_name`, for generate(lora_path=lora_name);
+        `pinned` keeps it in a device slot once it has one. The engine must have been started
+        with enable_lora=True or lora_paths. A bad folder, a rank above max_lora_rank or a
+        target the engine was not started for: ValueError naming it."""
+        if not isinstance(lora_name, str) or not lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {lora_name!r}")
+        args = {"lora_name": lora_name, "lora_path": str(lora_path), "pinned": bool(pinned)}
+        loaded = self.tokenizer_manager.control("load_lora_adapter", args)
+        self.tokenizer_manager.inputs.lora_adapters = dict(loaded)
+        return LoraAdapterResult(True, "", loaded)
+
+    def unload_lora_adapter(self, lora_name: str) -> LoraAdapterResult:
+        """Unload an adapter; refused (ValueError) while requests that use it are queued or
+        running. Its cached prefixes are freed."""
+        loaded = self.tokenizer_manager.control("unload_lora_adapter", {"lora_name": lora_name})
+        self.tokenizer_manager.inputs.lora_adapters = dict(loaded)
+        return LoraAdapterResult(True, "", loaded)
 
     # ------------------------------------------------------------------ sessions
     def open_session(
@@ -351,6 +375,16 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraAdapterResult:
+    """What load_lora_adapter / unload_lora_adapter return, as SGLang's: the adapters loaded
+    after the call, {name: folder}."""
+
+    success: bool
+    error_message: str
+    loaded_adapters: dict[str, str]
 
 
 def _refuse(unsupported: dict[str, Any]) -> None:

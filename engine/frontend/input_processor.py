@@ -51,6 +51,8 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.eos_ids = config.eos_token_ids | _tokenizer_eos(tokenizer)
         self._seeds = random.Random(args.random_seed)
+        # the LoRA adapters a request may name: {name: folder}, kept by load/unload_lora_adapter
+        self.lora_adapters: dict[str, str] = dict(args.lora_adapters)
 
     # ------------------------------------------------------------------ inputs
     def make_call(
@@ -65,6 +67,7 @@ class InputProcessor:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         session_params: dict | list[dict] | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> GenerateCall:
         token_lists, is_batch = self._token_lists(prompt, input_ids)
         n = len(token_lists)
@@ -74,6 +77,7 @@ class InputProcessor:
         tops = _per_request("top_logprobs_num", top_logprobs_num, n, int)
         rids = _per_request("rid", rid, n, str)
         sessions = _per_request("session_params", session_params, n, dict)
+        loras = _per_request("lora_path", lora_path, n, str)
         requests = []
         for i in range(n):
             where = f"request {i}: " if is_batch else ""
@@ -83,6 +87,8 @@ class InputProcessor:
                 )
                 if sessions[i] is not None:
                     request = self._session_turn(request, sessions[i])
+                if loras[i] is not None:
+                    request = dataclasses.replace(request, lora_name=self._lora_name(loras[i]))
             except ValueError as e:
                 raise ValueError(f"{where}{e}") from None
             n_samples = request.sampling.n
@@ -183,6 +189,15 @@ class InputProcessor:
             top_logprobs_num=top if return_logprob else 0,
             stream=stream,
         )
+
+    def _lora_name(self, name: object) -> str:
+        if not isinstance(name, str) or name not in self.lora_adapters:
+            loaded = sorted(self.lora_adapters)
+            hint = (
+                f"loaded: {loaded}" if loaded else "none is loaded (lora_paths, load_lora_adapter)"
+            )
+            raise ValueError(f"lora_path {name!r} names no loaded adapter; {hint}")
+        return name
 
     def _session_turn(self, request: TokenizedRequest, params: dict) -> TokenizedRequest:
         """A request as a turn of a session: its session_params checked. A turn that continues

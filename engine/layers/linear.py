@@ -8,11 +8,16 @@ the input features and sums the partial outputs with an all-reduce.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.distributed import all_reduce, divide, tp_rank, tp_size
+
+if TYPE_CHECKING:
+    from engine.lora.layer import LoraLinear
 
 
 def _copy_checked(
@@ -26,6 +31,9 @@ def _copy_checked(
 
 
 class LinearBase(nn.Module):
+    # the LoRA update of this projection, when the engine serves adapters (engine/lora/layer.py)
+    lora: LoraLinear | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -37,7 +45,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
@@ -143,7 +152,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: the bias is added once, after the reduction, not once per rank.
         y = all_reduce(F.linear(x, self.weight))
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y if self.lora is None else self.lora.add_to(x, y)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None

@@ -57,6 +57,7 @@ class RadixCache:
             self.root = TreeNode(_EMPTY, _EMPTY, None)
             self.root.lock_ref = 1  # never evicted
         self.root.children = {}
+        self._namespaces: dict[str, TreeNode] = {}
         self.evictable_tokens = 0
         self.protected_tokens = 0
         self.num_nodes = 0
@@ -64,12 +65,52 @@ class RadixCache:
         self._tiebreak = itertools.count()
 
     # ------------------------------------------------------------------ lookups
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[np.ndarray, TreeNode]:
-        """The slots (int64 array) of the longest cached page-aligned prefix of `tokens`, and the
-        node where it ends."""
+    def root_of(self, namespace: str | None) -> TreeNode:
+        """Where the prefixes of a namespace start: the root for None (the base model), else a
+        node of no tokens under it, one per namespace (a LoRA adapter), never evicted.
+
+        NOTE: KV computed under one adapter is other numbers than under another or none: each
+        adapter's prefixes live under its own node, so no match ever crosses adapters."""
+        if namespace is None:
+            return self.root
+        node = self._namespaces.get(namespace)
+        if node is None:
+            node = TreeNode(_EMPTY, _EMPTY, self.root)
+            node.lock_ref = 1  # never evicted (it holds no pages)
+            self.root.children[("lora", namespace)] = node
+            self._namespaces[namespace] = node
+        return node
+
+    def namespace_locked(self, namespace: str) -> bool:
+        """Whether a request or a session holds a prefix of the namespace."""
+        node = self._namespaces.get(namespace)
+        return node is not None and node.lock_ref > 1
+
+    def drop_namespace(self, namespace: str) -> None:
+        """Free every prefix of the namespace (its adapter was unloaded: a later adapter of the
+        same name computes other KV). NOTE: nothing of it may be locked (namespace_locked)."""
+        top = self._namespaces.pop(namespace, None)
+        if top is None:
+            return
+        assert top.lock_ref == 1, "drop_namespace while its prefixes are held"
+        del self.root.children[("lora", namespace)]
+        stack = list(top.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            self.allocator.free(self.pages_of(node.value))
+            self.evictable_tokens -= len(node.key)
+            self.num_nodes -= 1
+            node.parent = None  # (eviction skips what it finds detached)
+
+    def match_prefix(
+        self, tokens: Sequence[int], namespace: str | None = None
+    ) -> tuple[np.ndarray, TreeNode]:
+        """The slots (int64 array) of the longest cached page-aligned prefix of `tokens` (in
+        `namespace`: root_of), and the node where it ends."""
         tokens = np.asarray(tokens, dtype=np.int64)
         tokens = tokens[: len(tokens) - len(tokens) % self.page_size]
-        node, parts, i = self.root, [], 0
+        node, parts, i = self.root_of(namespace), [], 0
         while i < len(tokens):
             child = node.children.get(self._edge(tokens, i))
             if child is None:

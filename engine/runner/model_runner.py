@@ -28,6 +28,7 @@ from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.batch.scheduled_batch import ScheduledBatch
 from engine.layers.attention import attention_layers, use_backend
 from engine.layers.distributed import agree_min
+from engine.lora.manager import LoraManager
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.model_config import ModelConfig
@@ -57,6 +58,8 @@ class ModelRunner:
         loading = time.perf_counter()
         self.model = load_model(config, args.load_format, device)
         logger.info("weights loaded in %.1fs", time.perf_counter() - loading)
+        # LoRA adapters (engine/lora/): a LoraLinear on each projection they may target
+        self.lora = LoraManager(args, config, self.model, device) if args.lora_enabled else None
         self.kv_dtype = config.dtype
         attn = attention_layers(self.model)[0]
         self.num_kv_heads = attn.num_kv_heads
@@ -130,6 +133,8 @@ class ModelRunner:
     def step(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the batch's forward and everything its logits become; nothing here waits."""
         n = len(batch.reqs)
+        if self.lora is not None:  # each request's adapter in a slot, and the block table
+            self.lora.prepare([r.lora_name for r in batch.reqs], list(batch.extend_lens))
         graphed = self.graphs is not None and n <= self.graphs.max_bs
         width = self.graphs.padded_size(n) if graphed else n  # (decode columns)
         forward, plan = build_forward_batch(
@@ -241,10 +246,13 @@ class ModelRunner:
         return tokens
 
     def _use_cuda_graphs(self) -> bool:
+        # NOTE: LoRA runs eagerly in this version: its block table changes length with the
+        # batch's adapters, which a graph captured for a size cannot follow yet
         return (
             self.device.type == "cuda"
             and not self.args.disable_cuda_graph
             and self.attn_backend.supports_cuda_graph
+            and self.lora is None
         )
 
     def _prefill_graph_tokens(self) -> int:

@@ -40,6 +40,7 @@ class TokenizedRequest:
     label_token_ids: list[int] | None = None  # score(): logprobs of these ids after the prompt
     # generate(session_params=...): the session turn this continues (engine/scheduler/sessions.py)
     session_params: dict[str, Any] | None = None
+    lora_name: str | None = None  # generate(lora_path=...): the adapter (None: the base model)
 
     @property
     def prompt_len(self) -> int:

@@ -92,6 +92,11 @@ class EmbeddingScheduler:
     def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         raise ValueError("get_weights_by_name serves generation engines in this version")
 
+    def load_lora_adapter(self, **kwargs) -> dict:
+        raise ValueError("LoRA adapters serve generation engines in this version")
+
+    unload_lora_adapter = load_lora_adapter
+
     def open_session(self, **kwargs) -> str:
         raise ValueError("sessions are for generation engines; this one embeds")
 

@@ -59,9 +59,9 @@ class KVCache:
         return self.tree.total_tokens if self.tree else 0
 
     # ------------------------------------------------------------------ request lifetime
-    def match_len(self, tokens: np.ndarray) -> int:
+    def match_len(self, tokens: np.ndarray, namespace: str | None = None) -> int:
         """How many leading tokens the cache could serve (nothing is locked)."""
-        return len(self.tree.match_prefix(tokens)[0]) if self.tree else 0
+        return len(self.tree.match_prefix(tokens, namespace)[0]) if self.tree else 0
 
     def admit(self, req: Req, limit: int) -> np.ndarray:
         """Give the request a table row and the cached prefix of its first `limit` tokens; returns
@@ -71,7 +71,10 @@ class KVCache:
         prefix_len // page_size, and the table row is written on the device with the rest of the
         batch (ReqToTokenPool.write_prefixes).
         """
-        slots, node = self.tree.match_prefix(req.fill_ids[:limit]) if self.tree else (_NONE, None)
+        tree = self.tree
+        slots, node = (
+            tree.match_prefix(req.fill_ids[:limit], req.lora_name) if tree else (_NONE, None)
+        )
         if node is not None:
             self.tree.lock(node)
         req.last_node = node
@@ -149,7 +152,7 @@ class KVCache:
         first = req.prefix_len // ps
         duplicates = self.rows.own(req.pool_row, first, present // ps)
         if len(duplicates):  # another request cached the same tokens meanwhile: read its, free ours
-            cached, node = self.tree.match_prefix(req.fill_ids[:aligned])
+            cached, node = self.tree.match_prefix(req.fill_ids[:aligned], req.lora_name)
             theirs = to_device(cached[req.prefix_len : present], torch.int64, self.device)
             self.req_to_token.write(req.pool_row, req.prefix_len, theirs)
             self.allocator.free(duplicates)
@@ -178,12 +181,12 @@ class KVCache:
         req.pool_row, req.rows, req.prefix_len, req.last_node = -1, None, 0, None
         req.drawn = drawn
 
-    def hold(self, tokens: np.ndarray) -> object | None:
+    def hold(self, tokens: np.ndarray, namespace: str | None = None) -> object | None:
         """Lock the cached prefix of `tokens` (a session's finished turn), so eviction spares it
         until let_go; the node to give back."""
         if self.tree is None:
             return None
-        node = self.tree.match_prefix(tokens)[1]
+        node = self.tree.match_prefix(tokens, namespace)[1]
         self.tree.lock(node)
         return node
 

@@ -61,6 +61,8 @@ class PrefillPlanner:
         self.estimate = estimate
         self.stats = stats
         self.max_running_requests = max_running_requests
+        # distinct LoRA adapters that may run at once: the device's adapter slots (0: no LoRA)
+        self.max_loras = args.max_loras_per_batch if args.lora_enabled else 0
         self.max_prefill_tokens = args.max_prefill_tokens
         self.chunk_size = args.prefill_chunk_size
         self.lpm = args.schedule_policy == "lpm"
@@ -92,6 +94,7 @@ class PrefillPlanner:
         heads: set[tuple[object, bytes]] = set()  # the uncached heads of the batch's prompts
         shared: dict[object, np.ndarray] = {}  # each matched node's prefix slots
         reserved = None  # what the running requests may still generate: O(running), so lazily
+        adapters: set[str] | None = None  # the LoRA adapters of running requests, also lazily
         # NOTE: newly admitted requests join q.running (or become q.chunked) as they are planned
         while q.waiting and budget > 0 and q.num_running < self.max_running_requests:
             if reserved is None:
@@ -99,6 +102,13 @@ class PrefillPlanner:
                 if not reqs and self._wait_for_room(reserved):
                     break
             req = q.waiting[0]
+            if self.max_loras and req.lora_name is not None:
+                if adapters is None:  # O(running), once a plan: the adapters that are running
+                    chunked = [q.chunked] if q.chunked is not None else []
+                    adapters = {r.lora_name for r in [*q.running, *chunked, *reqs]} - {None}
+                if req.lora_name not in adapters and len(adapters) >= self.max_loras:
+                    break  # every adapter slot is taken by running requests: it waits for one
+                adapters.add(req.lora_name)
             prefix = self.kv.admit(req, self._prefix_limit(req))
             cached = len(prefix)
             remaining = req.fill_len - cached
@@ -204,7 +214,9 @@ class PrefillPlanner:
     def _sort_waiting_by_prefix(self) -> None:
         waiting = self.queues.waiting
         head = [waiting.popleft() for _ in range(min(len(waiting), LPM_MAX_SORT))]
-        head.sort(key=lambda r: -self.kv.match_len(r.fill_ids[: self._prefix_limit(r)]))
+        head.sort(
+            key=lambda r: -self.kv.match_len(r.fill_ids[: self._prefix_limit(r)], r.lora_name)
+        )
         waiting.extendleft(reversed(head))
 
 

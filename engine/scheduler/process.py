@@ -157,6 +157,10 @@ class SchedulerProcess:
             return self.scheduler.update_weights_from_disk(**args)
         if kind == "get_weights_by_name":
             return self.scheduler.weights_by_name(**args)
+        if kind == "load_lora_adapter":
+            return self.scheduler.load_lora_adapter(**args)
+        if kind == "unload_lora_adapter":
+            return self.scheduler.unload_lora_adapter(**args)
         if kind == "open_session":
             return self.scheduler.open_session(**args)
         if kind == "close_session":

@@ -94,6 +94,11 @@ class Scheduler:
                 self._check_fits(request)
             except ValueError as e:
                 refusal = str(e)
+        lora = self.runner.lora
+        if request.lora_name is not None and (
+            lora is None or request.lora_name not in lora.adapters
+        ):
+            refusal = f"lora_path {request.lora_name!r} names no loaded adapter"  # (unloaded since)
         req = Req(request, self.config.context_length)
         if refusal is not None:
             return self._refuse(req, refusal)
@@ -134,6 +139,44 @@ class Scheduler:
     def _session_turn_ended(self, req: Req) -> None:
         if req.session_id is not None:
             self.sessions.finished(req)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        self._lora().load(lora_name, lora_path, pinned)
+        return self.lora_adapters()
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Refused while a queued or running request uses it, or an open session holds KV of
+        it; its cached prefixes go with it (an adapter loaded later under the name differs)."""
+        lora = self._lora()
+        users = [
+            r for r in (*self.queues.waiting, *self.queues.admitted()) if r.lora_name == lora_name
+        ]
+        if users:
+            raise ValueError(
+                f"lora_name {lora_name!r} is used by {len(users)} queued or running request(s); "
+                "unload it once they have finished"
+            )
+        tree = self.kv.tree
+        if tree is not None and tree.namespace_locked(lora_name):
+            raise ValueError(
+                f"lora_name {lora_name!r} has KV held by an open session: close it first"
+            )
+        lora.unload(lora_name)
+        if tree is not None:
+            tree.drop_namespace(lora_name)
+        return self.lora_adapters()
+
+    def lora_adapters(self) -> dict:
+        lora = self.runner.lora
+        return {name: a.path for name, a in lora.adapters.items()} if lora else {}
+
+    def _lora(self):
+        if self.runner.lora is None:
+            raise ValueError(
+                "this engine serves no LoRA adapters: start it with enable_lora=True or lora_paths"
+            )
+        return self.runner.lora
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, **kwargs) -> str:

@@ -143,7 +143,7 @@ class Sessions:
             return
         turn.tokens = list(req.input_ids) + list(req.output_ids)
         turn.prompt_len = req.prompt_len
-        turn.held = self.kv.hold(np.asarray(turn.tokens, dtype=np.int64))
+        turn.held = self.kv.hold(np.asarray(turn.tokens, dtype=np.int64), req.lora_name)
         session.last_used = self.clock()
 
     def _turn(self, session: Session, rid: str) -> Turn:

@@ -31,7 +31,8 @@ BOOL_ARGS = (
 )  # fmt: skip
 POSITIVE_INT_ARGS = (
     "context_length", "max_total_tokens", "max_running_requests", "max_prefill_tokens",
-    "page_size", "cuda_graph_max_bs", "tp_size", "stream_interval",
+    "page_size", "cuda_graph_max_bs", "tp_size", "stream_interval", "max_loras_per_batch",
+    "max_lora_rank",
 )  # fmt: skip
 
 

@@ -1,0 +1,62 @@
+"""The LoRA update of one projection layer, for every token of a forward at once.
+
+A LoraLinear hangs on a linear layer (`layer.lora`) and adds, after the layer's own matmul,
+scaling[slot] * B[slot] (A[slot] x) for each token, slot being the adapter slot of the token's
+request (kernels/lora.py: a shrink and an expand over the forward's block table). Its weights
+are views of fixed device buffers of `max_loras_per_batch` slots, zero-padded to
+`max_lora_rank`; a slot with no adapter is zeros, and the tokens of requests without an
+adapter are in no block, so the kernels leave them alone.
+
+Tensor parallel: a column-parallel layer (q/k/v, gate/up) sees the whole input, so its A is
+whole and its B holds this rank's output rows, cut as the base weight is cut. A row-parallel
+layer (o, down) sees this rank's input columns: A holds those columns, the shrink's partial
+sums are all-reduced, and B is whole, added to the layer's already reduced output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.distributed import all_reduce
+from kernels.lora import LORA_BLOCK_M, lora_blocks, lora_expand, lora_shrink
+
+
+class LoraBatch:
+    """Which adapter slot each token of the coming forward uses: the block table, on the device,
+    set by the model runner before each forward."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.table = torch.zeros(max_rows, 3, dtype=torch.int32, device=device)
+        self.blocks = self.table[:0]
+
+    def set(self, seg_lens: list[int], seg_slots: list[int]) -> None:
+        host = lora_blocks(seg_lens, seg_slots, LORA_BLOCK_M)
+        rows = len(host)
+        if rows:
+            self.table[:rows].copy_(torch.from_numpy(host), non_blocking=False)
+        self.blocks = self.table[:rows]
+
+
+class LoraLinear:
+    def __init__(
+        self,
+        a: torch.Tensor,  # [S, slices * R, K_local]
+        b: torch.Tensor,  # [S, N_local_total, R]
+        offsets: torch.Tensor,  # [slices + 1] output columns of each slice
+        scaling: torch.Tensor,  # [S] float32
+        batch: LoraBatch,
+        reduce: bool,
+    ) -> None:
+        self.a, self.b, self.offsets, self.scaling = a, b, offsets, scaling
+        self.batch = batch
+        self.reduce = reduce
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        blocks = self.batch.blocks
+        if not len(blocks):  # no token of this forward uses an adapter
+            return y
+        t = lora_shrink(x.reshape(-1, x.shape[-1]), self.a, blocks)
+        if self.reduce:
+            t = all_reduce(t)
+        lora_expand(t, self.b, blocks, self.offsets, self.scaling, y.view(-1, y.shape[-1]))
+        return y
