@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers.distributed import all_reduce
-from kernels.lora import LORA_BLOCK_M, lora_blocks, lora_expand, lora_shrink
+from kernels.lora import LORA_BLOCK_M, lora_blocks, lora_expand, lora_max_blocks, lora_shrink
 
 
 class LoraBatch:
@@ -29,11 +29,21 @@ class LoraBatch:
         self.table = torch.zeros(max_rows, 3, dtype=torch.int32, device=device)
         self.blocks = self.table[:0]
 
-    def set(self, seg_lens: list[int], seg_slots: list[int]) -> None:
-        host = lora_blocks(seg_lens, seg_slots, LORA_BLOCK_M)
+    def set(self, seg_lens: list[int], seg_slots: list[int], num_blocks: int | None = None) -> None:
+        """The table of a forward whose requests have seg_lens tokens each, in order, using the
+        adapter slots seg_slots (-1: none). `num_blocks`: padded to that length, the length a
+        CUDA graph of the batch's size was captured with."""
+        host = lora_blocks(seg_lens, seg_slots, LORA_BLOCK_M, num_blocks)
         rows = len(host)
         if rows:
-            self.table[:rows].copy_(torch.from_numpy(host), non_blocking=False)
+            self.table[:rows].copy_(torch.from_numpy(host))
+        self.blocks = self.table[:rows]
+
+    def for_graph(self, num_tokens: int) -> None:
+        """Before capturing a decode graph of num_tokens requests: a table of the length its
+        replays will write, all padding (the captured kernels read it in place)."""
+        rows = lora_max_blocks(num_tokens, num_tokens, LORA_BLOCK_M)
+        self.table[:rows] = torch.tensor([0, 0, -1], dtype=torch.int32)
         self.blocks = self.table[:rows]
 
 
@@ -53,8 +63,8 @@ class LoraLinear:
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         blocks = self.batch.blocks
-        if not len(blocks):  # no token of this forward uses an adapter
-            return y
+        if not len(blocks):  # no token of this eager forward uses an adapter (a graph's table
+            return y  # always has its captured length, padding included)
         t = lora_shrink(x.reshape(-1, x.shape[-1]), self.a, blocks)
         if self.reduce:
             t = all_reduce(t)

@@ -28,7 +28,7 @@ from engine.lora.adapter import LoraAdapter
 from engine.lora.layer import LoraBatch, LoraLinear
 from engine.model_config import ModelConfig
 from engine.server_args import ServerArgs
-from kernels.lora import LORA_BLOCK_M
+from kernels.lora import LORA_BLOCK_M, lora_max_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +115,12 @@ class LoraManager:
         return len(names - {None}) <= self.num_slots
 
     # ------------------------------------------------------------------ a forward
-    def prepare(self, adapters: list[str | None], token_counts: list[int]) -> None:
+    def prepare(
+        self, adapters: list[str | None], token_counts: list[int], graph_size: int | None = None
+    ) -> None:
         """Put the batch's adapters in slots and write its block table: request i uses
-        adapters[i] (None: none) for its token_counts[i] tokens, in batch order."""
+        adapters[i] (None: none) for its token_counts[i] tokens, in batch order. `graph_size`:
+        the decode graph's batch size the forward replays (its table has that graph's length)."""
         wanted = set(adapters) - {None}
         assert len(wanted) <= self.num_slots, "admission keeps a batch within the slots"
         stamp = next(self._clock)
@@ -126,7 +129,9 @@ class LoraManager:
             if name not in self.slots:
                 self._place(name, wanted)
         slot_of = {name: i for i, name in enumerate(self.slots) if name is not None}
-        self.batch.set(token_counts, [slot_of[a] if a is not None else -1 for a in adapters])
+        slots = [slot_of[a] if a is not None else -1 for a in adapters]
+        rows = lora_max_blocks(graph_size, graph_size) if graph_size is not None else None
+        self.batch.set(token_counts, slots, rows)
 
     def _place(self, name: str, wanted: set[str]) -> None:
         free = [i for i, held in enumerate(self.slots) if held is None]

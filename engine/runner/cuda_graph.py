@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.runner.decode_inputs import DecodeInputs
+
+if TYPE_CHECKING:
+    from engine.lora.layer import LoraBatch
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +82,10 @@ class DecodeCudaGraphs:
         dtype: torch.dtype,
         max_bs: int,
         pool: object,
+        lora_batch: LoraBatch | None = None,
     ) -> None:
         self.forward_eager = forward_eager
+        self.lora_batch = lora_batch  # LoRA's block table, captured at each size's length
         self.backend = backend
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
@@ -153,9 +159,11 @@ class DecodeCudaGraphs:
             kv_pool=self.kv_pool,
             req_to_token=self.req_to_token.table,
         )
-        out, forward_eager = self.logits[:bs], self.forward_eager
+        out, forward_eager, lora = self.logits[:bs], self.forward_eager, self.lora_batch
 
         def forward() -> None:
+            if lora is not None:  # the LoRA kernels read a table of this size's length
+                lora.for_graph(bs)
             out.copy_(forward_eager(batch))
 
         return forward

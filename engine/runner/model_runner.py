@@ -100,6 +100,7 @@ class ModelRunner:
                 self.forward_eager, self.attn_backend, self.kv_pool, self.req_to_token,
                 self.decode_inputs, config.vocab_size, config.dtype,
                 max_bs=min(args.cuda_graph_max_bs, self.max_running_requests), pool=pool,
+                lora_batch=self.lora.batch if self.lora is not None else None,
             )  # fmt: skip
 
     # ------------------------------------------------------------------ weights
@@ -133,10 +134,12 @@ class ModelRunner:
     def step(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the batch's forward and everything its logits become; nothing here waits."""
         n = len(batch.reqs)
-        if self.lora is not None:  # each request's adapter in a slot, and the block table
-            self.lora.prepare([r.lora_name for r in batch.reqs], list(batch.extend_lens))
         graphed = self.graphs is not None and n <= self.graphs.max_bs
         width = self.graphs.padded_size(n) if graphed else n  # (decode columns)
+        if self.lora is not None:  # each request's adapter in a slot, and the block table
+            replayed = graphed and batch.mode is ForwardMode.DECODE
+            names = [r.lora_name for r in batch.reqs]
+            self.lora.prepare(names, list(batch.extend_lens), width if replayed else None)
         forward, plan = build_forward_batch(
             batch, self.kv_pool, self.req_to_token, self.decode_inputs, width
         )
@@ -246,18 +249,17 @@ class ModelRunner:
         return tokens
 
     def _use_cuda_graphs(self) -> bool:
-        # NOTE: LoRA runs eagerly in this version: its block table changes length with the
-        # batch's adapters, which a graph captured for a size cannot follow yet
         return (
             self.device.type == "cuda"
             and not self.args.disable_cuda_graph
             and self.attn_backend.supports_cuda_graph
-            and self.lora is None
         )
 
     def _prefill_graph_tokens(self) -> int:
         """The largest prefill step a graph replays (0: none), never above what a step holds."""
-        if not self.attn_backend.supports_prefill_cuda_graph:
+        # NOTE: LoRA's prefill steps run eagerly: their block tables vary with the requests
+        # of a step beyond what one padded size could hold (decode graphs serve LoRA)
+        if not self.attn_backend.supports_prefill_cuda_graph or self.lora is not None:
             return 0
         tokens = min(self.args.prefill_cuda_graph_max_tokens, self.args.max_prefill_tokens)
         # a capture's warm-up batch is padding requests of at most one table row each
