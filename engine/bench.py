@@ -158,7 +158,10 @@ def floor_seconds(
 # ---------------------------------------------------------------------------------------------
 
 
-def run_engine(model_path: str, work: Workload, engine_args: dict) -> dict:
+def run_engine(
+    model_path: str, work: Workload, engine_args: dict, lora_names: list[str] | None = None
+) -> dict:
+    """The workload through the engine; with lora_names, request i uses adapter i % len."""
     from engine import Engine
 
     t0 = time.perf_counter()
@@ -175,8 +178,9 @@ def run_engine(model_path: str, work: Workload, engine_args: dict) -> dict:
         params = [
             {"temperature": 0.0, "max_new_tokens": o, "ignore_eos": True} for o in work.output_lens
         ]
+        lora = [lora_names[i % len(lora_names)] for i in range(len(params))] if lora_names else None
         t0 = time.perf_counter()
-        outs = engine.generate(input_ids=work.input_ids, sampling_params=params)
+        outs = engine.generate(input_ids=work.input_ids, sampling_params=params, lora_path=lora)
         wall = time.perf_counter() - t0
         info = engine.get_server_info()
         info["internal_states"][0] = _counters_since(before, info["internal_states"][0])
@@ -223,6 +227,34 @@ def run_transformers(model_path: str, work: Workload, device: torch.device) -> d
     return {"wall": wall, "startup": startup, "output_tokens": produced}
 
 
+def dummy_adapters(cfg: ModelConfig, count: int, rank: int) -> dict[str, str]:
+    """`count` PEFT LoRA folders of random weights for cfg's shapes, rank `rank`, targeting all
+    seven projections: {name: folder}."""
+    from safetensors.torch import save_file
+
+    from engine.lora import TARGET_MODULES
+    from engine.lora.adapter import _shape
+
+    adapters = {}
+    gen = torch.Generator().manual_seed(0)
+    for k in range(count):
+        folder = Path(tempfile.mkdtemp(prefix=f"gristmill-lora{k}-"))
+        tensors = {}
+        for layer in range(cfg.num_layers):
+            for module in TARGET_MODULES:
+                part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                stem = f"base_model.model.model.layers.{layer}.{part}.{module}"
+                in_size, out_size = _shape(cfg, module)
+                tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, in_size, generator=gen) * 0.02
+                tensors[f"{stem}.lora_B.weight"] = torch.randn(out_size, rank, generator=gen) * 0.02
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                  "target_modules": list(TARGET_MODULES), "bias": "none"}  # fmt: skip
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        adapters[f"adapter{k}"] = str(folder)
+    return adapters
+
+
 def dummy_folder(name: str) -> str:
     """A model folder with only a config.json, for load_format='dummy'."""
     src = CONFIGS / f"{name}.json"
@@ -266,6 +298,11 @@ def main(argv: list[str] | None = None) -> None:
         default="{}",
         help="JSON of extra Engine arguments, e.g. '{\"disable_radix_cache\": true}'",
     )
+    ap.add_argument(
+        "--lora-adapters", type=int, default=0,
+        help="spread the requests over this many random LoRA adapters (all seven targets)",
+    )  # fmt: skip
+    ap.add_argument("--lora-rank", type=int, default=16, help="their rank (default 16)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
 
@@ -284,7 +321,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     bandwidth, flops = measure_ceilings(device)
 
-    result = run_engine(model_path, work, engine_args)
+    lora_names = None
+    if args.lora_adapters:
+        adapters = dummy_adapters(cfg, args.lora_adapters, args.lora_rank)
+        engine_args = {**engine_args, "lora_paths": adapters}
+        lora_names = list(adapters)
+    result = run_engine(model_path, work, engine_args, lora_names)
     max_running = result["info"]["max_running_requests"]
     state = result["info"]["internal_states"][0]
     # NOTE: tp ranks each read 1/tp of the weights and KV and do 1/tp of the FLOPs, so the
@@ -300,7 +342,15 @@ def main(argv: list[str] | None = None) -> None:
             "model",
             f"{args.model_config or args.model} ({cfg.dtype}, {weight_bytes(cfg) / 2**30:.2f} GiB weights)",
         ),
-        ("requests", f"{args.num_prompts}"),
+        (
+            "requests",
+            f"{args.num_prompts}"
+            + (
+                f" over {args.lora_adapters} LoRA adapters of rank {args.lora_rank}"
+                if args.lora_adapters
+                else ""
+            ),
+        ),  # fmt: skip
         (
             "input tokens",
             f"{work.input_tokens} (len {args.input_len}{f' + {args.shared_prefix_len} shared, {args.num_prefixes} prefix(es)' if args.shared_prefix_len else ''})",

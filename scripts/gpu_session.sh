@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the README's benchmark workloads. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [kernels|extend|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup ...]
+# Usage there: bash scripts/gpu_session.sh [kernels|extend|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -55,6 +55,9 @@ for step in "${@:-kernels engine w1 w2}"; do
                   python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(22)" "$OUT/w1.prof" | tail -32 ;;
       latency) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_run_latency.py --chat --imports --timeline 2>&1 | grep -v "^Loading\|WARNING" | tail -150 ;;
       startup) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/startup_phases.py 2>&1 | tail -30 ;;
+      lora) tests tests/engine/test_lora.py tests/kernels/test_lora.py -s ;;
+      w1-lora) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
+                --lora-adapters 4 --lora-rank 16 --json "$OUT/w1-lora.json" 2>&1 | grep "^|" ;;
       w1) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --json "$OUT/w1.json" 2>&1 | grep "^|" ;;
       w1-peer) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --peer transformers --json "$OUT/w1-peer.json" 2>&1 | grep "^|" ;;
       w2) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 --json "$OUT/w2.json" 2>&1 | grep "^|" ;;
