@@ -43,7 +43,9 @@ class LoraBatch:
         """Before capturing a decode graph of num_tokens requests: a table of the length its
         replays will write, all padding (the captured kernels read it in place)."""
         rows = lora_max_blocks(num_tokens, num_tokens, LORA_BLOCK_M)
-        self.table[:rows] = torch.tensor([0, 0, -1], dtype=torch.int32)
+        # (fills on the device: a host tensor cannot be copied in during a capture)
+        self.table[:rows, :2].zero_()
+        self.table[:rows, 2].fill_(-1)
         self.blocks = self.table[:rows]
 
 
