@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.layers.distributed import all_reduce
+from engine.transfer import to_device
 from kernels.lora import LORA_BLOCK_M, lora_blocks, lora_expand, lora_max_blocks, lora_shrink
 
 
@@ -35,13 +36,15 @@ class LoraBatch:
         CUDA graph of the batch's size was captured with."""
         host = lora_blocks(seg_lens, seg_slots, LORA_BLOCK_M, num_blocks)
         rows = len(host)
-        if rows:
-            self.table[:rows].copy_(torch.from_numpy(host))
+        if rows:  # (through a pinned buffer: a copy from pageable memory would wait for the GPU)
+            self.table[:rows].copy_(to_device(host, torch.int32, self.table.device))
         self.blocks = self.table[:rows]
 
     def for_graph(self, num_tokens: int) -> None:
         """Before capturing a decode graph of num_tokens requests: a table of the length its
-        replays will write, all padding (the captured kernels read it in place)."""
+        replays will write, all padding (the captured kernels read it in place).
+
+        NOTE: outside the capture: captured, these writes would erase each replay's table."""
         rows = lora_max_blocks(num_tokens, num_tokens, LORA_BLOCK_M)
         # (fills on the device: a host tensor cannot be copied in during a capture)
         self.table[:rows, :2].zero_()

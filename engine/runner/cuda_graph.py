@@ -142,6 +142,8 @@ class DecodeCudaGraphs:
         forward = self._forward_fn(bs)
         # the most K/V entries a decode batch of bs can read: the pool, plus a slot per padded row
         self.backend.init_graph_capture(bs, self.kv_pool.num_tokens + bs)
+        if self.lora_batch is not None:  # the LoRA kernels read a table of this size's length
+            self.lora_batch.for_graph(bs)
         return capture_graph(forward, pool, stream, warm_ups=2)
 
     def _forward_fn(self, bs: int) -> Callable[[], None]:
@@ -159,11 +161,9 @@ class DecodeCudaGraphs:
             kv_pool=self.kv_pool,
             req_to_token=self.req_to_token.table,
         )
-        out, forward_eager, lora = self.logits[:bs], self.forward_eager, self.lora_batch
+        out, forward_eager = self.logits[:bs], self.forward_eager
 
         def forward() -> None:
-            if lora is not None:  # the LoRA kernels read a table of this size's length
-                lora.for_graph(bs)
             out.copy_(forward_eager(batch))
 
         return forward
