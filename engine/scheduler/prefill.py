@@ -148,6 +148,11 @@ class PrefillPlanner:
                 q.running.append(req)
         if not reqs:
             return None
+        if self.max_loras:
+            # decode batches go in q.running's order: grouped by adapter, each adapter's tokens
+            # are a few tiles of the LoRA kernels instead of one per request (a stable sort of a
+            # list sorted already but for the newcomers: linear time)
+            q.running.sort(key=_adapter_order)
         # NOTE: pages are allocated only now, after every admitted prefix was matched and locked:
         # an allocation may evict cached prefixes, never one this batch is about to read
         starts = [r.kv_len for r in reqs]
@@ -218,6 +223,10 @@ class PrefillPlanner:
             key=lambda r: -self.kv.match_len(r.fill_ids[: self._prefix_limit(r)], r.lora_name)
         )
         waiting.extendleft(reversed(head))
+
+
+def _adapter_order(req: Req) -> str:
+    return req.lora_name or ""
 
 
 def _uncached_head(req: Req, cached: int) -> tuple[object, bytes] | None:
