@@ -124,7 +124,7 @@ class _Held:
     def __init__(self) -> None:
         self.held: list[tuple[int, ...]] = []
 
-    def hold(self, tokens):
+    def hold(self, tokens, namespace=None):
         self.held.append(tuple(int(t) for t in tokens))
         return self.held[-1]
 
@@ -136,6 +136,7 @@ class _Finished:
     def __init__(self, request: TokenizedRequest, output: list[int], reason: str = "length"):
         self.rid, self.input_ids, self.output_ids = request.rid, request.input_ids, output
         self.session_id = request.session_params["id"]
+        self.lora_name = request.lora_name
         self.prompt_len = len(request.input_ids)
         self.finish_reason = {"type": reason}
 
