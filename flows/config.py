@@ -196,6 +196,18 @@ class RunConfig(Section):
         0, ge=0, description="keep the top-k logprobs per token (needs logprobs)"
     )
     parallel: ParallelConfig = ParallelConfig()
+    lora: str | None = Field(
+        None, description="the LoRA adapter every row uses: a name of engine.lora_paths"
+    )
+    lora_column: str | None = Field(
+        None, description="an input column naming each row's LoRA adapter (empty: the base model)"
+    )
+
+    @model_validator(mode="after")
+    def _one_way_to_name_an_adapter(self) -> RunConfig:
+        if self.lora is not None and self.lora_column is not None:
+            raise ValueError("lora and lora_column both name adapters: give one of them")
+        return self
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> RunConfig:

@@ -28,7 +28,7 @@ from typing import Any
 import pyarrow as pa
 
 from flows.progress import Progress
-from flows.rows import refused_row, result_row
+from flows.rows import output_column, refused_row, result_row
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,20 @@ class RequestOptions:
     sampling: dict[str, Any]  # without the per-row seed
     logprobs: bool
     top_logprobs: int
+    lora: str | None = None  # the adapter of every row
+    lora_column: str | None = None  # or the work rows' column that names each row's
+
+    @classmethod
+    def of(cls, config: Any) -> RequestOptions:
+        column = output_column(config, config.lora_column) if config.lora_column else None
+        return cls(
+            config.sampling_params(), config.logprobs, config.top_logprobs, config.lora, column
+        )
+
+    def lora_of(self, row: dict[str, Any]) -> str | None:
+        if self.lora_column is None:
+            return self.lora
+        return row.get(self.lora_column) or None  # (null or empty: the base model)
 
 
 async def request(engine: Any, row: dict[str, Any], options: RequestOptions) -> dict[str, Any]:
@@ -64,6 +78,7 @@ async def request(engine: Any, row: dict[str, Any], options: RequestOptions) -> 
             sampling_params={**options.sampling, "sampling_seed": row["seed"]},
             return_logprob=options.logprobs,
             top_logprobs_num=options.top_logprobs or None,
+            lora_path=options.lora_of(row),
         )
     except ValueError as e:  # refused before it was queued: this row fails, the run goes on
         return refused_row(row, e)

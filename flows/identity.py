@@ -1,8 +1,8 @@
 """What makes a run's rows what they are: the identity its fingerprint hashes.
 
 Everything that can change an output row is in: the model (its config and tokenizer files,
-and a sampled hash of each weight file), the engine arguments that change numerics, the
-input's content, the prompt, the flow's prompt variables, the sampling parameters, the seed.
+and a sampled hash of each weight file), the LoRA adapters' files, the engine arguments that
+change numerics, the input's content, the prompt, the flow's prompt variables, the sampling parameters, the seed.
 What only changes speed or memory (max_running_requests, max_in_flight, shard_size, ...), how
 many engines share the work (the `parallel` section, base_gpu_id) and where results go
 (output_dir, run_name) are out, so tuning them resumes the same run, whatever the worker count
@@ -36,7 +36,7 @@ _SAMPLE_BYTES = 1 << 20
 
 def run_identity(config: RunConfig, checked: Checked) -> dict[str, Any]:
     engine_args = config.engine.arguments()
-    return {
+    identity = {
         "model": model_identity(engine_args["model_path"], checked.tokenizer_path),
         "engine": {k: v for k, v in engine_args.items() if k not in PERFORMANCE_ARGS},
         "source": {
@@ -51,6 +51,28 @@ def run_identity(config: RunConfig, checked: Checked) -> dict[str, Any]:
         "seed": config.seed,
         "logprobs": [config.logprobs, config.top_logprobs],
     }
+    # NOTE: only where adapters are used: the runs of earlier versions keep their fingerprints
+    if config.lora is not None or config.lora_column is not None:
+        identity["lora"] = [config.lora, config.lora_column]
+    if adapters := adapters_identity(engine_args):
+        identity["adapters"] = adapters
+    return identity
+
+
+def adapters_identity(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """Of each LoRA adapter of engine.lora_paths, by name: hashes of its config and weights
+    (adapters are small: read whole), so a retrained adapter starts a new run folder."""
+    from engine import ServerArgs
+
+    adapters = ServerArgs.from_kwargs(**engine_args).lora_adapters
+    identity = {}
+    for name, folder in sorted(adapters.items()):
+        files = sorted(Path(folder).glob("adapter_model*.safetensors"))
+        files += [Path(folder) / "adapter_config.json"]
+        identity[name] = {
+            f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files if f.is_file()
+        }
+    return identity
 
 
 def model_identity(model_path: str, tokenizer_path: str) -> dict[str, Any]:

@@ -170,7 +170,7 @@ def generate_part(
             os.getpid(),
             engine.startup_seconds,
         )
-        options = RequestOptions(config.sampling_params(), config.logprobs, config.top_logprobs)
+        options = RequestOptions.of(config)
         progress = Progress(todo.num_rows, 0, config.run_name, logger, bar=False)
         generated = asyncio.run(
             _until_stopped(

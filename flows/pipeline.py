@@ -142,7 +142,7 @@ def generate(plan: RunPlan, engine: Any, work: Work) -> Generated:
     if work.todo.num_rows == 0:
         logger.info("nothing to generate: every row is already in a shard")
         return Generated()
-    options = RequestOptions(config.sampling_params(), config.logprobs, config.top_logprobs)
+    options = RequestOptions.of(config)
     progress = Progress(work.total, work.done_before, config.run_name, logger)
 
     async def run() -> Generated:

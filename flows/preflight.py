@@ -36,6 +36,7 @@ def preflight(config: RunConfig) -> Checked:
     columns = loaded.table.column_names if loaded is not None else []
     if loaded is not None:
         _check_columns(config, columns, problems)
+        _check_lora(config, loaded, problems)
         id_column = config.source.id_column
         if id_column is not None and id_column in columns:
             problems += id_problems(loaded, id_column)
@@ -149,6 +150,34 @@ def _check_columns(config: RunConfig, columns: list[str], problems: list[tuple[s
     for column, where in config.needed_columns().items():
         if column not in have:
             problems.append((where, _missing(column, columns)))
+
+
+def _check_lora(config: RunConfig, loaded: Input, problems: list[tuple[str, str]]) -> None:
+    """`lora` names an adapter of engine.lora_paths; `lora_column` exists and names only them."""
+    if config.lora is None and config.lora_column is None:
+        return
+    from engine import ServerArgs
+
+    try:
+        names = set(ServerArgs.from_kwargs(**config.engine.arguments()).lora_adapters)
+    except ValueError:
+        return  # (the engine section's own problem, reported by _check_engine)
+    known = f"engine.lora_paths has {sorted(names)}" if names else "engine.lora_paths is empty"
+    if config.lora is not None and config.lora not in names:
+        problems.append(("lora", f"names adapter {config.lora!r}, which is not loaded: {known}"))
+    column = config.lora_column
+    if column is None:
+        return
+    if column not in loaded.table.column_names:
+        problems.append(("lora_column", _missing(column, loaded.table.column_names)))
+        return
+    values = {v for v in loaded.table.column(column).unique().to_pylist() if v}
+    unknown = sorted(str(v) for v in values - names)
+    if unknown:
+        problems.append(
+            ("lora_column", f"column {column!r} names adapters that are not loaded: "
+             f"{', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}; {known}")
+        )  # fmt: skip
 
 
 def _missing(column: str, columns: list[str]) -> str:

@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from flows.config import EngineConfig
-from flows.identity import PERFORMANCE_ARGS, model_identity
+from flows.identity import PERFORMANCE_ARGS, adapters_identity, model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ def engine_labels(engine: EngineConfig) -> dict[str, Any]:
     return {
         "gristmill": {
             "model": model_identity(args["model_path"], tokenizer_path),
+            "adapters": adapters_identity(args),
             "numerics": {k: v for k, v in args.items() if k not in PERFORMANCE_ARGS},
         }
     }

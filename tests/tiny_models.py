@@ -398,3 +398,23 @@ def guess_like_sglang(monkeypatch) -> None:
     from engine.scheduler.new_tokens import NewTokenEstimate
 
     monkeypatch.setattr(NewTokenEstimate, "finished", lambda self, req: None)
+
+
+def make_lora(model_dir, out, rank: int, targets: list[str], seed: int, alpha: float | None = None):
+    """A PEFT adapter folder for model_dir with random A and B (peft's own writer)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, lora_dropout=0.0,
+        init_lora_weights=False,
+    )  # fmt: skip
+    model = get_peft_model(base, config)
+    with torch.no_grad():  # large enough to change the greedy tokens of a random model
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(out)
+    return out

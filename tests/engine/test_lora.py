@@ -12,31 +12,11 @@ import pytest
 import torch
 
 from engine import Engine
-from tests.tiny_models import hf_greedy, random_prompts, special_token_ids
+from tests.tiny_models import hf_greedy, make_lora, random_prompts, special_token_ids
 
 N = 6
 GREEDY = {"temperature": 0.0, "max_new_tokens": N, "ignore_eos": True}
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_lora(model_dir, out, rank: int, targets: list[str], seed: int, alpha: float | None = None):
-    """A PEFT adapter folder for model_dir with random A and B (peft's own writer)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(
-        r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, lora_dropout=0.0,
-        init_lora_weights=False,
-    )  # fmt: skip
-    model = get_peft_model(base, config)
-    with torch.no_grad():  # large enough to change the greedy tokens of a random model
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(out)
-    return out
 
 
 _PEFT: dict = {}
