@@ -418,3 +418,28 @@ def make_lora(model_dir, out, rank: int, targets: list[str], seed: int, alpha: f
                 p.normal_(0.0, 0.3)
     model.save_pretrained(out)
     return out
+
+
+_PEFT: dict = {}
+
+
+@torch.no_grad()
+def peft_greedy(model_dir, adapter_dir, ids: list[int], n: int):
+    """Greedy tokens and their float32 logprobs of transformers with the adapter applied by peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    key = str(adapter_dir)
+    if key not in _PEFT:
+        base = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager"
+        )
+        _PEFT[key] = PeftModel.from_pretrained(base, adapter_dir).eval()
+    model, tokens, logprobs = _PEFT[key], list(ids), []
+    for _ in range(n):
+        logits = model(torch.tensor([tokens])).logits[0, -1].float()
+        lp = torch.log_softmax(logits, -1)
+        token = int(lp.argmax())
+        tokens.append(token)
+        logprobs.append(float(lp[token]))
+    return tokens[len(ids) :], logprobs

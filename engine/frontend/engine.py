@@ -28,6 +28,7 @@ from engine.frontend.encode import make_encode_call
 from engine.frontend.results import Channel
 from engine.frontend.score import ScoreResult, make_score_call, score_result
 from engine.frontend.tokenizer_manager import TokenizerManager
+from engine.lora import LoraAdapterResult
 from engine.model_config import ModelConfig
 from engine.server_args import LOAD_FORMATS, ServerArgs
 
@@ -375,16 +376,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraAdapterResult:
-    """What load_lora_adapter / unload_lora_adapter return, as SGLang's: the adapters loaded
-    after the call, {name: folder}."""
-
-    success: bool
-    error_message: str
-    loaded_adapters: dict[str, str]
 
 
 def _refuse(unsupported: dict[str, Any]) -> None:

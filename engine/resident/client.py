@@ -6,9 +6,10 @@
     engine.shutdown()                                                # detach; it stays up
     stop_resident(record)                                            # or `gristmill engine stop`
 
-A ResidentEngine serves generate / async_generate (not streamed), flush_cache and
-get_server_info as Engine does, so code written for an Engine runs on it. Its requests are
-batched with those of every other client of the same engine.
+A ResidentEngine serves generate / async_generate (not streamed), flush_cache,
+get_server_info and the Engine's management methods (weights, LoRA adapters, sessions,
+profiles: protocol.ENGINE_METHODS) as Engine does, so code written for an Engine runs on
+it. Its requests are batched with those of every other client of the same engine.
 
 An I/O thread owns the socket (ZMQ sockets belong to one thread): callers hand it requests
 through an in-process queue, and it puts each reply on its caller's Channel, which blocking
@@ -91,6 +92,39 @@ class ResidentEngine:
 
     def flush_cache(self) -> bool:
         return bool(self._control(protocol.FLUSH_CACHE))
+
+    # the Engine's management methods, run by the resident engine (engine/frontend/engine.py
+    # says what each does): weights, LoRA adapters, sessions and profiles of every client
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> Any:
+        return self._call(
+            "update_weights_from_disk", model_path=model_path, load_format=load_format
+        )
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return self._call("get_weights_by_name", name=name, truncate_size=truncate_size)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> Any:
+        return self._call(
+            "load_lora_adapter", lora_name=lora_name, lora_path=lora_path, pinned=pinned
+        )
+
+    def unload_lora_adapter(self, lora_name: str) -> Any:
+        return self._call("unload_lora_adapter", lora_name=lora_name)
+
+    def open_session(self, capacity_of_str_len: int, **kwargs: Any) -> Any:
+        return self._call("open_session", capacity_of_str_len=capacity_of_str_len, **kwargs)
+
+    def close_session(self, session_id: str) -> Any:
+        return self._call("close_session", session_id=session_id)
+
+    def start_profile(self, **kwargs: Any) -> Any:
+        return self._call("start_profile", **kwargs)
+
+    def stop_profile(self) -> Any:
+        return self._call("stop_profile")
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        return self._control(protocol.CALL, (method, kwargs))
 
     def get_server_info(self) -> dict[str, Any]:
         """Engine.get_server_info() of the resident engine, with "resident": its id, pid,

@@ -90,6 +90,14 @@ class ResidentServer:
                 await self._reply(client, call_id, self.info)
             elif op == protocol.FLUSH_CACHE:
                 await self._reply(client, call_id, self.engine.flush_cache)
+            elif op == protocol.CALL:
+                method, kwargs = body
+                if method not in protocol.ENGINE_METHODS:
+                    error = TypeError(f"a resident engine does not serve {method!r}")
+                    await self._send(client, protocol.error_reply(call_id, error))
+                else:
+                    call = functools.partial(getattr(self.engine, method), **kwargs)
+                    await self._reply(client, call_id, call)
             elif op == protocol.CHAT_TEMPLATE:
                 await self._reply(client, call_id, functools.partial(self._chat_template, *body))
 

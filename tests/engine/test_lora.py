@@ -9,39 +9,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from engine import Engine
-from tests.tiny_models import hf_greedy, make_lora, random_prompts, special_token_ids
+from tests.tiny_models import (
+    hf_greedy,
+    make_lora,
+    peft_greedy,
+    random_prompts,
+    special_token_ids,
+)
 
 N = 6
 GREEDY = {"temperature": 0.0, "max_new_tokens": N, "ignore_eos": True}
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-_PEFT: dict = {}
-
-
-@torch.no_grad()
-def peft_greedy(model_dir, adapter_dir, ids: list[int], n: int = N):
-    """Greedy tokens and their float32 logprobs of transformers with the adapter applied by peft."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    key = str(adapter_dir)
-    if key not in _PEFT:
-        base = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation="eager"
-        )
-        _PEFT[key] = PeftModel.from_pretrained(base, adapter_dir).eval()
-    model, tokens, logprobs = _PEFT[key], list(ids), []
-    for _ in range(n):
-        logits = model(torch.tensor([tokens])).logits[0, -1].float()
-        lp = torch.log_softmax(logits, -1)
-        token = int(lp.argmax())
-        tokens.append(token)
-        logprobs.append(float(lp[token]))
-    return tokens[len(ids) :], logprobs
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +58,7 @@ def _reference(llama_dir, adapters, name, ids):
     if name is None:
         tokens, logprobs = hf_greedy(llama_dir, ids, N)
         return tokens, [float(lp[t]) for lp, t in zip(logprobs, tokens)]
-    return peft_greedy(llama_dir, adapters[name], ids)
+    return peft_greedy(llama_dir, adapters[name], ids, N)
 
 
 def test_mixed_adapters_in_one_batch_match_peft(engine, llama_dir, adapters):

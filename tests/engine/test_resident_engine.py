@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from engine import ResidentEngine, resident_engines, start_resident, stop_resident
 from tests.engine.core import InProcessCore
 from tests.processes import wait_gone
-from tests.tiny_models import random_prompts, special_token_ids
+from tests.tiny_models import make_lora, peft_greedy, random_prompts, special_token_ids
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
@@ -69,3 +69,36 @@ def test_requests_through_a_resident_engine(llama_dir):
         stop_resident(record)
     assert not wait_gone([record.pid, *record.info["pids"].values()])
     assert not resident_engines()
+
+
+def test_a_resident_engine_serves_the_engines_management_methods(llama_dir, tmp_path):
+    """LoRA adapters, sessions and weights through a client, as an Engine has them."""
+    adapter = make_lora(llama_dir, tmp_path / "adapter", 4, ["q_proj", "v_proj"], seed=3)
+    record = start_resident(
+        {"model_path": str(llama_dir), "dtype": "float32", "max_total_tokens": 2048,
+         "enable_lora": True, "max_lora_rank": 8}
+    )  # fmt: skip
+    prompt = random_prompts(512, [9], seed=4, avoid_ids=special_token_ids())[0]
+    try:
+        with ResidentEngine(record) as engine:
+            loaded = engine.load_lora_adapter("qv", str(adapter))
+            assert loaded.success and loaded.loaded_adapters == {"qv": str(adapter)}
+            out = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="qv")
+            assert out["output_ids"] == peft_greedy(llama_dir, adapter, prompt, 6)[0]
+            sid = engine.open_session(capacity_of_str_len=100)
+            first = engine.generate(
+                input_ids=prompt, sampling_params=GREEDY, session_params={"id": sid}
+            )
+            second = engine.generate(
+                input_ids=prompt[:3], sampling_params=GREEDY,
+                session_params={"id": sid, "rid": first["meta_info"]["id"]},
+            )  # fmt: skip
+            assert second["meta_info"]["cached_tokens"] == len(prompt) + 6 - 1
+            engine.close_session(sid)
+            assert engine.unload_lora_adapter("qv").loaded_adapters == {}
+            norm = engine.get_weights_by_name("model.norm.weight", truncate_size=4)
+            assert len(norm) == 4
+            with pytest.raises(ValueError, match="not open"):
+                engine.close_session(sid)
+    finally:
+        stop_resident(record)
