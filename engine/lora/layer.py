@@ -40,12 +40,13 @@ class LoraBatch:
             self.table[:rows].copy_(to_device(host, torch.int32, self.table.device))
         self.blocks = self.table[:rows]
 
-    def for_graph(self, num_tokens: int) -> None:
-        """Before capturing a decode graph of num_tokens requests: a table of the length its
-        replays will write, all padding (the captured kernels read it in place).
+    def for_graph(self, num_tokens: int, num_requests: int) -> None:
+        """Before capturing a graph of num_tokens tokens of at most num_requests requests: a
+        table of the length its replays will write, all padding (the captured kernels read it
+        in place).
 
         NOTE: outside the capture: captured, these writes would erase each replay's table."""
-        rows = lora_max_blocks(num_tokens, num_tokens, LORA_BLOCK_M)
+        rows = lora_max_blocks(num_tokens, num_requests, LORA_BLOCK_M)
         # (fills on the device: a host tensor cannot be copied in during a capture)
         self.table[:rows, :2].zero_()
         self.table[:rows, 2].fill_(-1)

@@ -116,11 +116,14 @@ class LoraManager:
 
     # ------------------------------------------------------------------ a forward
     def prepare(
-        self, adapters: list[str | None], token_counts: list[int], graph_size: int | None = None
+        self,
+        adapters: list[str | None],
+        token_counts: list[int],
+        graph_size: tuple[int, int] | None = None,
     ) -> None:
         """Put the batch's adapters in slots and write its block table: request i uses
         adapters[i] (None: none) for its token_counts[i] tokens, in batch order. `graph_size`:
-        the decode graph's batch size the forward replays (its table has that graph's length)."""
+        (tokens, requests) of the graph the forward replays (its table has that graph's length)."""
         wanted = set(adapters) - {None}
         assert len(wanted) <= self.num_slots, "admission keeps a batch within the slots"
         stamp = next(self._clock)
@@ -130,7 +133,7 @@ class LoraManager:
                 self._place(name, wanted)
         slot_of = {name: i for i, name in enumerate(self.slots) if name is not None}
         slots = [slot_of[a] if a is not None else -1 for a in adapters]
-        rows = lora_max_blocks(graph_size, graph_size) if graph_size is not None else None
+        rows = lora_max_blocks(*graph_size) if graph_size is not None else None
         self.batch.set(token_counts, slots, rows)
 
     def _place(self, name: str, wanted: set[str]) -> None:

@@ -143,7 +143,7 @@ class DecodeCudaGraphs:
         # the most K/V entries a decode batch of bs can read: the pool, plus a slot per padded row
         self.backend.init_graph_capture(bs, self.kv_pool.num_tokens + bs)
         if self.lora_batch is not None:  # the LoRA kernels read a table of this size's length
-            self.lora_batch.for_graph(bs)
+            self.lora_batch.for_graph(bs, bs)
         return capture_graph(forward, pool, stream, warm_ups=2)
 
     def _forward_fn(self, bs: int) -> Callable[[], None]:

@@ -95,6 +95,7 @@ class ModelRunner:
                     self.forward_hidden, self.attn_backend, self.kv_pool, self.req_to_token,
                     config.hidden_size, config.dtype, self._prefill_graph_tokens(),
                     max_requests=rows + 1, pool=pool,
+                    lora_batch=self.lora.batch if self.lora is not None else None,
                 )  # fmt: skip
             self.graphs = DecodeCudaGraphs(
                 self.forward_eager, self.attn_backend, self.kv_pool, self.req_to_token,
@@ -136,13 +137,12 @@ class ModelRunner:
         n = len(batch.reqs)
         graphed = self.graphs is not None and n <= self.graphs.max_bs
         width = self.graphs.padded_size(n) if graphed else n  # (decode columns)
-        if self.lora is not None:  # each request's adapter in a slot, and the block table
-            replayed = graphed and batch.mode is ForwardMode.DECODE
-            names = [r.lora_name for r in batch.reqs]
-            self.lora.prepare(names, list(batch.extend_lens), width if replayed else None)
         forward, plan = build_forward_batch(
             batch, self.kv_pool, self.req_to_token, self.decode_inputs, width
         )
+        if self.lora is not None:  # each request's adapter in a slot, and the block table
+            names = [r.lora_name for r in batch.reqs]
+            self.lora.prepare(names, list(batch.extend_lens), self._graph_size(forward, width))
         if plan.rows is None:  # every row (decode)
             logits = self.forward(forward, None)
         else:
@@ -153,6 +153,15 @@ class ModelRunner:
             padded = plan.rows + plan.rows[-1:] * (self._logit_rows_bucket(n) - n)
             logits = self.forward(forward, to_device(padded, torch.int64, self.device))[:n]
         return self.logits_step.launch(batch, plan, logits, forward.req_pool_indices)
+
+    def _graph_size(self, batch: ForwardBatch, width: int) -> tuple[int, int] | None:
+        """(tokens, requests) of the CUDA graph `forward` will replay for the batch, or None."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return width, width
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.fits(batch):
+            return graphs.padded_size(batch.input_ids.shape[0]), graphs.max_requests
+        return None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None) -> torch.Tensor:
@@ -257,9 +266,7 @@ class ModelRunner:
 
     def _prefill_graph_tokens(self) -> int:
         """The largest prefill step a graph replays (0: none), never above what a step holds."""
-        # NOTE: LoRA's prefill steps run eagerly: their block tables vary with the requests
-        # of a step beyond what one padded size could hold (decode graphs serve LoRA)
-        if not self.attn_backend.supports_prefill_cuda_graph or self.lora is not None:
+        if not self.attn_backend.supports_prefill_cuda_graph:
             return 0
         tokens = min(self.args.prefill_cuda_graph_max_tokens, self.args.max_prefill_tokens)
         # a capture's warm-up batch is padding requests of at most one table row each

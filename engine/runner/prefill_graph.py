@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,9 @@ from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.runner.cuda_graph import capture_graph
+
+if TYPE_CHECKING:
+    from engine.lora.layer import LoraBatch
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +77,10 @@ class PrefillCudaGraphs:
         max_requests: int,
         pool: object = None,
         capture: bool = True,
+        lora_batch: LoraBatch | None = None,
     ) -> None:
         self.forward_hidden = forward_hidden
+        self.lora_batch = lora_batch  # LoRA's block table, captured at each bucket's length
         self.backend = backend
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
@@ -156,6 +162,8 @@ class PrefillCudaGraphs:
         self.backend.init_prefill_graph_replay(lens, lens, tokens)
         self.reqs[0, : len(lens)] = self.req_to_token.padding_row
         self.reqs[1, : len(lens)] = torch.tensor(lens)
+        if self.lora_batch is not None:  # the LoRA kernels read a table of this bucket's length
+            self.lora_batch.for_graph(tokens, self.max_requests)
         return capture_graph(forward, pool, stream, warm_ups=1)
 
     def _forward_fn(self, tokens: int) -> Callable[[], None]:
