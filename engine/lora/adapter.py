@@ -6,8 +6,9 @@
 
 An adapter adds scaling * B (A x) to the output of each projection it targets, with scaling
 lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). Refused with a ValueError that names the
-field: a rank above max_lora_rank, a target this engine does not serve or was not started for,
-and PEFT features that change more than the projections (bias, modules_to_save, DoRA).
+field: a target this engine does not serve, shapes that do not fit the model, and PEFT features
+that change more than the projections (bias, modules_to_save, DoRA). The engine's own limits
+(max_lora_rank, lora_target_modules) are LoraManager.load's to check.
 """
 
 from __future__ import annotations
@@ -38,9 +39,7 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
-    def from_folder(
-        cls, name: str, path: str, model: ModelConfig, max_rank: int, served: tuple[str, ...]
-    ) -> LoraAdapter:
+    def from_folder(cls, name: str, path: str, model: ModelConfig) -> LoraAdapter:
         folder = Path(path)
         config_file = folder / "adapter_config.json"
         if not config_file.is_file():
@@ -62,28 +61,14 @@ class LoraAdapter:
                     f"{config_file}: {key}={config.get(key)!r} is not supported (LoRA on the "
                     "projections only)"
                 )
-        rank = int(config.get("r", 0))
-        if rank < 1 or rank > max_rank:
-            raise ValueError(
-                f"adapter {name!r} has rank r={rank}, above max_lora_rank={max_rank}"
-                if rank > max_rank
-                else f"{config_file}: r must be a positive integer, got {config.get('r')!r}"
-            )
+        rank = config.get("r")
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"{config_file}: r must be a positive integer, got {rank!r}")
         alpha = float(config.get("lora_alpha", rank))
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         weights = _read_weights(folder, model, rank)
         targets = tuple(sorted({module for _, module in weights}, key=TARGET_MODULES.index))
-        unserved = [t for t in targets if t not in served]
-        if unserved:
-            raise ValueError(
-                f"adapter {name!r} targets {unserved}, which this engine was not started for "
-                f"(lora_target_modules: {list(served)})"
-            )
         return cls(name, str(folder), rank, scaling, targets, weights)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.numel() * 4 + b.numel() * 4 for a, b in self.weights.values())
 
 
 def _read_weights(

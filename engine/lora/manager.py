@@ -7,7 +7,7 @@ in, and each forward's block table.
     manager.unload("sql")
 
 A forward can use at most `max_loras_per_batch` distinct adapters (the slots): admission keeps
-a batch within it (`fits`). An adapter enters a free slot, or the slot of the adapter used
+a batch within it (engine/scheduler/prefill.py). An adapter enters a free slot, or the slot of the adapter used
 longest ago that this batch does not use; a `pinned` adapter keeps its slot once it has one.
 
 NOTE: slots are rewritten on the device stream, after the work already launched, so a forward
@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from engine.layers.distributed import tp_rank
 from engine.lora import TARGET_MODULES
 from engine.lora.adapter import LoraAdapter
 from engine.lora.layer import LoraBatch, LoraLinear
@@ -51,7 +52,7 @@ class LoraManager:
     ) -> None:
         self.args, self.config, self.device = args, config, device
         initial = {
-            name: LoraAdapter.from_folder(name, path, config, 1 << 30, TARGET_MODULES)
+            name: LoraAdapter.from_folder(name, path, config)
             for name, path in args.lora_adapters.items()
         }
         self.max_rank = args.max_lora_rank or max(
@@ -82,9 +83,7 @@ class LoraManager:
     ) -> None:
         if name in self.adapters:
             raise ValueError(f"lora_name {name!r} is already loaded (unload_lora_adapter first)")
-        adapter = adapter or LoraAdapter.from_folder(
-            name, path, self.config, self.max_rank, self.targets
-        )
+        adapter = adapter or LoraAdapter.from_folder(name, path, self.config)
         if adapter.rank > self.max_rank:
             raise ValueError(
                 f"adapter {name!r} has rank r={adapter.rank}, above max_lora_rank={self.max_rank}"
@@ -108,11 +107,6 @@ class LoraManager:
         self._used.pop(name, None)
         if name in self.slots:
             self.slots[self.slots.index(name)] = None
-
-    def fits(self, names: set[str]) -> bool:
-        """Whether a batch of these adapters (None: the base model) takes no more slots than
-        there are."""
-        return len(names - {None}) <= self.num_slots
 
     # ------------------------------------------------------------------ a forward
     def prepare(
@@ -168,7 +162,7 @@ class LoraManager:
                 rows = slice(j * self.max_rank, j * self.max_rank + r)
                 if lora.reduce:  # row-parallel: this rank's input columns of A, all of B
                     cols = a.shape[-1]
-                    start = _rank() * cols
+                    start = tp_rank() * cols
                     a[rows].copy_(wa[:, start : start + cols])
                     b[:, :r].copy_(wb)
                 else:  # column-parallel: all of A, this rank's output rows of B
@@ -209,9 +203,3 @@ def _offsets(module: nn.Module, parts: tuple[str, ...]) -> list[int]:
         return [0, module.weight.shape[0]]
     bounds = [module.shard_rows(_SHARD_IDS[p]) for p in parts]
     return [offset for offset, _ in bounds] + [bounds[-1][0] + bounds[-1][1]]
-
-
-def _rank() -> int:
-    from engine.layers.distributed import tp_rank
-
-    return tp_rank()

@@ -89,7 +89,7 @@ class EmbeddingScheduler:
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple:
         raise ValueError("update_weights_from_disk serves generation engines in this version")
 
-    def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         raise ValueError("get_weights_by_name serves generation engines in this version")
 
     def load_lora_adapter(self, **kwargs) -> dict:

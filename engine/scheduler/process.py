@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000
 _SESSION_CHECK_SECONDS = 1.0
+# controls the scheduler answers with its method of the same name (the Engine's, too)
+_SCHEDULER_CONTROLS = frozenset({
+    "flush_cache", "update_weights_from_disk", "get_weights_by_name", "load_lora_adapter",
+    "unload_lora_adapter", "open_session", "close_session",
+})  # fmt: skip
 _WHEN_IDLE = frozenset({"update_weights_from_disk"})  # controls that wait for running requests
 _GC_YOUNG_THRESHOLD = 20_000  # allocations between young collections (Python: 700)
 
@@ -149,22 +154,10 @@ class SchedulerProcess:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
 
     def _control(self, kind: str, args: dict) -> object:
-        if kind == "flush_cache":
-            return self.scheduler.flush_cache()
+        if kind in _SCHEDULER_CONTROLS:
+            return getattr(self.scheduler, kind)(**args)
         if kind == "get_info":
             return self.scheduler.state()
-        if kind == "update_weights_from_disk":
-            return self.scheduler.update_weights_from_disk(**args)
-        if kind == "get_weights_by_name":
-            return self.scheduler.weights_by_name(**args)
-        if kind == "load_lora_adapter":
-            return self.scheduler.load_lora_adapter(**args)
-        if kind == "unload_lora_adapter":
-            return self.scheduler.unload_lora_adapter(**args)
-        if kind == "open_session":
-            return self.scheduler.open_session(**args)
-        if kind == "close_session":
-            return self.scheduler.close_session(**args)
         if kind == "start_profile":
             return self.trace.start(rank=self.tp.rank, **args)
         if kind == "stop_profile":

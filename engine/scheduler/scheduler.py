@@ -87,10 +87,10 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: TokenizedRequest) -> Req:
         """Queue a request the caller validated (engine/frontend/input_processor.py)."""
-        refusal = None
+        refusal, turn = None, False
         if request.session_params is not None:  # a turn: its session's history comes first
             try:
-                request = self.sessions.continue_turn(request)
+                request, turn = self.sessions.continue_turn(request), True
                 self._check_fits(request)
             except ValueError as e:
                 refusal = str(e)
@@ -101,6 +101,8 @@ class Scheduler:
             refusal = f"lora_path {request.lora_name!r} names no loaded adapter"  # (unloaded since)
         req = Req(request, self.config.context_length)
         if refusal is not None:
+            if not turn:  # no turn was made for it: none of the session's to drop
+                req.session_id = None
             return self._refuse(req, refusal)
         sp = req.sampling
         stage = "load the tokenizer"
@@ -236,7 +238,7 @@ class Scheduler:
         logger.info("weights updated from %s", model_path)
         return True, "Succeeded to update model weights."
 
-    def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self.runner.weights_by_name(name, truncate_size)
 
     def state(self) -> dict:

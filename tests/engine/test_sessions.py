@@ -102,6 +102,17 @@ def test_bad_session_input_is_refused_by_name(engine):
         engine.close_session(sid)
     out = _turn(engine, _prompt(5, 1), id="nowhere")
     assert "session 'nowhere' is not open" in out["meta_info"]["finish_reason"]["message"]
+    # a request that reuses a turn's rid is refused, and the turn it named stays continuable
+    sid = engine.open_session(capacity_of_str_len=100)
+    first = _turn(engine, _prompt(6, 2), id=sid)
+    again = engine.generate(
+        input_ids=_prompt(4, 3), sampling_params=GREEDY, rid=first["meta_info"]["id"],
+        session_params={"id": sid},
+    )  # fmt: skip
+    assert "is already a turn of session" in again["meta_info"]["finish_reason"]["message"]
+    after = _turn(engine, _prompt(4, 3), id=sid, rid=first["meta_info"]["id"])
+    assert after["meta_info"]["finish_reason"]["type"] == "length"
+    engine.close_session(sid)
     # the engine and its other requests are unaffected
     assert engine.generate(input_ids=_prompt(5, 1), sampling_params=GREEDY)["output_ids"]
 
