@@ -37,11 +37,16 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's slice of the last dimension (no-op on one rank)."""
+    return all_gather_dim(x, -1)
+
+
+def all_gather_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Concatenate each rank's slice along `dim`, in rank order (no-op on one rank)."""
     if _TP_SIZE == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
 
 
 def agree_min(value: int, device: torch.device) -> int:

@@ -6,7 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from engine.layers.distributed import (
+    all_gather_dim,
+    all_gather_last_dim,
+    all_reduce,
+    tp_rank,
+    tp_size,
+)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -32,6 +38,10 @@ class VocabParallelEmbedding(nn.Module):
             )
         rows = loaded[self.vocab_start : self.vocab_start + self.rows_per_rank]
         param.data[: rows.shape[0]].copy_(rows)
+
+    def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+        """The whole vocabulary's rows, gathered from every rank (get_weights_by_name)."""
+        return all_gather_dim(param.data, 0)[: self.vocab_size]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:

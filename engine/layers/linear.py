@@ -1,7 +1,9 @@
 """Linear layers in the column- / row-parallel form of Megatron-LM.
 
 Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies this rank's
-slice of a checkpoint tensor into place, so model files never slice weights themselves.
+slice of a checkpoint tensor into place, so model files never slice weights themselves; the
+layer's ``checkpoint_tensor(param, shard_id)`` is its inverse, the whole checkpoint tensor
+gathered from every rank (get_weights_by_name; every rank must call it).
 A column-parallel layer splits the output features across ranks; a row-parallel layer splits
 the input features and sums the partial outputs with an all-reduce.
 """
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.distributed import all_reduce, divide, tp_rank, tp_size
+from engine.layers.distributed import all_gather_dim, all_reduce, divide, tp_rank, tp_size
 
 if TYPE_CHECKING:
     from engine.lora.layer import LoraLinear
@@ -53,6 +55,9 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
+    def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+        raise NotImplementedError
+
 
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split along its output rows; each rank holds out_features / tp rows."""
@@ -70,6 +75,9 @@ class ColumnParallelLinear(LinearBase):
             loaded.narrow(0, tp_rank() * rows, rows) if tp_size() > 1 else loaded,
             type(self).__name__,
         )
+
+    def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+        return all_gather_dim(param.data, 0)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -94,6 +102,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _copy_checked(
             param, param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]"
         )
+
+    def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+        offset, size = self.shard_rows(shard_id)
+        return all_gather_dim(param.data.narrow(0, offset, size), 0)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -142,6 +154,14 @@ class QKVParallelLinear(ColumnParallelLinear):
             param, param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]"
         )
 
+    def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+        offset, size = self.shard_rows(shard_id)
+        gathered = all_gather_dim(param.data.narrow(0, offset, size), 0)
+        if shard_id == "q" or self.kv_replicas == 1:
+            return gathered
+        # each KV head is on kv_replicas ranks in a row: one copy of each
+        return torch.cat(gathered.split(size)[:: self.kv_replicas])
+
 
 class RowParallelLinear(LinearBase):
     """y = x W^T with W split along its input columns; partial sums are all-reduced across ranks."""
@@ -162,3 +182,6 @@ class RowParallelLinear(LinearBase):
             cols = param.shape[1]
             loaded = loaded.narrow(1, tp_rank() * cols, cols)
         _copy_checked(param, param.data, loaded, type(self).__name__)
+
+    def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
+        return all_gather_dim(param.data, 1) if param.dim() == 2 else param.data

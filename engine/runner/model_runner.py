@@ -114,20 +114,18 @@ class ModelRunner:
 
     def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """A checkpoint tensor as it is loaded (its first `truncate_size` rows, float32 lists),
-        by its Hugging Face name: get_weights_by_name."""
-        if self.args.tp_size > 1:
-            raise ValueError("get_weights_by_name reads engines of tp_size=1 in this version")
+        by its Hugging Face name: get_weights_by_name. With tensor parallelism the layer gathers
+        its shards from every rank (NOTE: every rank runs this, as every rank runs controls)."""
         tied = name.removeprefix("model.") == "lm_head.weight" and self.config.tie_word_embeddings
         mapped = ("embed_tokens.weight", None) if tied else self.model.checkpoint_to_param(name)
         params = dict(self.model.named_parameters())
         if mapped is None or mapped[0] not in params:
             raise ValueError(f"no weight named {name!r} in the model (Hugging Face tensor names)")
         param_name, shard = mapped
-        tensor = params[param_name].detach()
-        if shard is not None:
-            layer = self.model.get_submodule(param_name.rsplit(".", 1)[0])
-            offset, rows = layer.shard_rows(shard)
-            tensor = tensor.narrow(0, offset, rows)
+        param = params[param_name]
+        layer = self.model.get_submodule(param_name.rsplit(".", 1)[0])
+        read = getattr(layer, "checkpoint_tensor", None)  # (a sharded layer's; else replicated)
+        tensor = read(param, shard) if read is not None else param.data
         return tensor[:truncate_size].float().cpu().tolist()
 
     # ------------------------------------------------------------------ one step

@@ -16,10 +16,24 @@ import torch
 
 from engine import Engine
 from tests.engine.core import InProcessCore
-from tests.tiny_models import make_tiny_model, random_prompts, special_token_ids
+from tests.tiny_models import load_hf_model, make_tiny_model, random_prompts, special_token_ids
 
 LENGTHS = [1, 5, 17, 40, 90]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+# one of each way a weight is split: vocabulary rows (tied to the LM head in Qwen3), fused q/k/v
+# heads (its one KV head replicated on both ranks), fused gate/up rows, input columns, none
+WEIGHT_NAMES = [
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.1.self_attn.v_proj.weight",
+    "model.layers.0.mlp.gate_proj.weight",
+    "model.layers.1.mlp.up_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+    "model.layers.1.mlp.down_proj.weight",
+    "model.layers.0.input_layernorm.weight",
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +65,11 @@ def test_tp2_equals_tp1(model, request, tmp_path):
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         seeded = {**GREEDY, "temperature": 0.8, "sampling_seed": 4}
         sampled = engine.generate(input_ids=prompts, sampling_params=seeded)
+        # each rank holds a share of a weight; by name it is the whole checkpoint tensor
+        state = load_hf_model(model_dir).state_dict()
+        for name in WEIGHT_NAMES:
+            got = torch.tensor(engine.get_weights_by_name(name, truncate_size=1000))
+            torch.testing.assert_close(got, state[name].float(), msg=name, rtol=0, atol=0)
         # a weight update reaches each rank's share of every layer
         if model == "llama_dir":
             retrained = make_tiny_model(tmp_path / "retrained", "llama", seed=7)
