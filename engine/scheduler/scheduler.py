@@ -76,7 +76,7 @@ class Scheduler:
         self._after_chunk = False
         self._inflight: LaunchedStep | None = None  # launched, not yet read (overlap only)
         self._finished_since_filter = False
-        self._refused: list[Req] = []  # finished on arrival, reported by the next step
+        self._refused: list[Req] = []  # finished on arrival or aborted here: the next step reports them
         self.sessions = Sessions(self.kv)  # open_session / session_params
         self.idle_clock = DeviceIdleClock(device)
 
@@ -94,6 +94,8 @@ class Scheduler:
                 self._check_fits(request)
             except ValueError as e:
                 refusal = str(e)
+            for rid in self.sessions.take_replaced():  # running turns `replace` dropped
+                self._abort(rid, "replaced by a later turn of its session (session_params.replace)")
         lora = self.runner.lora
         if request.lora_name is not None and (
             lora is None or request.lora_name not in lora.adapters
@@ -187,9 +189,15 @@ class Scheduler:
     def close_session(self, session_id: str) -> None:
         self.sessions.close(session_id)
 
-    def abort_request(self, rid: str) -> Req | None:
+    def _abort(self, rid: str, message: str) -> None:
+        """Abort a request of the scheduler's own accord; the next step reports it."""
+        req = self.abort_request(rid, message)
+        if req is not None:
+            self._refused.append(req)
+
+    def abort_request(self, rid: str, message: str = "aborted by the caller") -> Req | None:
         """Drop a waiting or admitted request, freeing its pages; returns it, finished as aborted."""
-        reason = {"type": "abort", "message": "aborted by the caller"}
+        reason = {"type": "abort", "message": message}
         for req in self.queues.waiting:
             if req.rid == rid:
                 self.queues.waiting.remove(req)

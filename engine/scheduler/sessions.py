@@ -9,9 +9,9 @@ A turn's input is the turn it continues (`rid`): that turn's prompt and output, 
 `offset` tokens if given (`drop_previous_output`: its prompt only), then the new input_ids.
 Without `rid` a turn starts from nothing (a new branch of the session). `replace`: the turns
 that continued `rid` are dropped first; with `replace` and no `rid`, every turn of the session
-is. A request of an unknown session, or continuing an unknown or unfinished turn, is refused
-with a message that says which (SGLang aborts a running turn that `replace` names; here it
-must have finished).
+is; those still running are aborted, as SGLang aborts them (`take_replaced`). A request of an
+unknown session, or continuing an unknown or unfinished turn, is refused with a message that
+says which.
 
 NOTE: when a turn finishes, its tokens are in the prefix cache (KVCache.release puts them
 there), and the session locks that cache path, so the next turn finds every page-aligned
@@ -61,6 +61,7 @@ class Sessions:
         self.kv = kv
         self.clock = clock
         self.open_sessions: dict[str, Session] = {}
+        self._replaced: list[str] = []  # running turns that `replace` dropped: to abort
 
     # ------------------------------------------------------------------ open and close
     def open(
@@ -115,7 +116,7 @@ class Sessions:
         if params.get("replace"):
             for turn in list(parent.children if parent else session.turns.values()):
                 if turn.rid in session.turns:
-                    self._drop(session, turn)
+                    self._drop(session, turn, running=self._replaced)
         history: list[int] = []
         if parent is not None and parent.tokens is not None:
             history = parent.tokens
@@ -131,6 +132,12 @@ class Sessions:
         session.turns[request.rid] = turn
         session.last_used = self.clock()
         return dataclasses.replace(request, input_ids=history + list(request.input_ids))
+
+    def take_replaced(self) -> list[str]:
+        """The rids of running turns that `replace` has dropped since the last call: the
+        scheduler aborts them (their outputs would continue nothing)."""
+        rids, self._replaced = self._replaced, []
+        return rids
 
     def finished(self, req: Req) -> None:
         """A turn ended: keep its tokens, and its KV in the cache for the turns that follow."""
@@ -152,12 +159,16 @@ class Sessions:
             raise ValueError(f"session {session.id!r} has no turn with rid {rid!r}")
         return turn
 
-    def _drop(self, session: Session, turn: Turn) -> None:
+    def _drop(self, session: Session, turn: Turn, running: list[str] | None = None) -> None:
+        """Forget a turn and the turns that continued it; the rids of those still running go
+        to `running` when given."""
         for child in list(turn.children):
-            self._drop(session, child)
+            self._drop(session, child, running)
         if turn.parent is not None and turn in turn.parent.children:
             turn.parent.children.remove(turn)
         session.turns.pop(turn.rid, None)
+        if running is not None and turn.tokens is None:  # not finished yet
+            running.append(turn.rid)
         self._let_go(turn)
 
     def _let_go(self, turn: Turn) -> None:

@@ -9,6 +9,7 @@ The turn bookkeeping (branches, replace, offset) is checked against plain list a
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -64,6 +65,39 @@ def test_a_second_turn_reads_the_first_from_the_cache(engine, llama_dir):
     fresh = engine.generate(input_ids=history + second_input, sampling_params=GREEDY)
     assert fresh["meta_info"]["cached_tokens"] < len(history) - 1
     assert fresh["output_ids"] == second["output_ids"]
+
+
+def test_replace_aborts_a_turn_that_is_still_running(engine, llama_dir):
+    """SGLang's rule: a turn that `replace` drops while it runs is aborted, not left to run."""
+    sid = engine.open_session(capacity_of_str_len=4096)
+    root = _turn(engine, _prompt(20, 6), id=sid)
+    root_id = root["meta_info"]["id"]
+    continued = {"id": sid, "rid": root_id}
+
+    async def replace_under_a_running_turn():
+        stream = await engine.async_generate(
+            input_ids=_prompt(5, 7), sampling_params={**GREEDY, "max_new_tokens": 400},
+            session_params=continued, stream=True,
+        )  # fmt: skip
+        chunks = [await stream.__anext__()]  # it runs
+        replacing = await engine.async_generate(
+            input_ids=_prompt(6, 8), sampling_params=GREEDY,
+            session_params={**continued, "replace": True},
+        )  # fmt: skip
+        chunks += [c async for c in stream]
+        return chunks[-1], replacing
+
+    running, replacing = asyncio.run(replace_under_a_running_turn())
+    reason = running["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "session_params.replace" in reason["message"], reason
+    assert len(running["output_ids"]) < 400
+    history = _prompt(20, 6) + root["output_ids"] + _prompt(6, 8)
+    assert replacing["output_ids"] == hf_greedy(llama_dir, history, N)[0]
+    # the aborted turn is gone: nothing continues it
+    refused = _turn(engine, _prompt(3, 9), id=sid, rid=running["meta_info"]["id"])
+    assert refused["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "has no turn with rid" in refused["meta_info"]["finish_reason"]["message"]
+    engine.close_session(sid)
 
 
 def test_turns_branch_replace_and_cut(engine, llama_dir):
@@ -184,6 +218,8 @@ def test_session_bookkeeping_against_list_arithmetic():
     r5 = sessions.continue_turn(_request("r5", [9], id=sid, rid="r1", replace=True))
     assert r5.input_ids == [1, 2, 3, 7, 8, 9]
     assert set(sessions.open_sessions[sid].turns) == {"r1", "r5"}
+    assert sorted(sessions.take_replaced()) == ["r2", "r3", "r4"]  # unfinished: to abort
+    assert sessions.take_replaced() == []
     sessions.finished(_Finished(r5, [10]))
     aborted = sessions.continue_turn(_request("r6", [1], id=sid, rid="r5"))
     sessions.finished(_Finished(aborted, [], reason="abort"))
