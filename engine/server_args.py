@@ -33,6 +33,11 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# SGLang's names of a float8 KV cache -> torch's dtype names
+KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# "fp8": a bf16/fp16 checkpoint quantized at load time; "compressed-tensors": an FP8 checkpoint
+# as llm-compressor writes it (None reads config.json's quantization_config, if any)
+QUANTIZATIONS = ("fp8", "compressed-tensors")
 
 DEFAULT_MEM_FRACTION_STATIC = 0.85  # of GPU memory for weights + KV pool
 # max_running_requests left to the engine: a request row per TOKENS_PER_REQUEST_ROW tokens of
@@ -61,7 +66,8 @@ class ServerArgs:
     is_embedding: bool = False
     revision: str | None = None
     dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or a KV_CACHE_DTYPES name
+    quantization: str | None = None  # None: the checkpoint's quantization_config, if any
     device: str | None = None  # None: "cuda" when a GPU is visible, else "cpu"
     # memory and scheduling
     mem_fraction_static: float | None = None  # None: DEFAULT_MEM_FRACTION_STATIC
@@ -118,11 +124,12 @@ class ServerArgs:
                 "attention_backend='flashinfer' needs the flashinfer-python package "
                 "(`pip install flashinfer-python`); 'triton' and 'torch' need nothing more."
             )
-        # Accepted for SGLang compatibility but not built yet: refused rather than silently ignored.
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "flashinfer":
             raise ValueError(
-                f"kv_cache_dtype must be 'auto' (the model's dtype) in this version, got {self.kv_cache_dtype!r}."
+                f"kv_cache_dtype={self.kv_cache_dtype!r} needs attention_backend 'triton' or "
+                "'torch': the flashinfer backend reads a cache of the model's dtype only."
             )
+        # Accepted for SGLang compatibility but not built yet: refused rather than silently ignored.
         if self.tokenizer_mode != "auto":
             raise ValueError(
                 f"tokenizer_mode must be 'auto' in this version, got {self.tokenizer_mode!r}."
@@ -179,6 +186,11 @@ class ServerArgs:
                 )
         if self.enable_lora is False and paths:
             raise ValueError("lora_paths are given but enable_lora=False: drop one of them")
+
+    @property
+    def kv_cache_dtype_name(self) -> str | None:
+        """torch's name of the KV cache dtype; None: the model's dtype ("auto")."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype)
 
     @property
     def lora_enabled(self) -> bool:
@@ -317,6 +329,8 @@ _RULES: dict[str, _Rule] = {
     "load_format": _one_of(LOAD_FORMATS),
     "context_length": _POSITIVE,
     "dtype": _one_of(DTYPES),
+    "kv_cache_dtype": _one_of(("auto", *KV_CACHE_DTYPES)),
+    "quantization": _one_of(QUANTIZATIONS),
     "device": _Rule(("'cpu'", "'cuda'", "'cuda:N'"), _is_device),
     "mem_fraction_static": _Rule(("a number in (0, 1)",), lambda v: 0 < v < 1),
     "max_total_tokens": _POSITIVE,

@@ -60,7 +60,9 @@ class ModelRunner:
         logger.info("weights loaded in %.1fs", time.perf_counter() - loading)
         # LoRA adapters (engine/lora/): a LoraLinear on each projection they may target
         self.lora = LoraManager(args, config, self.model, device) if args.lora_enabled else None
-        self.kv_dtype = config.dtype
+        # (a float8 cache holds K/V scaled by each layer's k_scale / v_scale: engine/memory/kv_pool.py)
+        kv_name = args.kv_cache_dtype_name
+        self.kv_dtype = getattr(torch, kv_name) if kv_name is not None else config.dtype
         attn = attention_layers(self.model)[0]
         self.num_kv_heads = attn.num_kv_heads
         rows = args.max_request_rows  # (how many of them run is decided once the pool is)

@@ -126,8 +126,13 @@ def test_engine_arguments_are_checked():
         ValueError, match="max_total_tokens must be a positive integer or None, got 0"
     ):
         ServerArgs.from_kwargs(model_path="x", max_total_tokens=0)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto'"):
-        ServerArgs.from_kwargs(model_path="x", kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(
+        ValueError,
+        match="kv_cache_dtype must be one of 'auto', 'fp8_e4m3', 'fp8_e5m2', got 'fp8_e4m4'.*did you mean 'fp8_e4m3'",
+    ):
+        ServerArgs.from_kwargs(model_path="x", kv_cache_dtype="fp8_e4m4")
+    with pytest.raises(ValueError, match="quantization must be one of 'fp8', 'compressed-tensors' or None, got 'awq'"):
+        ServerArgs.from_kwargs(model_path="x", quantization="awq")
     with pytest.raises(ValueError, match="tokenizer_mode must be 'auto'"):
         ServerArgs.from_kwargs(model_path="x", tokenizer_mode="slow")
     with pytest.raises(ValueError, match="revision is not supported"):
