@@ -30,6 +30,7 @@ from engine.frontend.score import ScoreResult, make_score_call, score_result
 from engine.frontend.tokenizer_manager import TokenizerManager
 from engine.lora import LoraAdapterResult
 from engine.model_config import ModelConfig
+from engine.quantization import resolve_quantization
 from engine.server_args import LOAD_FORMATS, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,10 @@ class Engine:
         )
         if args.tp_size > 1:
             self.model_config.check_tensor_parallel(args.tp_size)
+        # FP8 weights and cache: the arguments against the folder (and its quantization_config)
+        resolve_quantization(
+            args.quantization, self.model_config, args.kv_cache_dtype, args.device
+        )
         if self.model_config.is_encoder and not args.is_embedding:
             raise ValueError(
                 f"is_embedding must be True for {self.model_config.architecture}: an encoder "

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.distributed import all_gather_dim, all_reduce, divide, tp_rank, tp_size
+from engine.quantization import building_fp8
+from engine.quantization.fp8 import FP8, fp8_linear, quantize_weight_rows
 
 if TYPE_CHECKING:
     from engine.lora.layer import LoraLinear
@@ -38,16 +40,30 @@ class LinearBase(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        fp8 = building_fp8()
+        dtype = FP8 if fp8 is not None else None
+        self.weight = self._param(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = self._param(torch.empty(out_features)) if bias else None
+        self.weight_scale = self.input_scale = None
+        if fp8 is not None:
+            self.weight_scale = self._param(torch.ones(out_features, dtype=torch.float32))
+            # NOTE: quantized at load, the scales come with the weight, not from the checkpoint
+            self.weight_scale.from_weight = not fp8.from_checkpoint
+            if fp8.static_input:  # the largest of the fused projections' input scales
+                self.input_scale = self._param(torch.zeros(1, dtype=torch.float32))
+
+    def _param(self, data: torch.Tensor) -> nn.Parameter:
+        param = nn.Parameter(data, requires_grad=False)
+        param.weight_loader = self.weight_loader
+        return param
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return y if self.lora is None else self.lora.add_to(x, y)
 
     def weight_loader(
@@ -58,26 +74,69 @@ class LinearBase(nn.Module):
     def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def _load_scale(self, param: nn.Parameter, loaded: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Scalar scales: an input_scale (the largest wins) or a per-tensor weight_scale
+        (filling `rows`, the shard's rows). False for anything else."""
+        if param is self.input_scale:
+            param.data.copy_(torch.maximum(param.data, loaded.reshape(1).to(param.data)))
+            return True
+        if param is self.weight_scale and loaded.numel() == 1:
+            rows.fill_(float(loaded.reshape(())))
+            return True
+        return False
+
+    def _copy_weight(self, param: nn.Parameter, target: torch.Tensor, scales: torch.Tensor,
+                     loaded: torch.Tensor, name: str) -> None:  # fmt: skip
+        """Copy `loaded` into `target` (rows of `param`); a 16-bit weight into a float8 layer
+        is quantized per row, its scales into `scales` (the same rows of weight_scale)."""
+        if param is self.weight and self.weight_scale is not None and loaded.dtype != FP8:
+            if target.shape != loaded.shape:
+                _copy_checked(param, target, loaded, name)  # (raises, naming the shapes)
+            loaded, row_scales = quantize_weight_rows(loaded)
+            scales.copy_(row_scales)
+        elif param is self.weight_scale:
+            loaded = loaded.reshape(-1)  # ([N, 1] per channel, as compressed-tensors stores it)
+        _copy_checked(param, target, loaded, name)
+
 
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split along its output rows; each rank holds out_features / tp rows."""
 
+    kv_replicas = 1  # ranks that hold the same rows (QKVParallelLinear's K and V with few heads)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, divide(out_features, tp_size(), "output features"), bias)
+
+    def shard_rows(self, shard_id: object) -> tuple[int, int]:
+        """(first row, rows) of projection `shard_id` in this rank's (fused) weight."""
+        return 0, self.weight.shape[0]
+
+    def source_index(self, shard_id: object) -> int:
+        """Which block of `rows` rows of the checkpoint tensor this rank holds."""
+        return tp_rank()
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
     ) -> None:
-        rows = param.shape[0]
-        _copy_checked(
-            param,
-            param.data,
-            loaded.narrow(0, tp_rank() * rows, rows) if tp_size() > 1 else loaded,
-            type(self).__name__,
-        )
+        offset, size = self.shard_rows(shard_id)
+        name = type(self).__name__ + (f"[{shard_id}]" if shard_id is not None else "")
+        fp8 = self.weight_scale is not None
+        scales = self.weight_scale.data.narrow(0, offset, size) if fp8 else None
+        if self._load_scale(param, loaded, scales):
+            return
+        if tp_size() > 1:
+            loaded = loaded.narrow(0, self.source_index(shard_id) * size, size)
+        self._copy_weight(param, param.data.narrow(0, offset, size), scales, loaded, name)
 
     def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
-        return all_gather_dim(param.data, 0)
+        if param is self.input_scale:
+            return param.data
+        offset, size = self.shard_rows(shard_id)
+        gathered = all_gather_dim(param.data.narrow(0, offset, size), 0)
+        if shard_id not in ("k", "v") or self.kv_replicas == 1:
+            return gathered
+        # each KV head is on kv_replicas ranks in a row: one copy of each
+        return torch.cat(gathered.split(size)[:: self.kv_replicas])
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -88,24 +147,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias)
 
     def shard_rows(self, shard_id: object) -> tuple[int, int]:
-        """(first row, rows) of projection `shard_id` in this rank's fused weight."""
         assert isinstance(shard_id, int)
         size = self.output_sizes[shard_id] // tp_size()
         return sum(self.output_sizes[:shard_id]) // tp_size(), size
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
-    ) -> None:
-        offset, size = self.shard_rows(shard_id)
-        if tp_size() > 1:
-            loaded = loaded.narrow(0, tp_rank() * size, size)
-        _copy_checked(
-            param, param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]"
-        )
-
-    def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
-        offset, size = self.shard_rows(shard_id)
-        return all_gather_dim(param.data.narrow(0, offset, size), 0)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -143,24 +187,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             return self.q_size + (self.kv_size if shard_id == "v" else 0), self.kv_size
         raise ValueError(f"QKVParallelLinear shard must be 'q', 'k' or 'v', got {shard_id!r}")
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
-    ) -> None:
-        offset, size = self.shard_rows(shard_id)
-        index = tp_rank() if shard_id == "q" else tp_rank() // self.kv_replicas
-        if tp_size() > 1:
-            loaded = loaded.narrow(0, index * size, size)
-        _copy_checked(
-            param, param.data.narrow(0, offset, size), loaded, f"{type(self).__name__}[{shard_id}]"
-        )
-
-    def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
-        offset, size = self.shard_rows(shard_id)
-        gathered = all_gather_dim(param.data.narrow(0, offset, size), 0)
-        if shard_id == "q" or self.kv_replicas == 1:
-            return gathered
-        # each KV head is on kv_replicas ranks in a row: one copy of each
-        return torch.cat(gathered.split(size)[:: self.kv_replicas])
+    def source_index(self, shard_id: object) -> int:
+        return tp_rank() if shard_id == "q" else tp_rank() // self.kv_replicas
 
 
 class RowParallelLinear(LinearBase):
@@ -171,17 +199,20 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: the bias is added once, after the reduction, not once per rank.
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(self.matmul(x, None))
         y = y + self.bias if self.bias is not None else y
         return y if self.lora is None else self.lora.add_to(x, y)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
     ) -> None:
+        scales = self.weight_scale.data if self.weight_scale is not None else None
+        if self._load_scale(param, loaded, scales):
+            return
         if param.dim() == 2 and tp_size() > 1:
             cols = param.shape[1]
             loaded = loaded.narrow(1, tp_rank() * cols, cols)
-        _copy_checked(param, param.data, loaded, type(self).__name__)
+        self._copy_weight(param, param.data, scales, loaded, type(self).__name__)
 
     def checkpoint_tensor(self, param: nn.Parameter, shard_id: object = None) -> torch.Tensor:
         return all_gather_dim(param.data, 1) if param.dim() == 2 else param.data

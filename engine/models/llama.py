@@ -7,6 +7,7 @@ model runner's business; how attention reads the paged KV pool is the attention 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,12 @@ from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.batch.forward_batch import ForwardBatch
+
+
+# K/V cache scales: self_attn.k_scale (SGLang, llm-compressor) or self_attn.k_proj.output_scale
+_KV_SCALE = re.compile(
+    r"layers\.(?P<layer>\d+)\.self_attn\.(?:(?P<k>[kv])_scale|(?P<kp>[kv])_proj\.output_scale)$"
+)
 
 
 class LlamaAttention(nn.Module):
@@ -168,10 +175,23 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         expected = {
-            n for n in params if not (n == "lm_head.weight" and self.config.tie_word_embeddings)
+            n
+            for n, p in params.items()
+            if not (n == "lm_head.weight" and self.config.tie_word_embeddings)
+            and not getattr(p, "from_weight", False)  # (FP8 scales computed as the weight loads)
         }
+        for layer in self.layers:  # a checkpoint without K/V cache scales means 1.0
+            layer.self_attn.attn.k_scale = layer.self_attn.attn.v_scale = 1.0
         loaded: set[tuple[str, object]] = set()
         for ckpt_name, tensor in weights:
+            kv_scale = _KV_SCALE.search(ckpt_name)
+            if (
+                kv_scale is not None
+            ):  # a float8 KV cache's scale: the attention layer's, not a param
+                index, which = int(kv_scale["layer"]), kv_scale["k"] or kv_scale["kp"]
+                attn = self.layers[index].self_attn.attn
+                setattr(attn, f"{which}_scale", float(tensor.float().reshape(-1)[0]))
+                continue
             mapped = self.checkpoint_to_param(ckpt_name)
             if mapped is None:
                 continue
@@ -183,8 +203,8 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             try:
-                if loader is not None:
-                    loader(param, tensor.to(param.dtype), shard)
+                if loader is not None:  # (it casts: an FP8 layer quantizes a 16-bit weight)
+                    loader(param, tensor, shard)
                 else:
                     if param.shape != tensor.shape:
                         raise ValueError(

@@ -13,17 +13,23 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.models import model_class
+from engine.quantization import Fp8Config, building, checkpoint_fp8
+from engine.quantization.fp8 import quantize_weight_rows
 
 logger = logging.getLogger(__name__)
 
 
-def load_model(config: ModelConfig, load_format: str, device: torch.device) -> nn.Module:
+def load_model(
+    config: ModelConfig, load_format: str, device: torch.device, fp8: Fp8Config | None = None
+) -> nn.Module:
+    """The model of `config` on `device` with its checkpoint's weights (FP8 linear layers with
+    `fp8`: engine/quantization/)."""
     cls = model_class(config)
     files = [] if load_format == "dummy" else safetensors_files(config.path)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), building(fp8):
             model = cls(config)
     finally:
         torch.set_default_dtype(previous)
@@ -43,7 +49,11 @@ _SHAPE_KEYS = (
 
 @torch.no_grad()
 def reload_weights(
-    model: nn.Module, config: ModelConfig, model_path: str, load_format: str
+    model: nn.Module,
+    config: ModelConfig,
+    model_path: str,
+    load_format: str,
+    fp8: Fp8Config | None = None,
 ) -> ModelConfig:
     """Fill `model`'s parameters in place with another checkpoint of the same shapes; the new
     folder's ModelConfig. In place, so CUDA graphs, which captured the parameters' addresses,
@@ -63,11 +73,16 @@ def reload_weights(
             f"{model_path} has other shapes than the model in service: "
             + ", ".join(f"{k} {new.hf.get(k)} (serving {config.hf.get(k)})" for k in differ)
         )
+    if fp8 is not None and checkpoint_fp8(new) != (fp8 if fp8.from_checkpoint else None):
+        raise ValueError(
+            f"{model_path} is quantized otherwise than the checkpoint in service (its "
+            "quantization_config differs): the engine's FP8 layers cannot take it"
+        )
     if load_format == "dummy":
         fill_dummy_weights(model)
         return new
     files = safetensors_files(new.path)
-    with torch.device("meta"):
+    with torch.device("meta"), building(fp8):
         twin = model_class(config)(config)
     try:
         twin.load_weights(iter_safetensors(files))
@@ -120,8 +135,20 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights of the real shapes (load_format="dummy"), for benchmarks: norms 1, the rest N(0, 0.02)."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if name.endswith(".weight_scale"):  # (set with its FP8 weight, below)
+            continue
+        if name.endswith(".input_scale"):
+            param.fill_(1.0)
+            continue
         if "norm" in name:
             param.fill_(1.0)
             continue
         gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+        if param.dtype == torch.float8_e4m3fn:  # an FP8 layer: random rows, quantized
+            layer = model.get_submodule(name.rsplit(".", 1)[0])
+            values = torch.empty(param.shape, device=param.device).normal_(0.0, 0.02, generator=gen)
+            quantized, scales = quantize_weight_rows(values)
+            param.copy_(quantized)
+            layer.weight_scale.copy_(scales)
+            continue
         param.normal_(0.0, 0.02, generator=gen)

@@ -76,7 +76,8 @@ class Scheduler:
         self._after_chunk = False
         self._inflight: LaunchedStep | None = None  # launched, not yet read (overlap only)
         self._finished_since_filter = False
-        self._refused: list[Req] = []  # finished on arrival or aborted here: the next step reports them
+        # finished on arrival, or aborted here: the next step reports them
+        self._refused: list[Req] = []
         self.sessions = Sessions(self.kv)  # open_session / session_params
         self.idle_clock = DeviceIdleClock(device)
 
