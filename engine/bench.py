@@ -26,6 +26,7 @@ import torch
 
 from engine.model_config import ModelConfig
 from engine.scheduler.stats import SchedulerStats
+from engine.server_args import KV_CACHE_DTYPES
 
 CONFIGS = Path(__file__).parent / "model_configs"
 
@@ -76,8 +77,9 @@ def make_workload(
 # ---------------------------------------------------------------------------------------------
 
 
-def measure_ceilings(device: torch.device) -> tuple[float, float]:
-    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured here."""
+def measure_ceilings(device: torch.device) -> tuple[float, float, float | None]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s, FP8 matmul FLOP/s
+    or None where the device has no FP8 tensor cores), measured here."""
 
     def timed(fn, reps: int) -> float:
         fn()
@@ -100,15 +102,26 @@ def measure_ceilings(device: torch.device) -> tuple[float, float]:
         torch.randn(size, size, device=device, dtype=dtype),
     )
     flops = 2 * size**3 / timed(lambda: a @ b, 20)
-    return bandwidth, flops
+    fp8_flops = None
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        sa = torch.ones(size, 1, device=device)
+        sb = torch.ones(1, size, device=device)
+        fp8_flops = 2 * size**3 / timed(
+            lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), 20
+        )
+    return bandwidth, flops, fp8_flops
 
 
-def weight_bytes(cfg: ModelConfig) -> int:
+def weight_bytes(cfg: ModelConfig, fp8_weights: bool = False) -> int:
+    """Bytes a decode step reads of the weights: the linear layers (one byte a weight with FP8
+    weights) and the LM head."""
     h, i, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    bytes_ = torch.finfo(cfg.dtype).bits // 8
     # decode reads the LM head once per step; the embedding rows it gathers are negligible
-    return (L * per_layer + v * h) * torch.finfo(cfg.dtype).bits // 8
+    return L * per_layer * (1 if fp8_weights else bytes_) + v * h * bytes_
 
 
 def floor_seconds(
@@ -118,6 +131,8 @@ def floor_seconds(
     bandwidth: float,
     flops: float,
     kv_tokens: int | None = None,
+    kv_dtype: torch.dtype | None = None,
+    fp8_flops: float | None = None,
 ) -> tuple[float, float]:
     """(decode floor, prefill floor) for this workload in seconds.
 
@@ -128,7 +143,10 @@ def floor_seconds(
     Decode takes at least max(output_len) steps, and at least total / concurrency, where the
     concurrency is max_running capped by the KV pool (`kv_tokens`): by Little's law, requests
     that hold their own prompt and on average half their output cannot run more than
-    pool / that footprint at a time, whatever max_running allows."""
+    pool / that footprint at a time, whatever max_running allows.
+
+    The cache's bytes are those of `kv_dtype` (a float8 cache: half of bf16's); with
+    `fp8_flops` (FP8 weights) the linear layers read one byte a weight and compute at that rate."""
     c = work.prefix_len
     concurrency = max_running
     if kv_tokens is not None:
@@ -136,20 +154,24 @@ def floor_seconds(
         free = kv_tokens - c * min(work.num_prefixes, len(work.input_ids))
         concurrency = min(max_running, max(1, int(free / (sum(own) / len(own)))))
     steps = max(max(work.output_lens), math.ceil(work.output_tokens / concurrency))
-    kv_per_token = cfg.kv_bytes_per_token(cfg.dtype)
+    kv_per_token = cfg.kv_bytes_per_token(kv_dtype or cfg.dtype)
     kv_read = sum(
         kv_per_token * ((len(p) - c) * o + o * (o - 1) // 2)
         for p, o in zip(work.input_ids, work.output_lens)
     )
     kv_read += kv_per_token * c * steps * min(work.num_prefixes, len(work.input_ids))
-    decode = (steps * weight_bytes(cfg) + kv_read) / bandwidth
-    params = weight_bytes(cfg) * 8 // torch.finfo(cfg.dtype).bits
+    fp8 = fp8_flops is not None
+    decode = (steps * weight_bytes(cfg, fp8) + kv_read) / bandwidth
+    head = cfg.vocab_size * cfg.hidden_size
+    linear = weight_bytes(cfg) * 8 // torch.finfo(cfg.dtype).bits - head
     # causal attention FLOPs of n tokens after c cached ones: 2 (n + c)^2 - 2 c^2 per head dim
     per_dim = sum(2 * len(p) ** 2 - 2 * c**2 for p in work.input_ids)
     per_dim += 2 * c**2 * work.num_prefixes
     attn = per_dim * cfg.num_heads * cfg.head_dim * cfg.num_layers
     computed = work.input_tokens - c * (len(work.input_ids) - work.num_prefixes)
-    prefill = (2 * params * computed + attn) / flops
+    prefill = (2 * (linear if not fp8 else 0) * computed + 2 * head * computed + attn) / flops
+    if fp8:
+        prefill += 2 * linear * computed / fp8_flops
     return decode, prefill
 
 
@@ -319,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         args.shared_prefix_len,
         args.num_prefixes,
     )
-    bandwidth, flops = measure_ceilings(device)
+    bandwidth, flops, fp8_flops = measure_ceilings(device)
 
     lora_names = None
     if args.lora_adapters:
@@ -332,15 +354,27 @@ def main(argv: list[str] | None = None) -> None:
     # NOTE: tp ranks each read 1/tp of the weights and KV and do 1/tp of the FLOPs, so the
     # floor of a tensor-parallel group is the one-device floor over tp (all-reduces cost extra)
     tp = int(engine_args.get("tp_size", 1))
+    # a float8 cache's floor reads half the K/V bytes; FP8 weights' half the weight bytes, and
+    # their matmuls run at the measured FP8 rate
+    kv_name = KV_CACHE_DTYPES.get(engine_args.get("kv_cache_dtype", "auto"))
+    kv_dtype = getattr(torch, kv_name) if kv_name else None
+    fp8_weights = result["info"]["quantization"] is not None or "quantization_config" in cfg.hf
     decode_floor, prefill_floor = floor_seconds(
-        cfg, work, max_running, tp * bandwidth, tp * flops, state["kv_total_tokens"]
+        cfg, work, max_running, tp * bandwidth, tp * flops, state["kv_total_tokens"],
+        kv_dtype, tp * fp8_flops if fp8_weights and fp8_flops else None,
+    )  # fmt: skip
+    precision = ", ".join(
+        [f"{cfg.dtype_name} activations"]
+        + (["FP8 weights"] if fp8_weights else [])
+        + ([f"{kv_name} KV cache"] if kv_name else [])
     )
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows = [
         ("device", device_name if tp == 1 else f"{tp} x {device_name} (tp_size={tp})"),
         (
             "model",
-            f"{args.model_config or args.model} ({cfg.dtype}, {weight_bytes(cfg) / 2**30:.2f} GiB weights)",
+            f"{args.model_config or args.model} ({precision}, "
+            f"{weight_bytes(cfg, fp8_weights) / 2**30:.2f} GiB weights)",
         ),
         (
             "requests",
@@ -362,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         ("total tok/s", f"{(result['output_tokens'] + work.input_tokens) / result['wall']:.0f}"),
         (
             "measured copy GB/s | matmul TFLOP/s" + (" (one device)" if tp > 1 else ""),
-            f"{bandwidth / 1e9:.0f} | {flops / 1e12:.0f}",
+            f"{bandwidth / 1e9:.0f} | {flops / 1e12:.0f}"
+            + (f" (FP8 {fp8_flops / 1e12:.0f})" if fp8_weights and fp8_flops else ""),
         ),
         (
             "floor: decode + prefill (s)",

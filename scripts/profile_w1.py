@@ -48,7 +48,7 @@ def main() -> None:
     sched = Scheduler(args, config, device)
     inputs = InputProcessor(args, config, None, sched.max_total_tokens)
     work = make_workload(a.num_prompts, a.len, a.len, config.vocab_size, 0, 0)
-    bandwidth, flops = measure_ceilings(device)
+    bandwidth, flops, _ = measure_ceilings(device)
     w_bytes, kv_tok = weight_bytes(config), config.kv_bytes_per_token(config.dtype)
 
     steps: list[dict] = []

@@ -103,3 +103,22 @@ def test_cli_prints_the_table(llama_dir, capsys):
         "fraction of floor",
     ):
         assert f"| {row}" in table
+
+
+def test_fp8_floor_reads_half_the_cache_and_weight_bytes(llama_dir):
+    """A float8 cache: one byte per K/V element; FP8 weights: one byte per linear weight (the
+    LM head stays in the model's dtype) and the linear FLOPs at the FP8 rate."""
+    cfg = ModelConfig.from_folder(str(llama_dir), "bfloat16")
+    work = Workload(input_ids=[[1] * 10, [1] * 4], output_lens=[3, 5])
+    decode, prefill = floor_seconds(cfg, work, max_running=8, bandwidth=1.0, flops=1.0)
+    decode8, prefill8 = floor_seconds(cfg, work, max_running=8, bandwidth=1.0, flops=1.0,
+                                      kv_dtype=torch.float8_e4m3fn, fp8_flops=4.0)  # fmt: skip
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # K and V, one byte
+    kv = sum(per_token * (p + t) for p, o in ((10, 3), (4, 5)) for t in range(o))
+    head = cfg.vocab_size * cfg.hidden_size
+    linear = weight_bytes(cfg) // 2 - head
+    assert weight_bytes(cfg, fp8_weights=True) == linear + 2 * head
+    assert decode8 == 5 * (linear + 2 * head) + kv
+    assert decode == 5 * weight_bytes(cfg) + 2 * kv
+    attn = prefill - 2 * (linear + head) * 14
+    assert prefill8 == pytest.approx(2 * linear * 14 / 4.0 + 2 * head * 14 + attn)

@@ -3,10 +3,11 @@
 The reference is transformers in float32 on the checkpoint's dequantized twin with every
 decoder Linear's input rounded through float8 as the scheme says (tests/fp8_models.py, which
 writes the checkpoints from the format's description and never imports the engine). On the CPU
-the engine dequantizes both sides of its FP8 matmuls, so a float32 engine computes that very
-function: its logprobs must equal the reference to float32 rounding. A bf16 engine is compared
-with the unquantized twin within FP8's own error. (On the H100 the matmuls run on the FP8
-tensor cores: tests/engine/test_fp8_gpu.py.)
+the engine dequantizes both sides of its FP8 matmuls, so a float32 engine (the CPU only: a GPU
+refuses float32 with FP8 weights) computes that very function: its logprobs must equal the
+reference to float32 rounding. A bf16 engine (on the GPU when there is one: the FP8 tensor
+cores) is compared with the unquantized twin within FP8's own error; tests/engine/test_fp8_gpu.py
+measures bf16, FP8 KV and FP8 weights against float32 transformers on the GPU.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def _max_diff(got, want) -> float:
 def test_an_fp8_checkpoint_computes_its_dequantized_model(layout, request):
     fp8_dir, twin = request.getfixturevalue(layout)
     static = _static_scales(fp8_dir) if layout == "per_tensor_static" else None
-    with Engine(model_path=str(fp8_dir), dtype="float32", max_total_tokens=2048) as engine:
+    with Engine(model_path=str(fp8_dir), dtype="float32", device="cpu", max_total_tokens=2048) as engine:
         got = _prompt_logprobs(engine)
         # what is loaded: float8 weights, the scale of each output row
         weight = engine.get_weights_by_name("model.layers.0.self_attn.k_proj.weight", 1000)
@@ -93,7 +94,7 @@ def test_quantization_fp8_quantizes_a_16_bit_checkpoint_per_channel(source, per_
     """Online: each weight row scaled to the float8 range as it loads, the very numbers that
     llm-compressor's per-channel scheme writes (the twin of the per-channel checkpoint)."""
     _, twin = per_channel
-    with Engine(model_path=str(source), dtype="float32", quantization="fp8",
+    with Engine(model_path=str(source), dtype="float32", quantization="fp8", device="cpu",
                 max_total_tokens=2048) as engine:  # fmt: skip
         got = _prompt_logprobs(engine)
         info = engine.get_server_info()
@@ -137,7 +138,7 @@ def test_a_weight_update_takes_an_fp8_checkpoint_of_the_same_layout(
     other = make_tiny_model(tmp_path_factory.mktemp("fp8_other_src"), "llama",
                             dtype=torch.bfloat16, seed=9)  # fmt: skip
     other_fp8, other_twin = write_fp8_checkpoint(other, tmp_path_factory.mktemp("fp8_other"))
-    with Engine(model_path=str(fp8_dir), dtype="float32", max_total_tokens=2048) as engine:
+    with Engine(model_path=str(fp8_dir), dtype="float32", device="cpu", max_total_tokens=2048) as engine:
         assert engine.update_weights_from_disk(str(other_fp8))[0]
         got = _prompt_logprobs(engine)
         success, message = engine.update_weights_from_disk(str(source))  # not FP8
