@@ -44,6 +44,16 @@ request at its own token offset (``HAS_START``: it walks ``[start_lens[b], seq_l
 by that suffix's length), and stage 2 can merge extra scratch columns written by the
 shared-prefix stage (``HAS_PREFIX``). Without them the kernels are the plain ones above. The
 shared-prefix stage walks and writes its splits with stage 1's own ``_attend_split``.
+
+Float8 caches (kernels/kv_fp8.py): the pool holds ``k / k_scale`` and ``v / v_scale`` in
+float8_e4m3fn or float8_e5m2, with the layer's two scales in a float32 device tensor
+(``kv_scales``, read by pointer: a CUDA graph replays with whatever scales it holds then). A
+program loads the two scales once; the dot path converts each K/V tile to q's dtype before
+``tl.dot`` (exact: every float8 value is a bf16, fp16 and fp32 value), so the tensor cores run
+as for a bf16 cache, on half the bytes; ``k_scale`` is folded into the score scale and
+``v_scale`` into the partial output's normalisation, so no element is multiplied by a scale.
+The broadcast path widens to float32 as always. A cache of q's dtype compiles without any of
+it (``KV_FP8`` is a constexpr) and never reads the scales.
 """
 
 from __future__ import annotations
@@ -53,6 +63,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_fp8 import is_fp8, scales_arg
 
 _LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 16
@@ -76,6 +88,15 @@ _DOT_NUM_STAGES = 3
 _SMALL_BLOCK_N = 32
 _SMALL_NUM_STAGES = 2
 _NUM_WARPS = 4
+# TUNE (H100, fp8 KV cache): stage 1's tile and pipeline depth for a float8 cache with 16-bit q
+# and D <= 128. Not measured yet: the bf16 values, a safe start. A float8 tile is half the bytes
+# (64 tokens x 128 x 1 B = 8 KB per K or V tile, 48 KB of shared memory for 3 stages of K and V
+# against 96 KB for bf16), so a program keeps half as many bytes in flight; worth trying
+# (128, 3), (64, 4), (128, 2) at B=1..256, L=1k..32k (and the split counts below, whose fixed
+# cost per split now weighs twice as much against its K/V bytes). The converted [BLOCK_N, D]
+# tile lives in registers as for bf16, so BLOCK_N = 128 may need 8 warps (_NUM_WARPS).
+_FP8_DOT_BLOCK_N = 64
+_FP8_DOT_NUM_STAGES = 3
 
 
 @triton.jit
@@ -109,8 +130,10 @@ def _stage1_tile(
     BLOCK_D: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
-    """One [BLOCK_N] tile of tokens n0.. (< end) folded into the online softmax of a head group."""
+    """One [BLOCK_N] tile of tokens n0.. (< end) folded into the online softmax of a head group.
+    With KV_FP8 the tile holds k / k_scale and v / v_scale (the caller folds the scales in)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     tok = n0 + offs_n
@@ -120,6 +143,8 @@ def _stage1_tile(
     # [BLOCK_N, BLOCK_D]: each row is one token's contiguous head vector (coalesced).
     k = tl.load(k_head + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     if USE_DOT:
+        if KV_FP8:
+            k = k.to(q.dtype)  # exact; the tensor cores then run on q's dtype
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
         s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
@@ -134,6 +159,8 @@ def _stage1_tile(
 
     v = tl.load(v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
     if USE_DOT:
+        if KV_FP8:
+            v = v.to(q.dtype)  # (p must not be rounded to float8)
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     else:
         pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
@@ -146,6 +173,7 @@ def _attend_split(
     Q,
     K,
     V,
+    KVScales,  # float32 (k_scale, v_scale) of a float8 cache (KV_FP8), else unused
     ReqToToken,
     MidO,
     MidLse,
@@ -178,12 +206,16 @@ def _attend_split(
     ROWS: tl.constexpr,
     REQ_PER_ROW: tl.constexpr,
     USE_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Attention of ROWS query rows over tokens [start, end) (start < end) of kv head ``kvh``,
     the work of one stage-1 program (one request's GQA group) or of one shared-prefix program
     (the groups of an item's members): an online softmax over [BLOCK_N, BLOCK_D] K/V tiles,
     then each row's normalised partial output and log2-sum-exp to scratch column ``col``, all
     that stage 2 reads of a split."""
+    if KV_FP8:
+        # scores are q.(k8 * k_scale) = (q.k8) * k_scale: one multiply per program
+        qk_scale = qk_scale * tl.load(KVScales)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     heads = kvh * G + group_rows
@@ -225,6 +257,7 @@ def _attend_split(
             BLOCK_D,
             USE_DOT,
             DOT_PRECISION,
+            KV_FP8,
         )
 
     mo = (
@@ -234,7 +267,11 @@ def _attend_split(
         + col * stride_mos
         + offs_d[None, :]
     )
-    tl.store(mo, acc / l_i[:, None], mask=row_d_mask)
+    if KV_FP8:
+        # sum_i p_i * (v8_i * v_scale) = v_scale * sum_i p_i * v8_i
+        tl.store(mo, acc * (tl.load(KVScales + 1) / l_i)[:, None], mask=row_d_mask)
+    else:
+        tl.store(mo, acc / l_i[:, None], mask=row_d_mask)
     ml = MidLse + req * stride_mlb + heads * stride_mlh + col
     tl.store(ml, m_i + tl.log2(l_i), mask=row_mask)
 
@@ -244,6 +281,7 @@ def _decode_stage1(
     Q,
     K,
     V,
+    KVScales,  # float32 (k_scale, v_scale) with KV_FP8, else unused
     ReqToToken,
     ReqPoolIdx,
     SeqLens,
@@ -273,6 +311,7 @@ def _decode_stage1(
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_START: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -294,12 +333,12 @@ def _decode_stage1(
         # Rows past the group only pad the tile to tl.dot's 16 rows (module docstring).
         offs_g = tl.arange(0, BLOCK_H)
         _attend_split(
-            Q, K, V, ReqToToken, MidO, MidLse, qk_scale,
+            Q, K, V, KVScales, ReqToToken, MidO, MidLse, qk_scale,
             b.to(tl.int64), offs_g, offs_g < G, row, kvh, split, start, end,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
-            ROWS=BLOCK_H, REQ_PER_ROW=False, USE_DOT=USE_DOT,
+            ROWS=BLOCK_H, REQ_PER_ROW=False, USE_DOT=USE_DOT, KV_FP8=KV_FP8,
         )  # fmt: skip
 
 
@@ -420,17 +459,21 @@ class _Tiles:
     num_stages: int
     use_dot: bool
     dot_precision: str
+    kv_fp8: bool  # a float8 cache (module docstring)
 
 
-def _tiles(q: torch.Tensor, group: int, use_dot: bool) -> _Tiles:
+def _tiles(q: torch.Tensor, group: int, use_dot: bool, kv_dtype: torch.dtype) -> _Tiles:
     D = q.shape[-1]
     BLOCK_D = max(16, triton.next_power_of_2(D))
     num_stages = _SMALL_NUM_STAGES
+    kv_fp8 = is_fp8(kv_dtype)
     if use_dot:
         BLOCK_H = max(16, triton.next_power_of_2(group))
         BLOCK_N = _SMALL_BLOCK_N
         if q.element_size() <= 2 and BLOCK_D <= 128:
             BLOCK_N, num_stages = _DOT_BLOCK_N, _DOT_NUM_STAGES
+            if kv_fp8:
+                BLOCK_N, num_stages = _FP8_DOT_BLOCK_N, _FP8_DOT_NUM_STAGES
     else:
         BLOCK_H = triton.next_power_of_2(group)
         # The broadcast product is [BLOCK_H, BLOCK_N, BLOCK_D]: keep it at most 8192 floats.
@@ -438,7 +481,7 @@ def _tiles(q: torch.Tensor, group: int, use_dot: bool) -> _Tiles:
     # fp32 inputs: exact fp32 products (the default would be TF32 on the GPU); ignored for
     # 16-bit inputs, whose products are exact in the fp32 accumulator anyway.
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    return _Tiles(BLOCK_H, BLOCK_N, BLOCK_D, num_stages, use_dot, dot_precision)
+    return _Tiles(BLOCK_H, BLOCK_N, BLOCK_D, num_stages, use_dot, dot_precision, kv_fp8)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -460,6 +503,8 @@ def _check_and_prepare(
     B, Hq, D = q.shape
     num_slots, Hkv, Dk = k_buffer.shape
     assert Dk == D and v_buffer.shape == k_buffer.shape, "k/v buffers must be [slots, Hkv, D]"
+    assert v_buffer.dtype == k_buffer.dtype, "k/v buffers must have one dtype"
+    assert k_buffer.dtype == q.dtype or is_fp8(k_buffer.dtype), "a cache of q's dtype, or float8"
     assert Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert req_to_token.dim() == 2 and req_pool_indices.shape == (B,) and seq_lens.shape == (B,)
     q, k_buffer, v_buffer, req_to_token = map(
@@ -504,6 +549,7 @@ def _launch_stage1(
     num_kv_splits: int,
     min_split_len: int,
     tiles: _Tiles,
+    kv_scales: torch.Tensor,
 ) -> None:
     """Stage 1 into split columns ``[0, num_kv_splits)`` of the scratch; with ``start_lens``
     each request walks only ``[start_lens[b], seq_lens[b])``."""
@@ -513,6 +559,7 @@ def _launch_stage1(
         q,
         k_buffer,
         v_buffer,
+        kv_scales,
         req_to_token,
         req_pool_indices,
         seq_lens,
@@ -542,6 +589,7 @@ def _launch_stage1(
         USE_DOT=tiles.use_dot,
         DOT_PRECISION=tiles.dot_precision,
         HAS_START=start_lens is not None,
+        KV_FP8=tiles.kv_fp8,
         num_warps=_NUM_WARPS,
         num_stages=tiles.num_stages,
     )
@@ -607,6 +655,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     use_dot: bool | None = None,
     min_split_tokens: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged K/V; returns [B, Hq, D] in q.dtype.
 
@@ -618,7 +667,9 @@ def decode_attention(
     each split walks at least ``_GRAPH_SPLIT_TOKENS`` tokens, so a request uses as many splits
     as its own length needs. ``min_split_tokens``: that floor, rounded up to whole tiles. ``out``: optional [B, Hq, D] buffer in q.dtype, last
     dimension contiguous, written in full and returned. ``use_dot``: tensor-core path (group
-    padded to 16 rows, the default) or broadcast path (``False``).
+    padded to 16 rows, the default) or broadcast path (``False``). The buffers are in q's
+    dtype, or float8 (e4m3fn / e5m2) holding K / k_scale and V / v_scale, with ``kv_scales``
+    float32 [2] (k_scale, v_scale) on the device (None: both 1); others ignore ``kv_scales``.
     """
     q, k_buffer, v_buffer, req_to_token, out = _check_and_prepare(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out
@@ -632,7 +683,7 @@ def decode_attention(
     )
     if use_dot is None:
         use_dot = True  # measured faster for every G, G == 1 included (module docstring)
-    tiles = _tiles(q, Hq // Hkv, use_dot)
+    tiles = _tiles(q, Hq // Hkv, use_dot, k_buffer.dtype)
     min_split_len = triton.cdiv(min_split_tokens or 0, tiles.BLOCK_N) * tiles.BLOCK_N
 
     mid_o = torch.empty((B, Hq, num_kv_splits, D), dtype=torch.float32, device=q.device)
@@ -651,6 +702,7 @@ def decode_attention(
         num_kv_splits,
         min_split_len,
         tiles,
+        scales_arg(kv_scales, k_buffer.dtype, q),
     )
     _launch_stage2(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, tiles)
     return out
@@ -666,8 +718,10 @@ def decode_attention_ref(
     scaling: float,
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same function in plain PyTorch, computed in float64 (gather, mask, softmax); q.dtype out.
+    A float8 cache is dequantized first, in float64 (``float(k8) * k_scale``).
 
     ``num_kv_splits`` and ``max_seq_len`` are accepted for a matching signature and ignored
     (this reads ``seq_lens`` on the host, which is fine for a reference). A request with
@@ -685,6 +739,8 @@ def decode_attention_ref(
     slots = torch.where(valid, slots, 0)  # keep the gather in bounds
     k = k_buffer[slots].double()  # [B, L, Hkv, D]
     v = v_buffer[slots].double()
+    if is_fp8(k_buffer.dtype) and kv_scales is not None:
+        k, v = k * kv_scales[0].double(), v * kv_scales[1].double()
     qg = q.double().reshape(B, Hkv, G, D)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scaling
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -13,6 +13,12 @@ O(tiles) numpy, heaviest tile first so the longest programs start earliest). A t
 filler rows past the batch's tiles (``capacity``): a CUDA graph captures the grid of the most
 tiles its token count can need, and each replay refills the table.
 
+A float8 cache (kernels/kv_fp8.py) holds ``k / k_scale`` and ``v / v_scale``; the layer's two
+scales come as a float32 device tensor (``kv_scales``) that a program reads once. Each K/V tile
+is converted to q's dtype before ``tl.dot`` (exact), so the tensor cores run as for a 16-bit
+cache; ``k_scale`` joins the score scale and ``v_scale`` the final normalisation. A cache of q's
+dtype compiles without any of it (``KV_FP8`` is a constexpr).
+
 ``extend_attention_ref`` is the same function in plain float64 PyTorch, independent of the kernel,
 for the tests.
 """
@@ -23,6 +29,8 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_fp8 import is_fp8, scales_arg
 
 # exp2 is the native instruction on the GPU; fold log2(e) into the score scale once per tile
 # instead of multiplying inside exp().
@@ -52,6 +60,7 @@ def _attend_tile(
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax of the query tile over keys [start, end) in BLOCK_N steps.
 
@@ -82,6 +91,8 @@ def _attend_tile(
                 k = tl.load(k_ptrs)
             else:
                 k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)  # exact; k_scale is in qk_scale
 
         qk = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # log2 domain
         if MASKED:
@@ -108,6 +119,8 @@ def _attend_tile(
                 v = tl.load(v_ptrs)
             else:
                 v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)  # exact; v_scale is applied to the output (p stays 16-bit)
         # probabilities go to the value dtype for the tensor cores (as the reference's
         # softmax(...).to(q.dtype) @ v); accumulation stays float32
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
@@ -120,6 +133,7 @@ def _extend_attention_kernel(
     Q,
     K,
     V,
+    KVScales,  # float32 (k_scale, v_scale) of a float8 cache (KV_FP8), else unused
     Out,
     ReqToToken,
     ReqPoolIndices,
@@ -143,6 +157,7 @@ def _extend_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # the heads of one tile are neighbours in launch order: GQA heads share its K/V in L2
     h = tl.program_id(0)
@@ -182,18 +197,23 @@ def _extend_attention_kernel(
     kv_end = prefix_len + tl.minimum(m_start + BLOCK_M, extend_len)
     full_end = ((prefix_len + m_start + 1) // BLOCK_N) * BLOCK_N
     offs_m_abs = prefix_len + offs_m
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(KVScales)  # q.(k8 * k_scale) = (q.k8) * k_scale
     acc, l_i, m_i = _attend_tile(
         acc, l_i, m_i, q, K, V, slot_row, kv_h * stride_kh, kv_h * stride_vh, stride_kn, stride_vn,
         offs_m_abs, offs_d, mask_d, 0, full_end, qk_scale,
-        BLOCK_N, False, EVEN_D, INPUT_PRECISION,
+        BLOCK_N, False, EVEN_D, INPUT_PRECISION, KV_FP8,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tile(
         acc, l_i, m_i, q, K, V, slot_row, kv_h * stride_kh, kv_h * stride_vh, stride_kn, stride_vn,
         offs_m_abs, offs_d, mask_d, full_end, kv_end, qk_scale,
-        BLOCK_N, True, EVEN_D, INPUT_PRECISION,
+        BLOCK_N, True, EVEN_D, INPUT_PRECISION, KV_FP8,
     )  # fmt: skip
 
-    out = acc / l_i[:, None]
+    if KV_FP8:
+        out = acc * (tl.load(KVScales + 1) / l_i)[:, None]  # sum p (v8 * v_scale)
+    else:
+        out = acc / l_i[:, None]
     o_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -275,6 +295,7 @@ def extend_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the extend batch's queries over their requests' cached + new keys.
 
@@ -284,12 +305,17 @@ def extend_attention(
     table on q's device (``extend_tiles`` with this call's BLOCK_M, ``extend_block_m`` unless
     ``block_m`` is given); without it, it is planned here from the lengths (one device sync).
     ``out`` [T, Hq, D] may be given to write in place. Returns out [T, Hq, D] in q.dtype.
+    The buffers are in q's dtype, or float8 (e4m3fn / e5m2) holding K / k_scale and V / v_scale
+    with ``kv_scales`` float32 [2] (k_scale, v_scale) on the device (None: both 1).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     assert k_buffer.shape[2] == head_dim and v_buffer.shape[1:] == k_buffer.shape[1:]
     assert num_q_heads % num_kv_heads == 0, "GQA needs Hq to be a multiple of Hkv"
-    assert k_buffer.dtype == q.dtype and v_buffer.dtype == q.dtype
+    assert v_buffer.dtype == k_buffer.dtype, "k/v buffers must have one dtype"
+    kv_fp8 = is_fp8(k_buffer.dtype)
+    assert kv_fp8 or k_buffer.dtype == q.dtype, "a cache of q's dtype, or float8"
+    scales = scales_arg(kv_scales, k_buffer.dtype, q)
     # the kernel indexes the head dim with unit stride
     assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
     assert req_to_token.stride(1) == 1
@@ -315,6 +341,7 @@ def extend_attention(
         q,
         k_buffer,
         v_buffer,
+        scales,
         out,
         req_to_token,
         req_pool_indices,
@@ -338,6 +365,7 @@ def extend_attention(
         BLOCK_M=bm,
         BLOCK_N=bn,
         INPUT_PRECISION=input_precision,
+        KV_FP8=kv_fp8,
         num_warps=warps,
         num_stages=stages,
     )
@@ -355,8 +383,10 @@ def extend_attention_ref(
     qo_indptr: torch.Tensor,
     scaling: float,
     tiles: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same function in plain float64 PyTorch, one request at a time (for tests)."""
+    """Same function in plain float64 PyTorch, one request at a time (for tests); a float8
+    cache is dequantized in float64 first (``float(k8) * k_scale``)."""
     del tiles  # how the kernel splits the work, not what it computes
     num_q_heads, num_kv_heads = q.shape[1], k_buffer.shape[1]
     group = num_q_heads // num_kv_heads
@@ -368,6 +398,8 @@ def extend_attention_ref(
         slots = req_to_token[row, :seq_len].long()
         k = k_buffer[slots].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v_buffer[slots].double().repeat_interleave(group, dim=1)
+        if is_fp8(k_buffer.dtype) and kv_scales is not None:
+            k, v = k * kv_scales[0].double(), v * kv_scales[1].double()
         qi = q[start : start + n].double()  # [n, Hq, D]
         scores = torch.einsum("nhd,lhd->hnl", qi, k) * scaling
         # query i (absolute position prefix + i) sees keys 0 .. prefix + i

@@ -62,6 +62,10 @@ prefix's 8 MB per layer stays in L2, so plain already reads it at several TB/s),
 67 us and 91 us with num_kv_splits=1 or a max_seq_len hint of the longest suffix: the graph
 launch's ``MAX_KV_SPLITS`` suffix splits are mostly programs that exit at once, and at this
 batch size they cost about 20 us.
+
+A float8 cache (``kv_scales``) is read as in decode_attention: both stages run
+``_attend_split``, which converts each tile to q's dtype and folds the layer's k_scale and
+v_scale into the score scale and the partial output.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ from kernels.decode_attention import (
     _split_len,
     _tiles,
 )
+from kernels.kv_fp8 import scales_arg
 
 # Query rows a prefix program aims at (item_size * G); see prefix_item_size.
 _PREFIX_ROWS = 64
@@ -108,6 +113,7 @@ def _prefix_stage(
     Q,
     K,
     V,
+    KVScales,  # float32 (k_scale, v_scale) with KV_FP8, else unused
     ReqToToken,
     Items,  # [I, 2 + ITEM_SIZE]: (req_to_token row, prefix length, members..., -1 padding)
     MidO,
@@ -136,6 +142,7 @@ def _prefix_stage(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -157,12 +164,12 @@ def _prefix_stage(
         mask_m = members >= 0
         members = members.to(tl.int64)
         _attend_split(
-            Q, K, V, ReqToToken, MidO, MidLse, qk_scale,
+            Q, K, V, KVScales, ReqToToken, MidO, MidLse, qk_scale,
             members, offs_m % G, mask_m, row, kvh, split_base + split, start, end,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
-            ROWS=BLOCK_M, REQ_PER_ROW=True, USE_DOT=True,
+            ROWS=BLOCK_M, REQ_PER_ROW=True, USE_DOT=True, KV_FP8=KV_FP8,
         )  # fmt: skip
 
 
@@ -181,6 +188,7 @@ def shared_prefix_decode_attention(
     *,
     out: torch.Tensor | None = None,
     prefix_splits: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """decode_attention with shared prefixes read once per work item; [B, Hq, D] in q.dtype.
 
@@ -207,7 +215,8 @@ def shared_prefix_decode_attention(
     (any upper bound is correct). With neither, the graph launch: ``MAX_KV_SPLITS`` splits of
     at least ``_GRAPH_SPLIT_TOKENS`` suffix tokens. ``prefix_splits``: slices of each prefix;
     None is ``_PREFIX_SPLITS`` slices of at least ``_PREFIX_MIN_SPLIT_TOKENS`` tokens, a
-    number is exactly that many (tile-aligned, no floor).
+    number is exactly that many (tile-aligned, no floor). ``kv_scales``: a float8 cache's
+    float32 [2] (k_scale, v_scale), as in decode_attention; both stages fold them in alike.
     """
     q, k_buffer, v_buffer, req_to_token, out = _check_and_prepare(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out
@@ -233,11 +242,13 @@ def shared_prefix_decode_attention(
         prefix_min_tokens = 0
     assert prefix_splits >= 1
 
-    tiles = _tiles(q, G, use_dot=True)
+    tiles = _tiles(q, G, use_dot=True, kv_dtype=k_buffer.dtype)
+    scales = scales_arg(kv_scales, k_buffer.dtype, q)
     min_split_len = triton.cdiv(min_split_tokens or 0, tiles.BLOCK_N) * tiles.BLOCK_N
     BLOCK_M = max(16, triton.next_power_of_2(item_size * G))
     PREFIX_BLOCK_N, prefix_stages = tiles.BLOCK_N, tiles.num_stages
     if q.element_size() <= 2 and tiles.BLOCK_D <= 128:
+        # (for a float8 cache too, not tuned apart: decode_attention's _FP8_DOT_* note applies)
         PREFIX_BLOCK_N, prefix_stages = _PREFIX_BLOCK_N, _PREFIX_NUM_STAGES
     prefix_min_split_len = triton.cdiv(prefix_min_tokens, PREFIX_BLOCK_N) * PREFIX_BLOCK_N
 
@@ -259,12 +270,14 @@ def shared_prefix_decode_attention(
         num_kv_splits,
         min_split_len,
         tiles,
+        scales,
     )
     if num_items > 0:
         _prefix_stage[(num_items, Hkv, prefix_splits)](
             q,
             k_buffer,
             v_buffer,
+            scales,
             req_to_token,
             prefix_items,
             mid_o,
@@ -293,6 +306,7 @@ def shared_prefix_decode_attention(
             BLOCK_N=PREFIX_BLOCK_N,
             BLOCK_D=tiles.BLOCK_D,
             DOT_PRECISION=tiles.dot_precision,
+            KV_FP8=tiles.kv_fp8,
             # The [BLOCK_M, BLOCK_D] float32 accumulator lives in registers.
             num_warps=_PREFIX_NUM_WARPS * (1 if BLOCK_M <= 64 else 2),
             num_stages=prefix_stages,
