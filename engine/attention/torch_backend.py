@@ -1,6 +1,8 @@
 """Reference attention in plain PyTorch, reading K/V from the paged pool (CPU and GPU).
 
 Numerics follow transformers' eager attention: scores in the model dtype, softmax in float32.
+A float8 cache is dequantized as it is gathered (KVPool.read: float(k8) * k_scale, in float32,
+then the model dtype), so this computes attention over the very values the cache holds.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ class TorchAttnBackend(AttentionBackend):
     def forward_decode(
         self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        k = batch.kv_pool.k_buffers[layer.layer_id][self.decode_slots]  # [B, L, Hkv, D]
-        v = batch.kv_pool.v_buffers[layer.layer_id][self.decode_slots]
+        k, v = batch.kv_pool.read(layer.layer_id, self.decode_slots, q.dtype)  # [B, L, Hkv, D]
         mask = self.decode_mask[:, None, None, None, :]  # [B, 1, 1, 1, L]
         out = _attend(
             q.unflatten(1, (layer.num_kv_heads, -1)).unsqueeze(-2), k, v, mask, layer.scaling
@@ -40,14 +41,10 @@ class TorchAttnBackend(AttentionBackend):
         self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        k_buf, v_buf = (
-            batch.kv_pool.k_buffers[layer.layer_id],
-            batch.kv_pool.v_buffers[layer.layer_id],
-        )
         start = 0
         for slots, n in zip(self.extend_slots, batch.extend_lens_cpu):
             prefix = slots.numel() - n
-            k, v = k_buf[slots].unsqueeze(0), v_buf[slots].unsqueeze(0)  # [1, L, Hkv, D]
+            k, v = batch.kv_pool.read(layer.layer_id, slots[None], q.dtype)  # [1, L, Hkv, D]
             # query i (absolute position prefix + i) sees keys 0..prefix + i
             causal = (
                 torch.arange(slots.numel(), device=q.device)[None, :]

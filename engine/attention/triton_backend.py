@@ -17,6 +17,10 @@ Extend (prefill) attention runs over a tile table planned on the host (kernels/e
 `extend_tiles`), shipped with the batch's extend lengths and query offsets in one copy. Under the
 prefill CUDA graphs (engine/runner/prefill_graph.py) the three live in static buffers sized for
 `max_requests` and the most tiles of the graph's token count; each replay refills them.
+
+A float8 pool (engine/memory/kv_pool.py) goes to the kernels as it is, with the layer's row of
+`KVPool.scales` (k_scale, v_scale): they read it by pointer, so the graphs see scales changed
+after their capture. The kernels ignore it for a pool of the model's dtype.
 """
 
 from __future__ import annotations
@@ -154,17 +158,19 @@ class TritonAttnBackend(AttentionBackend):
     def forward_decode(
         self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        k = batch.kv_pool.k_buffers[layer.layer_id]
-        v = batch.kv_pool.v_buffers[layer.layer_id]
+        pool = batch.kv_pool
+        k, v = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+        scales = pool.scales[layer.layer_id]
         if self.prefix is not None:
             prefix_lens, prefix_items = self.prefix
             return shared_prefix_decode_attention(
                 q, k, v, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 layer.scaling, prefix_lens, prefix_items, max_seq_len=self.max_seq_len,
+                kv_scales=scales,
             )  # fmt: skip
         return decode_attention(
             q, k, v, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, layer.scaling,
-            max_seq_len=self.max_seq_len,
+            max_seq_len=self.max_seq_len, kv_scales=scales,
         )  # fmt: skip
 
     def forward_extend(
@@ -172,10 +178,11 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert self.extend is not None
         extend_lens, qo_indptr, tiles = self.extend
+        pool, i = batch.kv_pool, layer.layer_id
         return extend_attention(
-            q, batch.kv_pool.k_buffers[layer.layer_id], batch.kv_pool.v_buffers[layer.layer_id],
+            q, pool.k_buffers[i], pool.v_buffers[i],
             batch.req_to_token, batch.req_pool_indices, batch.seq_lens, extend_lens, qo_indptr,
-            layer.scaling, tiles, block_m=self.block_m,
+            layer.scaling, tiles, block_m=self.block_m, kv_scales=pool.scales[i],
         )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers

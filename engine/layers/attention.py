@@ -3,6 +3,11 @@
 The engine's attention backend (chosen once per engine, engine/attention/) stores the new K/V
 into the paged pool and computes attention over each request's cached and new tokens. The
 model runner gives it to every attention layer once the backend exists (`use_backend`).
+
+`k_scale` / `v_scale`: a float8 KV cache stores this layer's K / k_scale and V / v_scale
+(engine/memory/kv_pool.py). They are plain floats, 1.0 unless the model loader sets a
+checkpoint's; the model runner copies every layer's into the pool (`kv_scales`) once the pool
+exists, where the kernels read them. A cache of the model's dtype ignores them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
+        self.k_scale = 1.0  # a float8 KV cache's scales (module docstring)
+        self.v_scale = 1.0
         self.backend: AttentionBackend | None = None
 
     def forward(
@@ -42,6 +49,12 @@ class Attention(nn.Module):
 
 def attention_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def kv_scales(model: nn.Module) -> tuple[list[float], list[float]]:
+    """Every attention layer's (k_scale, v_scale), in layer_id order: KVPool.set_scales' input."""
+    layers = sorted(attention_layers(model), key=lambda layer: layer.layer_id)
+    return [float(layer.k_scale) for layer in layers], [float(layer.v_scale) for layer in layers]
 
 
 def use_backend(model: nn.Module, backend: AttentionBackend) -> None:

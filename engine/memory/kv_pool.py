@@ -2,6 +2,18 @@
 
 Slot s belongs to page s // page_size. Page 0 is scratch: the allocator never hands it out,
 so padded batch rows (CUDA graphs) can write there without touching anyone's cache.
+
+A float8 pool (``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``: float8_e4m3fn / float8_e5m2, half
+the bytes of bf16) stores ``fp8(clamp(k / k_scale))`` and ``fp8(clamp(v / v_scale))``, clamped
+to the format's largest finite value, and attention reads ``float(k8) * k_scale``
+(kernels/kv_fp8.py). The scales are per layer and per tensor, 1.0 unless the checkpoint gives
+others: each attention layer's ``k_scale`` / ``v_scale`` (engine/layers/attention.py), which the
+model runner copies here with ``set_scales`` once the pool exists.
+
+NOTE: ``scales`` [num_layers, 2] (k_scale, v_scale) stays on the device at one address for the
+pool's life, and every kernel reads it by pointer, so CUDA graphs captured once stay right when
+the scales change (``set_scales`` copies in place). A pool of the model's dtype holds K/V
+unscaled: its scales stay 1.0 and nothing reads them.
 """
 
 from __future__ import annotations
@@ -9,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from kernels.dispatch import use_triton
+from kernels.kv_fp8 import dequantize, is_fp8, quantize
 
 
 class KVPool:
@@ -25,22 +38,61 @@ class KVPool:
         self.num_pages = num_pages  # usable pages, ids 1..num_pages
         self.page_size = page_size
         self.dtype = dtype
+        self.is_fp8 = is_fp8(dtype)
         shape = ((num_pages + 1) * page_size, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # NOTE: rows padded to 16 bytes, so that every layer's scales[layer] starts 16-byte
+        # aligned: Triton specialises a pointer argument on that alignment, and odd layers
+        # would otherwise compile every kernel a second time
+        self._scale_rows = torch.ones((num_layers, 4), dtype=torch.float32, device=device)
+        self.scales = self._scale_rows[:, :2]  # [num_layers, 2]: (k_scale, v_scale)
 
     @property
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size
 
+    def set_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
+        """Each layer's k_scale and v_scale (a float8 pool stores K / k_scale, V / v_scale),
+        copied in place. A pool of the model's dtype ignores them and keeps 1.0."""
+        n = len(self.k_buffers)
+        if len(k_scales) != n or len(v_scales) != n:
+            raise ValueError(f"{len(k_scales)} k and {len(v_scales)} v scales for {n} layers")
+        bad = [s for s in (*k_scales, *v_scales) if not (0.0 < float(s) < float("inf"))]
+        if bad:
+            raise ValueError(f"KV cache scales must be positive and finite, got {bad[0]!r}")
+        if not self.is_fp8:
+            return
+        values = torch.tensor(list(zip(k_scales, v_scales)), dtype=torch.float32)
+        self.scales.copy_(values)
+
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if use_triton(k):
             from kernels.kv_store import store_kv
 
-            store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], slots, k, v)
+            store_kv(
+                self.k_buffers[layer_id], self.v_buffers[layer_id], slots, k, v,
+                self.scales[layer_id],
+            )  # fmt: skip
+            return
+        if self.is_fp8:
+            scales = self.scales[layer_id]
+            self.k_buffers[layer_id][slots] = quantize(k, scales[0], self.dtype)
+            self.v_buffers[layer_id][slots] = quantize(v, scales[1], self.dtype)
             return
         self.k_buffers[layer_id][slots] = k.to(self.dtype)
         self.v_buffers[layer_id][slots] = v.to(self.dtype)
+
+    def read(
+        self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` in `dtype` ([*slots.shape, Hkv, D] each), dequantized from a float8
+        pool in float32 (``float(k8) * k_scale``); the plain-PyTorch attention reads through it."""
+        k, v = self.k_buffers[layer_id][slots], self.v_buffers[layer_id][slots]
+        if not self.is_fp8:
+            return k, v
+        scales = self.scales[layer_id]
+        return dequantize(k, scales[0], dtype), dequantize(v, scales[1], dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_buffers + self.v_buffers)

@@ -26,7 +26,7 @@ import torch
 from engine.attention import create_backend
 from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.batch.scheduled_batch import ScheduledBatch
-from engine.layers.attention import attention_layers, use_backend
+from engine.layers.attention import attention_layers, kv_scales, use_backend
 from engine.layers.distributed import agree_min
 from engine.lora.manager import LoraManager
 from engine.memory.kv_pool import KVPool
@@ -80,6 +80,7 @@ class ModelRunner:
         self.max_total_tokens = self._pool_tokens(activation_peak)
         self.max_running_requests = args.running_requests_for(self.max_total_tokens)
         self.kv_pool = self._new_pool(self.max_total_tokens // args.page_size)
+        self.kv_pool.set_scales(*kv_scales(self.model))  # a float8 cache's, per layer
         logger.info(
             "KV pool: %d tokens in pages of %d (%.1f MiB), %d request rows",
             self.kv_pool.num_tokens,
