@@ -1,0 +1,194 @@
+"""A float8 KV cache end to end, against transformers with K and V rounded through float8.
+
+The reference is independent of the engine: transformers runs the same folder with an
+attention function (registered with its AttentionInterface) that rounds the keys and values
+it is given, the whole cache at every step, as fp8(clamp(x / scale)) * scale, then calls the
+eager attention; nothing of the engine's quantization code is used. That is exactly what the
+engine computes (it stores each token's K/V rounded once and reads them back dequantized), so
+with the torch backend in bfloat16 the tokens and logprobs come out bit for bit the same on this
+machine. The tolerances below only leave room for a different CPU's summation order; the plain
+(unrounded) reference differs by far more, which shows that the cache really is float8.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.runner.model_runner as model_runner
+from engine import Engine
+from engine.layers.attention import attention_layers
+from tests.engine.core import InProcessCore
+from tests.tiny_models import random_prompts, special_token_ids
+
+MAX_NEW = 16
+GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+LENGTHS = [1, 5, 40, 120, 250]
+# |engine - reference| of a logprob in bfloat16, torch backend (measured: 0)
+LOGPROB_TOL = 1e-3
+# the least the unrounded reference must differ by somewhere (measured: 0.07 to 0.3)
+FP8_SHOWS = 0.02
+# float16 (the interpreter's tl.dot is wrong for bfloat16): the torch backend computes what
+# eager attention does (measured: 0); the kernels accumulate in float32 where eager rounds
+# scores and probabilities to float16 (measured: 0.039 here, and 0.011 for the same kernels
+# on a float16 cache; the kernels themselves are within 3e-4 of float64, tests/kernels)
+FLOAT16_TOL = {"torch": 1e-3, "triton": 0.06}
+
+
+def fp8_rounded_attention(fp8: torch.dtype, scales: dict[int, tuple[float, float]]) -> str:
+    """Register (once) an attention function that rounds K and V through ``fp8`` with each
+    layer's (k_scale, v_scale) (1.0 where not given) before the eager attention; its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    name = f"test_fp8_{str(fp8).split('_')[-1]}_" + "_".join(
+        f"{i}-{k}-{v}" for i, (k, v) in sorted(scales.items())
+    )
+    limit = torch.finfo(fp8).max
+
+    def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+        s = torch.tensor(scale, dtype=torch.float32)  # the scale as the engine holds it
+        return ((x.float() / s).clamp(-limit, limit).to(fp8).float() * s).to(x.dtype)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        k_scale, v_scale = scales.get(module.layer_idx, (1.0, 1.0))
+        key, value = rounded(key, k_scale), rounded(value, v_scale)
+        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(name, attention)
+    # NOTE: without a mask function of its own, transformers builds no mask at all for a
+    # custom attention (no causal mask: every prompt token would see the later ones)
+    AttentionMaskInterface.register(name, eager_mask)
+    return name
+
+
+@torch.no_grad()
+def hf_greedy_with(model_dir, prompt: list[int], dtype: torch.dtype, attn: str):
+    """transformers' greedy tokens and each step's float32 log-softmax, in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn)
+    model.eval().generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, min_new_tokens=None,
+        do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=None,
+        output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+    return out.sequences[0, len(prompt) :].tolist(), logprobs
+
+
+@torch.no_grad()
+def teacher_forced(model_dir, prompt: list[int], tokens: list[int], dtype: torch.dtype, attn: str):
+    """transformers' float32 log-softmax at each of ``tokens`` after ``prompt`` and the tokens
+    before it (one forward over the whole sequence), in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn)
+    logits = model.eval()(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def largest_gap(outputs: list[tuple[list[int], list[float]]], refs) -> float:
+    """The largest |logprob - the reference's logprob of the same token| over the steps up to
+    the first token that differs (its context is still the reference's)."""
+    gap = 0.0
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(outputs, refs):
+        for token, ref_token, lp, ref in zip(tokens, ref_tokens, logprobs, ref_logprobs):
+            gap = max(gap, abs(lp - ref[token].item()))
+            if token != ref_token:
+                break
+    return gap
+
+
+def engine_outputs(outs: list[dict]) -> list[tuple[list[int], list[float]]]:
+    return [
+        (o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+        for o in outs
+    ]
+
+
+def test_engine_on_a_float8_cache_equals_transformers_on_rounded_kv(llama_dir):
+    """bfloat16 model, float8_e4m3fn cache, torch backend: tokens and logprobs of the rounded
+    reference, then the same prompts again, read from the prefix cache."""
+    prompts = random_prompts(512, LENGTHS, seed=11, avoid_ids=special_token_ids())
+    fp8_attn = fp8_rounded_attention(torch.float8_e4m3fn, {})
+    refs = [hf_greedy_with(llama_dir, p, torch.bfloat16, fp8_attn) for p in prompts]
+    plain = [hf_greedy_with(llama_dir, p, torch.bfloat16, "eager") for p in prompts]
+    args = dict(dtype="bfloat16", attention_backend="torch", kv_cache_dtype="fp8_e4m3")
+    with Engine(model_path=str(llama_dir), max_total_tokens=4096, **args) as engine:
+        assert engine.get_server_info()["kv_cache_dtype"] == "fp8_e4m3"
+        first = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+        again = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+
+    tol = LOGPROB_TOL
+    for outs in (first, again):
+        got = engine_outputs(outs)
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in refs]
+        assert largest_gap(got, refs) <= tol
+    assert largest_gap(engine_outputs(first), plain) > FP8_SHOWS
+    # the second run's prompts came from the cache: their K/V read back as float8
+    cached = [o["meta_info"]["cached_tokens"] for o in again]
+    assert all(c >= n - 1 for c, n in zip(cached, LENGTHS) if n > 1), cached
+    assert sum(cached) > 0
+
+
+def test_float8_pool_takes_half_the_bytes(llama_dir):
+    pools = {}
+    for kv in ("auto", "fp8_e5m2"):
+        core = InProcessCore(llama_dir, dtype="bfloat16", kv_cache_dtype=kv, max_total_tokens=512)
+        pools[kv] = core.scheduler.runner.kv_pool
+    assert pools["auto"].dtype == torch.bfloat16 and pools["fp8_e5m2"].dtype == torch.float8_e5m2
+    assert pools["auto"].num_tokens == pools["fp8_e5m2"].num_tokens
+    assert 2 * pools["fp8_e5m2"].nbytes() == pools["auto"].nbytes()
+
+
+# a checkpoint's K/V scales per layer: K here spans about ±2, V ±1 (none of them a power of two,
+# so each rounds differently from a unit scale)
+SCALES = {0: (0.013, 0.0071), 1: (0.021, 0.0093)}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_checkpoint_scales_reach_the_cache(llama_dir, monkeypatch, backend):
+    """Scales the loader sets on the attention layers go to the pool when it is made, and
+    both backends quantize and read with them (float16 model, float8_e5m2 cache; triton under
+    the interpreter here), with prefill chunks of 16 tokens and a shared stem: extends over
+    cached float8 prefixes. Teacher-forced: the reference scores the engine's own tokens,
+    each of which must be its greedy choice up to a near tie (float16 runs differ that much)."""
+    load_model = model_runner.load_model
+
+    def load_with_scales(*args, **kwargs):
+        model = load_model(*args, **kwargs)
+        for layer in attention_layers(model):
+            layer.k_scale, layer.v_scale = SCALES[layer.layer_id]
+        return model
+
+    monkeypatch.setattr(model_runner, "load_model", load_with_scales)
+    core = InProcessCore(
+        llama_dir, dtype="float16", attention_backend=backend, kv_cache_dtype="fp8_e5m2",
+        max_total_tokens=1024, chunked_prefill_size=16,
+    )  # fmt: skip
+    pool = core.scheduler.runner.kv_pool
+    f32 = [[torch.tensor(s, dtype=torch.float32).item() for s in SCALES[i]] for i in (0, 1)]
+    assert pool.scales.tolist() == f32
+
+    stem = random_prompts(512, [40], seed=12, avoid_ids=special_token_ids())[0]
+    prompts = random_prompts(512, [1, 23], seed=13, avoid_ids=special_token_ids())
+    prompts += [stem + [5], stem + [6, 7]]
+    reqs = core.generate(prompts, GREEDY, return_logprob=True)
+    assert core.scheduler.stats.prefill_tokens_cached > 0
+
+    fp8_attn = fp8_rounded_attention(torch.float8_e5m2, SCALES)
+    gaps, ties, plain_gaps = [], [], []
+    for prompt, req in zip(prompts, reqs):
+        ref = teacher_forced(llama_dir, prompt, req.output_ids, torch.float16, fp8_attn)
+        plain = teacher_forced(llama_dir, prompt, req.output_ids, torch.float16, "eager")
+        for token, lp, r, p in zip(req.output_ids, req.output_logprobs, ref, plain):
+            gaps.append(abs(lp - r[token].item()))
+            ties.append(r.max().item() - r[token].item())  # 0: the reference's greedy token
+            plain_gaps.append(abs(lp - p[token].item()))
+    tol = FLOAT16_TOL[backend]
+    assert max(gaps) <= tol and max(ties) <= tol, (max(gaps), max(ties))
+    assert max(plain_gaps) > 4 * tol, max(plain_gaps)
