@@ -160,7 +160,7 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         pool = batch.kv_pool
         k, v = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
-        scales = pool.scales[layer.layer_id]
+        scales = pool.layer_scales[layer.layer_id]
         if self.prefix is not None:
             prefix_lens, prefix_items = self.prefix
             return shared_prefix_decode_attention(
@@ -182,7 +182,7 @@ class TritonAttnBackend(AttentionBackend):
         return extend_attention(
             q, pool.k_buffers[i], pool.v_buffers[i],
             batch.req_to_token, batch.req_pool_indices, batch.seq_lens, extend_lens, qo_indptr,
-            layer.scaling, tiles, block_m=self.block_m, kv_scales=pool.scales[i],
+            layer.scaling, tiles, block_m=self.block_m, kv_scales=pool.layer_scales[i],
         )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers

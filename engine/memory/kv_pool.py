@@ -47,6 +47,9 @@ class KVPool:
         # would otherwise compile every kernel a second time
         self._scale_rows = torch.ones((num_layers, 4), dtype=torch.float32, device=device)
         self.scales = self._scale_rows[:, :2]  # [num_layers, 2]: (k_scale, v_scale)
+        # each layer's row, as the kernels take it (views made once: indexing a tensor costs
+        # host time in every layer of every eager step)
+        self.layer_scales = list(self.scales.unbind(0))
 
     @property
     def num_tokens(self) -> int:
@@ -72,11 +75,11 @@ class KVPool:
 
             store_kv(
                 self.k_buffers[layer_id], self.v_buffers[layer_id], slots, k, v,
-                self.scales[layer_id],
+                self.layer_scales[layer_id],
             )  # fmt: skip
             return
         if self.is_fp8:
-            scales = self.scales[layer_id]
+            scales = self.layer_scales[layer_id]
             self.k_buffers[layer_id][slots] = quantize(k, scales[0], self.dtype)
             self.v_buffers[layer_id][slots] = quantize(v, scales[1], self.dtype)
             return
@@ -91,7 +94,7 @@ class KVPool:
         k, v = self.k_buffers[layer_id][slots], self.v_buffers[layer_id][slots]
         if not self.is_fp8:
             return k, v
-        scales = self.scales[layer_id]
+        scales = self.layer_scales[layer_id]
         return dequantize(k, scales[0], dtype), dequantize(v, scales[1], dtype)
 
     def nbytes(self) -> int:

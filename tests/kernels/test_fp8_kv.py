@@ -130,12 +130,13 @@ def test_pool_stores_with_each_layers_scales(fp8):
     assert pool.scales.data_ptr() == address
     assert pool.scales.tolist() == [[1.0, 2.0], [0.5, 0.25], [3.0, 7.0]]
     assert all(pool.scales[i].data_ptr() % 16 == 0 for i in range(3))
+    assert [s.tolist() for s in pool.layer_scales] == pool.scales.tolist()  # views of it
     qkv = torch.randn(T, 3 * H * D, generator=gen).to(DEVICE) * 30
     k, v = qkv[:, H * D : 2 * H * D].view(T, H, D), qkv[:, 2 * H * D :].view(T, H, D)  # views
     slots = torch.randperm(pool.num_tokens, generator=gen)[:T].to(DEVICE) + page
     for layer in range(3):
         k_buffer, v_buffer = pool.k_buffers[layer].clone(), pool.v_buffers[layer].clone()
-        store_kv(k_buffer, v_buffer, slots, k, v, pool.scales[layer])
+        store_kv(k_buffer, v_buffer, slots, k, v, pool.layer_scales[layer])
         pool.store(layer, slots, k, v)
         assert torch.equal(k_buffer.view(torch.uint8), pool.k_buffers[layer].view(torch.uint8))
         assert torch.equal(v_buffer.view(torch.uint8), pool.v_buffers[layer].view(torch.uint8))
