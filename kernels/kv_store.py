@@ -55,8 +55,10 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + tok * k_tok_stride + heads[:, None] * k_head_stride + d[None, :], mask=mask)
     v = tl.load(v_ptr + tok * v_tok_stride + heads[:, None] * v_head_stride + d[None, :], mask=mask)
     if FP8:
-        k = k.to(tl.float32) / tl.load(scale_ptr)
-        v = v.to(tl.float32) / tl.load(scale_ptr + 1)
+        # NOTE: div_rn, the IEEE division torch does: `/` is div.full.f32 on the GPU (2 ulp),
+        # which would now and then round a value to the other float8 neighbour
+        k = tl.math.div_rn(k.to(tl.float32), tl.load(scale_ptr))
+        v = tl.math.div_rn(v.to(tl.float32), tl.load(scale_ptr + 1))
         k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)
         v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
     k_dst = k_buf_ptr + slot * kb_slot_stride + heads[:, None] * kb_head_stride + d[None, :]

@@ -236,3 +236,95 @@ def test_quantize_helper_is_torchs_saturating_cast():
     x = torch.tensor([1e9, -1e9, 1.0, 0.0])
     assert quantize(x, 2.0, E4M3).float().tolist() == [448.0, -448.0, 0.5, 0.0]
     assert quantize(x, 1.0, E5M2).float().tolist() == [57344.0, -57344.0, 1.0, 0.0]
+
+
+# --- GPU: model-sized shapes, bfloat16 q (a Llama-3-8B-like layer: Hq 32, Hkv 8, D 128) ---------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_gpu_store_bf16_bit_exact(fp8):
+    """The kernel's division (div_rn) and cast round as torch's: the same bytes, saturated."""
+    gen = torch.Generator().manual_seed(50)
+    T, H, D, num_slots = 4096, 8, 128, 6000
+    k = (torch.randn(T, H, D, generator=gen) * 4).to(torch.bfloat16).cuda()  # past 448 * 0.013
+    v = torch.randn(T, H, D, generator=gen).to(torch.bfloat16).cuda()
+    slots = torch.randperm(num_slots, generator=gen)[:T].cuda()
+    kv_scales = torch.tensor([0.013, 0.21], device="cuda")
+    got = [torch.zeros(num_slots, H, D, dtype=fp8, device="cuda") for _ in range(2)]
+    want = [torch.zeros(num_slots, H, D, dtype=fp8, device="cuda") for _ in range(2)]
+    store_kv(*got, slots, k, v, kv_scales)
+    store_kv_reference(*want, slots, k, v, kv_scales)
+    for g, w in zip(got, want):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    assert (got[0].float().abs() == fp8_max(fp8)).any()  # some saturated
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_kv_splits", [1, 16, None], ids=["s1", "s16", "graph"])
+@pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "broadcast"])
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_gpu_decode_bf16(fp8, use_dot, num_kv_splits):
+    from tests.kernels.test_decode_attention import gpu_lens
+
+    batch = make_decode_batch(
+        gpu_lens(32, 4096, seed=1), 32, 8, 128, dtype=torch.bfloat16, device="cuda"
+    )
+    quantized, ref_args = fp8_batch(batch, fp8, k_scale=0.05, v_scale=2.0)
+    hint = None if num_kv_splits is None else 4096
+    check_against_dequantized(
+        decode_attention, decode_attention_ref, quantized, ref_args, TOL_16BIT,
+        num_kv_splits=num_kv_splits, max_seq_len=hint, use_dot=use_dot,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_gpu_extend_bf16(fp8):
+    batch = make_extend_batch(
+        [0, 2048, 700, 5], [1024, 300, 1, 129], 32, 8, 128, dtype=torch.bfloat16, device="cuda"
+    )
+    quantized, ref_args = fp8_batch(batch, fp8, k_scale=0.3, v_scale=0.07)
+    check_against_dequantized(
+        extend_attention, extend_attention_ref, quantized, ref_args, TOL_16BIT
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_shared_prefix_bf16():
+    from kernels.shared_prefix_attention import prefix_item_size
+
+    batch = make_shared_batch(
+        [(2000, [50 + i for i in range(40)])], [300, 1], 32, 8, 128,
+        item_size=prefix_item_size(4), dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.05, v_scale=2.0)
+    check_against_dequantized(
+        shared_prefix_decode_attention, decode_attention_ref, quantized, plain(ref_args),
+        TOL_16BIT,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_graph_reads_scales_set_after_capture():
+    """The scales are read by pointer: a graph captured with some scales replays with the
+    values the tensor holds at replay (what KVPool.set_scales relies on)."""
+    from tests.kernels.test_decode_attention import gpu_lens
+
+    batch = make_decode_batch(
+        gpu_lens(16, 2048, seed=4), 32, 8, 128, dtype=torch.bfloat16, device="cuda"
+    )
+    quantized, _ = fp8_batch(batch, E4M3, k_scale=0.05, v_scale=2.0)
+    out = torch.empty_like(quantized["q"])
+    decode_attention(**quantized, out=out)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(**quantized, out=out)
+    quantized["kv_scales"].copy_(torch.tensor([0.1, 0.5]))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    k8, v8 = quantized["k_buffer"], quantized["v_buffer"]
+    ref_args = dict(batch, k_buffer=dequantized(k8, 0.1), v_buffer=dequantized(v8, 0.5))
+    assert rel_err(out, decode_attention_ref(**ref_args).double()) < TOL_16BIT
