@@ -32,6 +32,8 @@ from engine.lora.manager import LoraManager
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.model_config import ModelConfig
+from engine.quantization import resolve_quantization
+from engine.quantization.fp8 import check_device
 from engine.runner.batch_builder import build_forward_batch
 from engine.runner.cuda_graph import DecodeCudaGraphs
 from engine.runner.decode_inputs import DecodeInputs
@@ -56,7 +58,13 @@ class ModelRunner:
         self.config = config
         self.device = device
         loading = time.perf_counter()
-        self.model = load_model(config, args.load_format, device)
+        # FP8 linear layers (engine/quantization/): quantized at load, or an FP8 checkpoint's
+        self.fp8 = resolve_quantization(
+            args.quantization, config, args.kv_cache_dtype, device.type
+        )
+        if self.fp8 is not None:
+            check_device(device)
+        self.model = load_model(config, args.load_format, device, self.fp8)
         logger.info("weights loaded in %.1fs", time.perf_counter() - loading)
         # LoRA adapters (engine/lora/): a LoraLinear on each projection they may target
         self.lora = LoraManager(args, config, self.model, device) if args.lora_enabled else None
@@ -112,8 +120,10 @@ class ModelRunner:
         """Another checkpoint of the same shapes into the weights in service (ValueError, and
         the old weights kept, if it does not fit): engine/runner/loader.py: reload_weights."""
         self.config = reload_weights(
-            self.model, self.config, model_path, load_format or self.args.load_format
+            self.model, self.config, model_path, load_format or self.args.load_format, self.fp8
         )
+        # NOTE: in place, so the CUDA graphs that read the scales by pointer stay right
+        self.kv_pool.set_scales(*kv_scales(self.model))
 
     def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """A checkpoint tensor as it is loaded (its first `truncate_size` rows, float32 lists),
