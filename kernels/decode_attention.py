@@ -48,9 +48,9 @@ shared-prefix stage walks and writes its splits with stage 1's own ``_attend_spl
 Float8 caches (kernels/kv_fp8.py): the pool holds ``k / k_scale`` and ``v / v_scale`` in
 float8_e4m3fn or float8_e5m2, with the layer's two scales in a float32 device tensor
 (``kv_scales``, read by pointer: a CUDA graph replays with whatever scales it holds then). A
-program loads the two scales once; the dot path converts each K/V tile to q's dtype before
-``tl.dot`` (exact: every float8 value is a bf16, fp16 and fp32 value), so the tensor cores run
-as for a bf16 cache, on half the bytes; ``k_scale`` is folded into the score scale and
+program loads the two scales once; the dot path converts each K/V tile and q to float16 before
+``tl.dot`` (exact: every float8 value is a float16 value; why float16 and not q's bfloat16:
+``fp16_dot_operand``), so the tensor cores run as for a 16-bit cache, on half the bytes; ``k_scale`` is folded into the score scale and
 ``v_scale`` into the partial output's normalisation, so no element is multiplied by a scale.
 The broadcast path widens to float32 as always. A cache of q's dtype compiles without any of
 it (``KV_FP8`` is a constexpr) and never reads the scales.
@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_fp8 import is_fp8, scales_arg
+from kernels.kv_fp8 import fp16_dot_operand, is_fp8, load_fp8_rows_as_fp16, scales_arg
 
 _LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 16
@@ -88,14 +88,12 @@ _DOT_NUM_STAGES = 3
 _SMALL_BLOCK_N = 32
 _SMALL_NUM_STAGES = 2
 _NUM_WARPS = 4
-# TUNE (H100, fp8 KV cache): stage 1's tile and pipeline depth for a float8 cache with 16-bit q
-# and D <= 128. Not measured yet: the bf16 values, a safe start. A float8 tile is half the bytes
-# (64 tokens x 128 x 1 B = 8 KB per K or V tile, 48 KB of shared memory for 3 stages of K and V
-# against 96 KB for bf16), so a program keeps half as many bytes in flight; worth trying
-# (128, 3), (64, 4), (128, 2) at B=1..256, L=1k..32k (and the split counts below, whose fixed
-# cost per split now weighs twice as much against its K/V bytes). The converted [BLOCK_N, D]
-# tile lives in registers as for bf16, so BLOCK_N = 128 may need 8 warps (_NUM_WARPS).
-_FP8_DOT_BLOCK_N = 64
+# Stage 1 with a float8 cache, 16-bit q and D <= 128: a float8 tile is half the bytes, so a
+# program walks twice the tokens per tile for as many bytes in flight. scripts/bench_fp8_decode.py
+# on an H100 (2026-11-26, Hkv 8, D 128, graph launch): 128 tokens x 3 stages x 4 warps was best
+# or within 2% of best from B=1 (L=32768: 1.04 TB/s of float8 K/V against 0.84 for 64-token
+# tiles) to B=256 (L=1024: 2.10, 1.54x the bf16 cache's tokens per second); 8 warps lost 20%.
+_FP8_DOT_BLOCK_N = 128
 _FP8_DOT_NUM_STAGES = 3
 
 
@@ -144,7 +142,7 @@ def _stage1_tile(
     k = tl.load(k_head + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     if USE_DOT:
         if KV_FP8:
-            k = k.to(q.dtype)  # exact; the tensor cores then run on q's dtype
+            k = k.to(q.dtype)  # exact; float16 (fp16_dot_operand), float32 in kernel tests
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
         s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
@@ -157,10 +155,12 @@ def _stage1_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    v = tl.load(v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    if USE_DOT and KV_FP8:
+        v = load_fp8_rows_as_fp16(v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D)
+        v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
+    else:
+        v = tl.load(v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
     if USE_DOT:
-        if KV_FP8:
-            v = v.to(q.dtype)  # (p must not be rounded to float8)
         pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     else:
         pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
@@ -227,6 +227,8 @@ def _attend_split(
         mask=row_d_mask,
         other=0.0,
     )  # [ROWS, BLOCK_D]; absent rows are 0: finite scores, never stored
+    if KV_FP8 and USE_DOT:
+        q = fp16_dot_operand(q)  # the K/V tiles convert to float16 (kernels/kv_fp8.py)
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -505,6 +507,8 @@ def _check_and_prepare(
     assert Dk == D and v_buffer.shape == k_buffer.shape, "k/v buffers must be [slots, Hkv, D]"
     assert v_buffer.dtype == k_buffer.dtype, "k/v buffers must have one dtype"
     assert k_buffer.dtype == q.dtype or is_fp8(k_buffer.dtype), "a cache of q's dtype, or float8"
+    # a float8 V tile is read as 16-bit pairs (kernels/kv_fp8.py: load_fp8_rows_as_fp16)
+    assert not is_fp8(k_buffer.dtype) or q.shape[-1] % 2 == 0, "float8 cache: even head_dim"
     assert Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert req_to_token.dim() == 2 and req_pool_indices.shape == (B,) and seq_lens.shape == (B,)
     q, k_buffer, v_buffer, req_to_token = map(

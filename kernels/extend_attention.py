@@ -15,8 +15,8 @@ tiles its token count can need, and each replay refills the table.
 
 A float8 cache (kernels/kv_fp8.py) holds ``k / k_scale`` and ``v / v_scale``; the layer's two
 scales come as a float32 device tensor (``kv_scales``) that a program reads once. Each K/V tile
-is converted to q's dtype before ``tl.dot`` (exact), so the tensor cores run as for a 16-bit
-cache; ``k_scale`` joins the score scale and ``v_scale`` the final normalisation. A cache of q's
+and q are converted to float16 before ``tl.dot`` (exact; kernels/kv_fp8.py: fp16_dot_operand),
+so the tensor cores run as for a 16-bit cache; ``k_scale`` joins the score scale and ``v_scale`` the final normalisation. A cache of q's
 dtype compiles without any of it (``KV_FP8`` is a constexpr).
 
 ``extend_attention_ref`` is the same function in plain float64 PyTorch, independent of the kernel,
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_fp8 import is_fp8, scales_arg
+from kernels.kv_fp8 import fp16_dot_operand, is_fp8, load_fp8_rows_as_fp16, scales_arg
 
 # exp2 is the native instruction on the GPU; fold log2(e) into the score scale once per tile
 # instead of multiplying inside exp().
@@ -61,6 +61,8 @@ def _attend_tile(
     EVEN_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Online softmax of the query tile over keys [start, end) in BLOCK_N steps.
 
@@ -109,7 +111,11 @@ def _attend_tile(
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v_ptrs = V + v_off + slots[:, None] * stride_vn + offs_d[None, :]
-        if MASKED:
+        if KV_FP8:
+            # float16 pairs, widened before tl.dot's layout change (kernels/kv_fp8.py)
+            v = load_fp8_rows_as_fp16(V + v_off, slots, stride_vn, offs_n < end, HEAD_DIM, BLOCK_D)
+            v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
+        elif MASKED:
             if EVEN_D:
                 v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
             else:
@@ -119,8 +125,6 @@ def _attend_tile(
                 v = tl.load(v_ptrs)
             else:
                 v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)  # exact; v_scale is applied to the output (p stays 16-bit)
         # probabilities go to the value dtype for the tensor cores (as the reference's
         # softmax(...).to(q.dtype) @ v); accumulation stays float32
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
@@ -199,15 +203,16 @@ def _extend_attention_kernel(
     offs_m_abs = prefix_len + offs_m
     if KV_FP8:
         qk_scale = qk_scale * tl.load(KVScales)  # q.(k8 * k_scale) = (q.k8) * k_scale
+        q = fp16_dot_operand(q)  # the K/V tiles convert to float16 (kernels/kv_fp8.py)
     acc, l_i, m_i = _attend_tile(
         acc, l_i, m_i, q, K, V, slot_row, kv_h * stride_kh, kv_h * stride_vh, stride_kn, stride_vn,
         offs_m_abs, offs_d, mask_d, 0, full_end, qk_scale,
-        BLOCK_N, False, EVEN_D, INPUT_PRECISION, KV_FP8,
+        BLOCK_N, False, EVEN_D, INPUT_PRECISION, KV_FP8, HEAD_DIM, BLOCK_D,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tile(
         acc, l_i, m_i, q, K, V, slot_row, kv_h * stride_kh, kv_h * stride_vh, stride_kn, stride_vn,
         offs_m_abs, offs_d, mask_d, full_end, kv_end, qk_scale,
-        BLOCK_N, True, EVEN_D, INPUT_PRECISION, KV_FP8,
+        BLOCK_N, True, EVEN_D, INPUT_PRECISION, KV_FP8, HEAD_DIM, BLOCK_D,
     )  # fmt: skip
 
     if KV_FP8:
@@ -315,6 +320,8 @@ def extend_attention(
     assert v_buffer.dtype == k_buffer.dtype, "k/v buffers must have one dtype"
     kv_fp8 = is_fp8(k_buffer.dtype)
     assert kv_fp8 or k_buffer.dtype == q.dtype, "a cache of q's dtype, or float8"
+    # a float8 V tile is read as 16-bit pairs (kernels/kv_fp8.py: load_fp8_rows_as_fp16)
+    assert not is_fp8(k_buffer.dtype) or q.shape[-1] % 2 == 0, "float8 cache: even head_dim"
     scales = scales_arg(kv_scales, k_buffer.dtype, q)
     # the kernel indexes the head dim with unit stride
     assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1

@@ -16,6 +16,8 @@ the clamp makes the kernels, their references and the CPU pool store the same by
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -54,3 +56,48 @@ def scales_arg(
             f"kv_scales must be float32 [2], got {kv_scales.dtype} {tuple(kv_scales.shape)}"
         )
     return kv_scales
+
+
+@triton.jit
+def fp16_dot_operand(x):
+    """A bfloat16 attention operand (q) as float16, the dtype the kernels' dots take with a
+    float8 cache. Every float8 value is a float16 value, and on the GPU a float8 pair widens to
+    float16 in one instruction (cvt.rn.f16x2.e4m3x2 / .e5m2x2); to bfloat16 each element then
+    takes one more (cvt.bf16.f16), three times the conversion work in the loop that walks the
+    cache. A bf16 q is exact in float16 within float16's normal range: it is clamped to
+    +-65504 (no working model's q comes near it), and values under 6e-5 keep fewer bits
+    (their products sit far below the scores' resolution). p, in [0, 1], is more precise in
+    float16 than in bfloat16."""
+    # NOTE: a compile-time branch, and one return after it: Triton's compiler checks every
+    # return it reaches, also those of a branch it did not take
+    if x.dtype == tl.bfloat16:
+        y = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    else:
+        y = x  # float16 already; float32 (kernel tests) keeps its exact dots
+    return y
+
+
+@triton.jit
+def load_fp8_rows_as_fp16(
+    head, slots, stride_n, mask_n, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """[BLOCK_N, BLOCK_D] float16: the float8 head vectors of the tokens in pool ``slots``
+    (``head``: the buffer's pointer at this kv head; rows past ``mask_n`` and columns past
+    HEAD_DIM, which must be even, are 0). For the V tile of ``p @ v``.
+
+    NOTE: not ``tl.load`` and ``.to(tl.float16)``: as tl.dot's second operand, v has the
+    tokens as its inner dimension, which is not the one contiguous in memory, and Triton moves
+    a widening cast after the change to the operand's layout (to move fewer bytes through
+    shared memory); with no transposing shared-memory load for 8-bit values, each thread then
+    reads the tile one byte per instruction (ld.shared.b8 in the PTX). Loaded as 16-bit pairs
+    and widened before the layout change (the join and reshape keep Triton from reordering
+    them), the tile goes through shared memory as float16 and is transposed by ldmatrix, as a
+    bfloat16 tile is. The K tile needs none of this: its inner dimension is the head's."""
+    offs_pair = tl.arange(0, BLOCK_D // 2)
+    mask = mask_n[:, None] & (offs_pair < HEAD_DIM // 2)[None, :]
+    pairs = head.to(tl.pointer_type(tl.uint16)) + slots[:, None] * (stride_n // 2)
+    x = tl.load(pairs + offs_pair[None, :], mask=mask, other=0)
+    fp8: tl.constexpr = head.dtype.element_ty
+    lo = (x & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
+    hi = (x >> 8).to(tl.uint8).to(fp8, bitcast=True).to(tl.float16)
+    return tl.reshape(tl.join(lo, hi), [x.shape[0], BLOCK_D])

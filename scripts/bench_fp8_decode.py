@@ -4,8 +4,8 @@ next to the bf16 cache at the same shapes. Prints effective TB/s of K/V bytes re
 cache reads half the bytes, so equal TB/s is twice the speed), for the launch the engine's CUDA
 graphs replay (no lengths: MAX_KV_SPLITS splits of at least _GRAPH_SPLIT_TOKENS tokens).
 
-    python scripts/bench_fp8_decode.py            # the sweep
-    python scripts/bench_fp8_decode.py --quick    # current settings only, bf16 against fp8
+    PYTHONPATH=. python scripts/bench_fp8_decode.py         # the sweep (--full: all 18)
+    PYTHONPATH=. python scripts/bench_fp8_decode.py --quick # current settings, bf16 against fp8
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from kernels.kv_fp8 import quantize
 
 # (batch, tokens per request): one long request to a full batch of short ones
 SHAPES = [(1, 32768), (16, 4096), (64, 2048), (256, 1024), (256, 2048)]
-SWEEP = list(itertools.product((32, 64, 128), (2, 3, 4), (4, 8)))  # BLOCK_N, stages, warps
+# BLOCK_N, stages, warps: 64 x 3 x 4 is the bf16 cache's; --full tries every combination
+SWEEP = [(64, 3, 4), (64, 4, 4), (64, 2, 4), (128, 2, 4), (128, 3, 4), (128, 3, 8), (32, 3, 4)]
+FULL = list(itertools.product((32, 64, 128), (2, 3, 4), (4, 8)))
 
 
 def case(batch: int, length: int, hq: int, hkv: int = 8, d: int = 128) -> tuple[dict, dict, int]:
@@ -71,10 +73,11 @@ def tbps(args: dict, tokens: int, hkv: int = 8, d: int = 128) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="current settings only")
+    parser.add_argument("--full", action="store_true", help="every tile, depth and warp count")
     parser.add_argument("--hq", type=int, nargs="+", default=[16, 32], help="query heads (Hkv 8)")
     opts = parser.parse_args()
     current = (da._FP8_DOT_BLOCK_N, da._FP8_DOT_NUM_STAGES, da._NUM_WARPS)
-    configs = [current] if opts.quick else SWEEP
+    configs = [current] if opts.quick else FULL if opts.full else SWEEP
     for hq in opts.hq:
         print(f"\nHq={hq} Hkv=8 D=128, TB/s of K/V read (bf16: {da._DOT_BLOCK_N} tokens, "
               f"{da._DOT_NUM_STAGES} stages, {da._NUM_WARPS} warps)")  # fmt: skip
