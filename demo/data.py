@@ -3,7 +3,10 @@
 * arithmetic — "What is 37 + 45?" -> "82" (addition and non-negative subtraction, 0..99);
 * sentiment  — a templated product review -> "positive" | "negative" | "neutral";
 * review     — "Write a positive review of this product: kettle." -> a templated review
-  (the synthesis task).
+  (the synthesis task);
+* rating     — a templated product review -> the reviewer's stars: "1" (negative), "3"
+  (neutral) or "5" (positive). The base model is never trained on it (``stream`` leaves it
+  out); it is the task of the demo's LoRA adapter, demo/adapters/rating (demo/train_lora.py).
 
 Every item is a pure function of a seed, so the training stream and the demo inputs are
 reproducible. The held-out split is by *content*, not by seed: an arithmetic question or a
@@ -18,14 +21,24 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-# NOTE: bump when any generator changes its output; training_record.json records it.
+# NOTE: bump when any generator of the base model's stream (TASK_WEIGHTS) changes its output;
+# training_record.json records it.
 DATA_VERSION = "demo-data-v1"
+# NOTE: bump when the rating task (STARS, RATING_INSTRUCTION) changes; the adapter's
+# training_record.json records it. Adding that task left the base stream as it was.
+RATING_VERSION = "demo-rating-v1"
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 SENTIMENTS = ("positive", "negative", "neutral")
 SENTIMENT_INSTRUCTION = (
     "Classify the sentiment of this review as positive, negative or neutral.\n\nReview: "
 )
+# The rating task: the same reviews, answered in another labelling scheme, as a team's own
+# annotation schema would be. NOTE: the adapter's first task was the product's category (a
+# lookup of which product the review names); a LoRA adapter on this model stayed at chance on
+# it (loss ln 5 per answer after 150 steps on that task alone), while this one is learned in 50.
+STARS = {"negative": "1", "neutral": "3", "positive": "5"}
+RATING_INSTRUCTION = "How many stars does this reviewer give? Answer 1, 3 or 5.\n\nReview: "
 
 PRODUCTS = (
     "blender", "toaster", "kettle", "backpack", "desk lamp", "coffee maker", "phone case",
@@ -183,16 +196,30 @@ def review(rng: random.Random) -> Example:
     return Example("review", review_request(product, label), text, "")
 
 
+def rating(rng: random.Random) -> Example:
+    """A review drawn as ``sentiment`` draws them -> its stars. The held-out split hashes the
+    review text, as for sentiment, so a held-out review is held out of both tasks."""
+    label = rng.choice(SENTIMENTS)
+    text = review_text(rng, rng.choice(PRODUCTS), label)
+    return Example("rating", RATING_INSTRUCTION + text, STARS[label], text)
+
+
 # Arithmetic needs the most steps to learn (the other two are learned within a few hundred),
 # so it gets most of the stream.
 TASK_WEIGHTS = {"arithmetic": 0.6, "sentiment": 0.2, "review": 0.2}
-_MAKERS = {"arithmetic": arithmetic, "sentiment": sentiment, "review": review}
+_MAKERS = {"arithmetic": arithmetic, "sentiment": sentiment, "review": review, "rating": rating}
 
 
-def stream(seed: int, held_out: bool = False) -> Iterator[Example]:
-    """An endless deterministic stream of examples of the training (or the held-out) split."""
+def stream(
+    seed: int, held_out: bool = False, task_weights: dict[str, float] | None = None
+) -> Iterator[Example]:
+    """An endless deterministic stream of examples of the training (or the held-out) split.
+
+    ``task_weights`` defaults to TASK_WEIGHTS, the base model's mix (the LoRA adapter's stream
+    gives its own, with "rating")."""
     rng = random.Random(seed)
-    tasks, weights = list(TASK_WEIGHTS), list(TASK_WEIGHTS.values())
+    mix = TASK_WEIGHTS if task_weights is None else task_weights
+    tasks, weights = list(mix), list(mix.values())
     while True:
         task = rng.choices(tasks, weights)[0]
         ex = _MAKERS[task](rng)

@@ -3,8 +3,9 @@
     python -m demo.make_inputs
 
 * arithmetic_eval.jsonl — {"id", "question", "answer"}: questions training never saw;
-* reviews.jsonl         — {"id", "review", "sentiment"}: reviews training never saw, with their
-  label (not called "label": the annotate flow writes its own `label` column);
+* reviews.jsonl         — {"id", "review", "sentiment", "stars"}: reviews training never saw,
+  with their label (not called "label": the annotate flow writes its own `label` column) and
+  the same label as stars (the LoRA adapter's task, demo/train_lora.py);
 * products.csv          — id, product, sentiment: seeds for synthesizing reviews.
 """
 
@@ -33,7 +34,12 @@ def arithmetic_rows(n: int = N_ARITHMETIC) -> list[dict[str, str]]:
 def review_rows(n: int = N_REVIEWS) -> list[dict[str, str]]:
     examples = islice(data.task_stream("sentiment", REVIEWS_SEED, held_out=True), n)
     return [
-        {"id": f"review-{i:03d}", "review": ex.key, "sentiment": ex.answer}
+        {
+            "id": f"review-{i:03d}",
+            "review": ex.key,
+            "sentiment": ex.answer,
+            "stars": data.STARS[ex.answer],
+        }
         for i, ex in enumerate(examples)
     ]
 

@@ -126,13 +126,16 @@ def encode_example(
 
 
 def batches(
-    cfg: TrainConfig, tokenizer: PreTrainedTokenizerFast
+    cfg: TrainConfig,
+    tokenizer: PreTrainedTokenizerFast,
+    examples: Iterator[data.Example] | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Right-padded (input_ids, labels) batches from the training split, in a fixed order.
+    """Right-padded (input_ids, labels) batches from the training split, in a fixed order
+    (``examples``: another stream than the base model's, as demo/train_lora.py gives).
 
     Right padding needs no attention mask: in causal attention, real tokens never see the pads.
     """
-    examples = data.stream(cfg.seed)
+    examples = data.stream(cfg.seed) if examples is None else examples
     use_system = random.Random(cfg.seed + 1)
     pad = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     while True:
