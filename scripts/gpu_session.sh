@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the README's benchmark workloads. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [kernels|extend|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-accuracy|fp8-decode|w1-fp8|w2-fp8|w2-fp8kv ...]
+# Usage there: bash scripts/gpu_session.sh [kernels|extend|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-accuracy|fp8-decode|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -47,6 +47,11 @@ for step in "${@:-kernels engine w1 w2}"; do
       w2-tp2) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \
                 --engine-args '{"tp_size": 2}' --json "$OUT/w2-tp2.json" 2>&1 | grep "^|\|Error\|error" ;;
       w1-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -60 ;;
+      w1-fp8-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' \
+                2>&1 | grep -v "^Loading\|Writing\|WARNING" | tee "$OUT/$s.log" | tail -45 ;;
+      w2-fp8-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py --model-config llama-3.1-8b --num-prompts 256 \
+                --len 1024 --kernels 0:2,300:310 --engine-args '{"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}' \
+                2>&1 | grep -v "^Loading\|Writing\|WARNING" | tee "$OUT/$s.log" | tail -45 ;;
       flashinfer) tests tests/engine/test_flashinfer_backend.py tests/kernels/test_kv_indices.py -s ;;
       w1-flashinfer) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
                 --engine-args '{"attention_backend": "flashinfer"}' --json "$OUT/w1-flashinfer.json" 2>&1 | grep "^|\|Error" ;;

@@ -24,7 +24,7 @@ from engine.bench import dummy_folder, make_workload, measure_ceilings, weight_b
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
 from engine.scheduler.scheduler import Scheduler
-from engine.server_args import ServerArgs
+from engine.server_args import KV_CACHE_DTYPES, ServerArgs
 
 
 def main() -> None:
@@ -49,7 +49,10 @@ def main() -> None:
     inputs = InputProcessor(args, config, None, sched.max_total_tokens)
     work = make_workload(a.num_prompts, a.len, a.len, config.vocab_size, 0, 0)
     bandwidth, flops, _ = measure_ceilings(device)
-    w_bytes, kv_tok = weight_bytes(config), config.kv_bytes_per_token(config.dtype)
+    # a float8 cache (--engine-args '{"kv_cache_dtype": "fp8_e4m3"}') reads a byte an element
+    kv_name = KV_CACHE_DTYPES.get(args.kv_cache_dtype)
+    kv_dtype = getattr(torch, kv_name) if kv_name else config.dtype
+    w_bytes, kv_tok = weight_bytes(config), config.kv_bytes_per_token(kv_dtype)
 
     steps: list[dict] = []
     launch = sched._launch
