@@ -50,8 +50,9 @@ float8_e4m3fn or float8_e5m2, with the layer's two scales in a float32 device te
 (``kv_scales``, read by pointer: a CUDA graph replays with whatever scales it holds then). A
 program loads the two scales once; the dot path converts each K/V tile and q to float16 before
 ``tl.dot`` (exact: every float8 value is a float16 value; why float16 and not q's bfloat16:
-``fp16_dot_operand``), so the tensor cores run as for a 16-bit cache, on half the bytes; ``k_scale`` is folded into the score scale and
-``v_scale`` into the partial output's normalisation, so no element is multiplied by a scale.
+``fp16_dot_operand``), so the tensor cores run as for a 16-bit cache, on half the bytes;
+``k_scale`` is folded into the score scale and ``v_scale`` into the partial output's
+normalisation, so no element is multiplied by a scale.
 The broadcast path widens to float32 as always. A cache of q's dtype compiles without any of
 it (``KV_FP8`` is a constexpr) and never reads the scales.
 """

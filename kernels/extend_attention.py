@@ -16,8 +16,9 @@ tiles its token count can need, and each replay refills the table.
 A float8 cache (kernels/kv_fp8.py) holds ``k / k_scale`` and ``v / v_scale``; the layer's two
 scales come as a float32 device tensor (``kv_scales``) that a program reads once. Each K/V tile
 and q are converted to float16 before ``tl.dot`` (exact; kernels/kv_fp8.py: fp16_dot_operand),
-so the tensor cores run as for a 16-bit cache; ``k_scale`` joins the score scale and ``v_scale`` the final normalisation. A cache of q's
-dtype compiles without any of it (``KV_FP8`` is a constexpr).
+so the tensor cores run as for a 16-bit cache; ``k_scale`` joins the score scale and
+``v_scale`` the final normalisation. A cache of q's dtype compiles without any of it
+(``KV_FP8`` is a constexpr).
 
 ``extend_attention_ref`` is the same function in plain float64 PyTorch, independent of the kernel,
 for the tests.
@@ -110,21 +111,22 @@ def _attend_tile(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v_ptrs = V + v_off + slots[:, None] * stride_vn + offs_d[None, :]
         if KV_FP8:
             # float16 pairs, widened before tl.dot's layout change (kernels/kv_fp8.py)
             v = load_fp8_rows_as_fp16(V + v_off, slots, stride_vn, offs_n < end, HEAD_DIM, BLOCK_D)
             v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
-        elif MASKED:
-            if EVEN_D:
-                v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
-            else:
-                v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         else:
-            if EVEN_D:
-                v = tl.load(v_ptrs)
+            v_ptrs = V + v_off + slots[:, None] * stride_vn + offs_d[None, :]
+            if MASKED:
+                if EVEN_D:
+                    v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+                else:
+                    v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
             else:
-                v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+                if EVEN_D:
+                    v = tl.load(v_ptrs)
+                else:
+                    v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
         # probabilities go to the value dtype for the tensor cores (as the reference's
         # softmax(...).to(q.dtype) @ v); accumulation stays float32
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
@@ -321,7 +323,7 @@ def extend_attention(
     kv_fp8 = is_fp8(k_buffer.dtype)
     assert kv_fp8 or k_buffer.dtype == q.dtype, "a cache of q's dtype, or float8"
     # a float8 V tile is read as 16-bit pairs (kernels/kv_fp8.py: load_fp8_rows_as_fp16)
-    assert not is_fp8(k_buffer.dtype) or q.shape[-1] % 2 == 0, "float8 cache: even head_dim"
+    assert not kv_fp8 or q.shape[-1] % 2 == 0, "float8 cache: even head_dim"
     scales = scales_arg(kv_scales, k_buffer.dtype, q)
     # the kernel indexes the head dim with unit stride
     assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
