@@ -5,6 +5,11 @@ rounds silu(gate) to x's dtype before the product, so in bf16/fp16 the two can d
 one ulp; in float32 they agree to float32 rounding).
 
 Grid: (rows, column blocks of the intermediate size I); the rows of x may be strided.
+
+silu_and_mul_fp8 feeds an FP8 matmul (engine/quantization/fp8.py: the MLP's down projection):
+one program holds a whole row (I <= MAX_FP8_INTER), rounds it to x's dtype as the 16-bit kernel
+does, and writes it quantized per token (kernels/fp8.py) with its scale: the bytes of
+quantize_per_token(silu_and_mul(x)) without writing and twice reading the 16-bit row.
 """
 
 from __future__ import annotations
@@ -13,8 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8, fp8_row
+
 # Output allocator (tests swap in a NaN-filled one to catch elements a kernel fails to write).
 _empty = torch.empty
+
+# The widest row silu_and_mul_fp8 holds in one program: 32 elements a thread with 16 warps
+# (Llama-3.1-8B's 14336 fits; the layer gives a wider row the 16-bit kernel and a separate pass).
+MAX_FP8_INTER = 16384
 
 
 @triton.jit
@@ -34,15 +45,39 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], a fresh contiguous [..., I] tensor."""
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    x_row_stride,
+    inter,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_row_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    out = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    out, scale = fp8_row(out, mask)
+    tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [..., 2I] as [rows, 2I] with a unit column stride, and I."""
     if x.shape[-1] % 2:
         raise ValueError(f"last dim {x.shape[-1]} is not even")
     inter = x.shape[-1] // 2
-    out = _empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
     x2 = x.reshape(-1, 2 * inter)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    return (x2 if x2.stride(-1) == 1 else x2.contiguous()), inter
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], a fresh contiguous [..., I] tensor."""
+    x2, inter = _rows(x)
+    out = _empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
     if rows == 0 or inter == 0:
         return out
@@ -50,6 +85,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     grid = (rows, triton.cdiv(inter, block))
     _silu_and_mul_kernel[grid](x2, out, x2.stride(0), inter, BLOCK=block, num_warps=4)
     return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., 2I] (I <= MAX_FP8_INTER) -> silu(gate) * up quantized per token: float8_e4m3fn
+    [rows, I] and float32 scales [rows, 1], out ≈ float8 * scale."""
+    x2, inter = _rows(x)
+    if inter > MAX_FP8_INTER:
+        raise ValueError(f"intermediate size {inter} > {MAX_FP8_INTER}: use silu_and_mul")
+    rows = x2.shape[0]
+    out = _empty((rows, inter), dtype=FP8, device=x.device)
+    scale = _empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows and inter:
+        block = triton.next_power_of_2(inter)
+        num_warps = min(max(block // 512, 4), 16)
+        _silu_and_mul_fp8_kernel[(rows,)](
+            x2, out, scale, x2.stride(0), inter, BLOCK=block, num_warps=num_warps
+        )
+    return out, scale
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:

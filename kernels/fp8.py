@@ -40,6 +40,16 @@ def round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr):
 
 
 @triton.jit
+def fp8_row(y, mask):
+    """A whole row y ([BLOCK] float32; elements off `mask` do not count) in float8 with its
+    per-token scale: (the values on the float8 grid, still float32; the scale), as
+    quantize_per_token computes them. For kernels that hold a row and feed an FP8 matmul."""
+    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+    scale = tl.maximum(amax / 448.0, 1e-12)
+    return round_to_fp8_grid(tl.clamp(y / scale, -448.0, 448.0), 3, 0.015625), scale
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr,
     out_ptr,

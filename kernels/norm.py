@@ -8,6 +8,11 @@ float32, the normalized row is cast back to ``x.dtype`` and only then multiplied
 One program normalizes one row of ``hidden`` elements (BLOCK = next_power_of_2(hidden), masked);
 with a residual, each program reads x and residual once and writes out and the new residual.
 Nothing is written in place: ``out`` and ``residual_out`` are fresh contiguous tensors.
+
+With ``fp8=True`` the output is the input of an FP8 matmul (engine/quantization/fp8.py): the
+program, which holds the whole row, quantizes it per token as kernels/fp8.py does, and writes
+float8 and one scale per row instead of a 16-bit row that a separate pass would read twice.
+It rounds the row to x's dtype first, so the bytes are those of quantize_per_token(rmsnorm(x)).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8 import FP8, fp8_row
 
 # Output allocator (tests swap in a NaN-filled one to catch elements a kernel fails to write).
 _empty = torch.empty
@@ -29,11 +36,13 @@ def _rmsnorm_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
+    scale_ptr,  # float32 [rows] with FP8_OUT, else unused
     x_row_stride,
     res_row_stride,
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    FP8_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -50,6 +59,10 @@ def _rmsnorm_kernel(
     normed = (x32 * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     out = w.to(tl.float32) * normed.to(tl.float32)
+    if FP8_OUT:
+        # the 16-bit row the unfused path would quantize (x's dtype: the caller checks weight's)
+        out, scale = fp8_row(out.to(x_ptr.dtype.element_ty).to(tl.float32), mask)
+        tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -68,11 +81,13 @@ def rmsnorm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    fp8: bool = False,
+) -> torch.Tensor | tuple:
     """weight * norm(x) over the last dim; with a residual: (norm(x + residual), x + residual).
 
     x [..., hidden] (any leading dims; rows may be strided), weight [hidden], residual like x.
-    Returns fresh tensors; the inputs are not modified.
+    Returns fresh tensors; the inputs are not modified. With fp8, norm(...) is a pair: float8_e4m3fn
+    [rows, hidden] and its float32 scales [rows, 1] (per token), x ≈ float8 * scale.
     """
     hidden = x.shape[-1]
     if hidden > MAX_HIDDEN:
@@ -81,7 +96,14 @@ def rmsnorm(
         raise ValueError(f"weight shape {tuple(weight.shape)} != ({hidden},)")
     x2 = _rows(x, hidden)
     rows = x2.shape[0]
-    out = _empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    if fp8 and weight.dtype != x.dtype:
+        raise ValueError(f"fp8 output needs weight's dtype {weight.dtype} to be x's {x.dtype}")
+    if fp8:
+        out = _empty((rows, hidden), dtype=FP8, device=x.device)
+        scale = _empty((rows, 1), dtype=torch.float32, device=x.device)
+    else:
+        out = _empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+        scale = out  # unused by the kernel
     weight = weight.contiguous()
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -101,15 +123,18 @@ def rmsnorm(
             weight,
             out,
             res_out,
+            scale,
             x2.stride(0),
             r2.stride(0),
             hidden,
             eps,
             HAS_RESIDUAL=residual is not None,
+            FP8_OUT=fp8,
             BLOCK=block,
             num_warps=_num_warps(block),
         )
-    return out if residual is None else (out, res_out)
+    normed = (out, scale) if fp8 else out
+    return normed if residual is None else (normed, res_out)
 
 
 def rmsnorm_reference(

@@ -6,6 +6,7 @@ graphs replay (no lengths: MAX_KV_SPLITS splits of at least _GRAPH_SPLIT_TOKENS 
 
     PYTHONPATH=. python scripts/bench_fp8_decode.py         # the sweep (--full: all 18)
     PYTHONPATH=. python scripts/bench_fp8_decode.py --quick # current settings, bf16 against fp8
+    PYTHONPATH=. python scripts/bench_fp8_decode.py --splits # _GRAPH_SPLIT_TOKENS, both caches
 """
 
 from __future__ import annotations
@@ -74,8 +75,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="current settings only")
     parser.add_argument("--full", action="store_true", help="every tile, depth and warp count")
+    parser.add_argument("--splits", action="store_true", help="tokens per split of the graph launch")
     parser.add_argument("--hq", type=int, nargs="+", default=[16, 32], help="query heads (Hkv 8)")
     opts = parser.parse_args()
+    if opts.splits:
+        return sweep_split_tokens(opts.hq)
     current = (da._FP8_DOT_BLOCK_N, da._FP8_DOT_NUM_STAGES, da._NUM_WARPS)
     configs = [current] if opts.quick else FULL if opts.full else SWEEP
     for hq in opts.hq:
@@ -97,6 +101,25 @@ def main() -> None:
             mark = " *" if (block_n, stages, warps) == current else ""
             print(f"fp8 {block_n:>3} x {stages} x {warps}{mark}".ljust(34) + "".join(cells))
         da._FP8_DOT_BLOCK_N, da._FP8_DOT_NUM_STAGES, da._NUM_WARPS = current
+        del cases
+        torch.cuda.empty_cache()
+
+
+def sweep_split_tokens(hqs: list[int]) -> None:
+    """The graph launch's least tokens per split (a float8 split walks as many tiles of twice
+    the tokens), for both caches at their current tiles."""
+    current = da._GRAPH_SPLIT_TOKENS
+    for hq in hqs:
+        print(f"\nHq={hq} Hkv=8 D=128, TB/s of K/V read by _GRAPH_SPLIT_TOKENS")
+        print("split tokens, cache".ljust(34) + "".join(f"B={b},L={n}".rjust(14) for b, n in SHAPES))
+        cases = [case(b, n, hq) for b, n in SHAPES]
+        for tokens in (256, 512, 1024, 2048):
+            da._GRAPH_SPLIT_TOKENS = tokens
+            mark = " *" if tokens == current else ""
+            for name, which in (("bf16", 0), ("fp8", 1)):
+                cells = "".join(f"{tbps(c[which], c[2]):14.2f}" for c in cases)
+                print(f"{tokens:>5} {name}{mark}".ljust(34) + cells)
+        da._GRAPH_SPLIT_TOKENS = current
         del cases
         torch.cuda.empty_cache()
 

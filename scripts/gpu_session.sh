@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the README's benchmark workloads. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [kernels|extend|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-accuracy|fp8-decode|w1-fp8|w2-fp8|w2-fp8kv ...]
+# Usage there: bash scripts/gpu_session.sh [kernels|extend|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-accuracy|fp8-decode|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -66,7 +66,8 @@ for step in "${@:-kernels engine w1 w2}"; do
       fp8) tests tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_quant.py tests/engine/test_fp8_weights.py \
                 tests/engine/test_fp8_gpu.py -s
            grep "^|" "$OUT/$s.log" ;;
-      fp8-kernels) tests tests/kernels/test_fp8_kv.py -m gpu ;;
+      fp8-kernels) tests tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_quant.py ;;
+      fp8-splits) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --splits --hq 16 2>&1 | tail -12 ;;
       fp8-accuracy) tests tests/engine/test_fp8_gpu.py -s
            grep "^|\|prompts," "$OUT/$s.log" ;;
       fp8-decode) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py 2>&1 | tail -24 ;;

@@ -6,16 +6,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.quantization.fp8 import QuantizedRows
 from kernels.dispatch import use_triton
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up, for an input laid out as [..., gate | up]."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor | QuantizedRows:
+        """With fp8, the product comes as QuantizedRows for an FP8 linear (on the GPU one
+        kernel, where a row fits one program)."""
         if use_triton(x):
-            from kernels.activation import silu_and_mul
+            from kernels.activation import MAX_FP8_INTER, silu_and_mul, silu_and_mul_fp8
 
-            return silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+            if fp8 and x.shape[-1] // 2 <= MAX_FP8_INTER:
+                return QuantizedRows(*silu_and_mul_fp8(x), x.dtype)
+            out = silu_and_mul(x)
+        else:
+            gate, up = x.chunk(2, dim=-1)
+            out = F.silu(gate) * up
+        return QuantizedRows.of(out) if fp8 else out

@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.layers.distributed import all_gather_dim, all_reduce, divide, tp_rank, tp_size
 from engine.quantization import building_fp8
-from engine.quantization.fp8 import FP8, fp8_linear, quantize_weight_rows
+from engine.quantization.fp8 import FP8, QuantizedRows, fp8_linear, quantize_weight_rows
 
 if TYPE_CHECKING:
     from engine.lora.layer import LoraLinear
@@ -57,12 +57,17 @@ class LinearBase(nn.Module):
         param.weight_loader = self.weight_loader
         return param
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def takes_quantized_rows(self) -> bool:
+        """Whether forward may be given QuantizedRows, written by the kernel before it: float8
+        weights with per-token activation scales, and no LoRA (whose update reads x itself)."""
+        return self.weight_scale is not None and self.input_scale is None and self.lora is None
+
+    def matmul(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
         return fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         y = self.matmul(x, self.bias)
         return y if self.lora is None else self.lora.add_to(x, y)
 
@@ -197,7 +202,7 @@ class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         # NOTE: the bias is added once, after the reduction, not once per rank.
         y = all_reduce(self.matmul(x, None))
         y = y + self.bias if self.bias is not None else y

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.quantization.fp8 import QuantizedRows
 from kernels.dispatch import use_triton
 
 
@@ -15,13 +16,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with a residual: (norm(x + residual), x + residual) for the next block."""
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False
+    ) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """norm(x), or with a residual: (norm(x + residual), x + residual) for the next block.
+        With fp8, norm(...) comes as QuantizedRows for an FP8 linear (one kernel on the GPU)."""
         if use_triton(x):
             from kernels.norm import rmsnorm
 
-            return rmsnorm(x, self.weight, self.eps, residual)
+            out = rmsnorm(x, self.weight, self.eps, residual, fp8=fp8)
+
+            def quantized(normed):  # the kernel's (float8, scales)
+                return QuantizedRows(*normed, x.dtype)
+        else:
+            out = self._forward_torch(x, residual)
+            quantized = QuantizedRows.of
+        if not fp8:
+            return out
+        return quantized(out) if residual is None else (quantized(out[0]), out[1])
+
+    def _forward_torch(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
             x = x + residual
             residual = x

@@ -21,6 +21,7 @@ from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.quantization.fp8 import QuantizedRows
 
 if TYPE_CHECKING:
     from engine.batch.forward_batch import ForwardBatch
@@ -66,7 +67,7 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch
+        self, positions: torch.Tensor, x: torch.Tensor | QuantizedRows, batch: ForwardBatch
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.q_size // self.head_dim, self.head_dim)
@@ -88,8 +89,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        # with FP8 weights the activation kernel also quantizes for down_proj
+        fp8 = self.down_proj.takes_quantized_rows()
+        return self.down_proj(self.act(self.gate_up_proj(x), fp8=fp8))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,12 +112,15 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # with FP8 weights each norm also quantizes for the projection it feeds
+        fp8 = self.self_attn.qkv_proj.takes_quantized_rows()
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, fp8=fp8)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, fp8=fp8)
         x = self.self_attn(positions, x, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
+        fp8 = self.mlp.gate_up_proj.takes_quantized_rows()
+        x, residual = self.post_attention_layernorm(x, residual, fp8=fp8)
         return self.mlp(x), residual
 
 

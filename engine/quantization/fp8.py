@@ -9,6 +9,8 @@ everything but the tensor cores' accumulation order.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels.dispatch import use_triton
@@ -44,34 +46,57 @@ def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+class QuantizedRows(NamedTuple):
+    """Activations already quantized per token for the FP8 linear that reads them next:
+    x [M, K] ≈ data * scale. The norm or activation before such a layer writes them in the
+    same kernel (LinearBase.takes_quantized_rows says when), which saves a pass over x."""
+
+    data: torch.Tensor  # float8_e4m3fn [M, K]
+    scale: torch.Tensor  # float32 [M, 1]
+    dtype: torch.dtype  # the 16-bit x they stand for, and the linear's output dtype
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> QuantizedRows:
+        """x [..., K] quantized by the separate pass (kernels/fp8.py, or its reference)."""
+        x2 = _rows(x)
+        x8, scale = (quantize_per_token if use_triton(x2) else quantize_per_token_ref)(x2)
+        return cls(x8, scale, x.dtype)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.is_contiguous() else x2.contiguous()
+
+
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16/fp16) times float8 weight [N, K] with scales weight_scale [N] ->
-    [..., N] in x's dtype; activations per token, or with the static `input_scale`."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    triton = use_triton(x2)
-    if input_scale is not None:
-        x8, x_scale = (quantize_static if triton else quantize_static_ref)(x2, input_scale)
+    [..., N] in x's dtype; activations per token, or with the static `input_scale`.
+    x may come quantized already (QuantizedRows: [M, K] -> [M, N])."""
+    if isinstance(x, QuantizedRows):
+        rows = x
+    elif input_scale is not None:
+        x2 = _rows(x)
+        static = quantize_static if use_triton(x2) else quantize_static_ref
+        rows = QuantizedRows(*static(x2, input_scale), x.dtype)
     else:
-        x8, x_scale = (quantize_per_token if triton else quantize_per_token_ref)(x2)
-    if x2.is_cuda and x2.shape[0]:
+        rows = QuantizedRows.of(x)
+    x8, x_scale = rows.data, rows.scale
+    if x8.is_cuda and x8.shape[0]:
         # NOTE: row-wise scaling takes bf16 output only; fp16 models get a cast
         y = torch._scaled_mm(
             x8, weight.t(), scale_a=x_scale.contiguous(), scale_b=weight_scale.view(1, -1),
             out_dtype=torch.bfloat16,
         )  # fmt: skip
-        y = y.to(x.dtype)
     else:
         y = (x8.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()
-        y = y.to(x.dtype)
+    y = y.to(rows.dtype)
     if bias is not None:
         y = y + bias
-    return y.reshape(*shape[:-1], weight.shape[0])
+    leading = x.shape[:-1] if isinstance(x, torch.Tensor) else x8.shape[:-1]
+    return y.reshape(*leading, weight.shape[0])

@@ -1,4 +1,5 @@
-"""kernels/fp8.py: float8 activations for the FP8 matmuls, against torch's own float8 cast.
+"""kernels/fp8.py: float8 activations for the FP8 matmuls, against torch's own float8 cast;
+and the RMSNorm and SiluAndMul kernels that write them fused, against the unfused pair.
 
 The kernel rounds to the float8 grid on the bits before its cast (the interpreter's cast
 mis-rounds a carry into the next exponent), so every value, subnormals and saturated ones
@@ -10,12 +11,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.layers.activation import SiluAndMul
+from engine.layers.norm import RMSNorm
+from engine.quantization.fp8 import QuantizedRows, fp8_linear, quantize_weight_rows
+from kernels.activation import (
+    MAX_FP8_INTER,
+    silu_and_mul,
+    silu_and_mul_fp8,
+    silu_and_mul_reference,
+)
 from kernels.fp8 import (
     quantize_per_token,
     quantize_per_token_ref,
     quantize_static,
     quantize_static_ref,
 )
+from kernels.norm import rmsnorm, rmsnorm_reference
 from tests.kernels.conftest import DEVICE
 
 
@@ -50,3 +61,86 @@ def test_static_quantization_saturates_at_448():
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0)
     assert got.float().abs().max() == 448.0 and not got.float().isnan().any()
     assert got_scale.shape == (6, 1) and torch.all(got_scale == 0.05)
+
+
+# --- the norm and activation that quantize for the FP8 linear after them -------------------------
+
+
+def _close_to_fp8_of(x8: torch.Tensor, scale: torch.Tensor, ref: torch.Tensor) -> None:
+    """x8 * scale is ref rounded to float8 with that row scale: within half a float8 step
+    (2^-4 relative for normals, 2^-10 * scale below), plus a 16-bit ulp (bf16: 2^-8)."""
+    got, ref = x8.double() * scale.double(), ref.double()
+    bound = ref.abs() * (2**-4 + 2**-8) + scale.double() * 2**-10
+    assert torch.all((got - ref).abs() <= bound)
+
+
+# bfloat16 on the GPU only (the interpreter's cast to bfloat16 truncates)
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_fp8_writes_the_quantized_norm(dtype, with_residual):
+    hidden, eps = 300, 1e-6
+    x = _rows(hidden, dtype)[[0, 1, 3, 4]]  # (the zero row has no norm to speak of)
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.randn(hidden, generator=gen) + 1).to(dtype).to(DEVICE)
+    residual = torch.randn(x.shape, generator=gen).to(dtype).to(DEVICE) if with_residual else None
+    fused = rmsnorm(x, weight, eps, residual, fp8=True)
+    plain = rmsnorm(x, weight, eps, residual)
+    (x8, scale), plain_out = (fused[0], plain[0]) if with_residual else (fused, plain)
+    if with_residual:
+        torch.testing.assert_close(fused[1], plain[1], rtol=0, atol=0)
+    assert x8.dtype == torch.float8_e4m3fn and x8.shape == (4, hidden)
+    # the same bytes as the 16-bit kernel followed by the separate quantization pass
+    want8, want_scale = quantize_per_token(plain_out)
+    torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
+    torch.testing.assert_close(x8.float(), want8.float(), rtol=0, atol=0)
+    # and, independently, the float64-statistics norm rounded to float8
+    ref = rmsnorm_reference(x, weight, eps, residual)
+    _close_to_fp8_of(x8, scale, ref[0] if with_residual else ref)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [5, 1000, 14336])
+def test_silu_and_mul_fp8_writes_the_quantized_product(dtype, inter):
+    x = _rows(2 * inter, dtype)[[0, 1, 3, 4]].clamp(-200, 200)  # products within float16
+    x[0, 0] = -100.0  # a saturated gate
+    wide = torch.zeros(4, 2 * inter + 6, dtype=dtype, device=DEVICE)
+    wide[:, 3 : 3 + 2 * inter] = x
+    x = wide[:, 3 : 3 + 2 * inter]  # strided rows
+    x8, scale = silu_and_mul_fp8(x)
+    assert x8.dtype == torch.float8_e4m3fn and scale.shape == (4, 1)
+    want8, want_scale = quantize_per_token(silu_and_mul(x))
+    torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
+    torch.testing.assert_close(x8.float(), want8.float(), rtol=0, atol=0)
+    _close_to_fp8_of(x8, scale, silu_and_mul_reference(x))
+
+
+def test_silu_and_mul_fp8_refuses_a_row_wider_than_one_program():
+    x = torch.zeros(1, 2 * (MAX_FP8_INTER + 1), device=DEVICE)
+    with pytest.raises(ValueError, match="intermediate size 16385"):
+        silu_and_mul_fp8(x)
+
+
+@pytest.mark.parametrize("fp8_layer", ["norm", "act"])
+def test_layers_hand_the_linear_what_it_would_quantize(fp8_layer):
+    """RMSNorm / SiluAndMul with fp8=True give an FP8 linear the same product as their 16-bit
+    output does (the torch path on the CPU, the fused kernels on the GPU)."""
+    hidden = 64
+    gen = torch.Generator().manual_seed(3)
+    linear_weight = torch.randn(48, hidden, generator=gen)
+    w8, w_scale = quantize_weight_rows(linear_weight)
+    w8, w_scale = w8.to(DEVICE), w_scale.to(DEVICE)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    if fp8_layer == "norm":
+        layer = RMSNorm(hidden).to(DEVICE, dtype)
+        x = torch.randn(7, hidden, generator=gen).to(DEVICE, dtype)
+    else:
+        layer = SiluAndMul()
+        x = torch.randn(7, 2 * hidden, generator=gen).to(DEVICE, dtype)
+    rows = layer(x, fp8=True)
+    assert isinstance(rows, QuantizedRows) and rows.dtype == dtype
+    want = fp8_linear(layer(x), w8, w_scale)
+    torch.testing.assert_close(fp8_linear(rows, w8, w_scale), want, rtol=0, atol=0)
