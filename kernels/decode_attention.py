@@ -65,7 +65,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_fp8 import fp16_dot_operand, is_fp8, load_fp8_rows_as_fp16, scales_arg
+from kernels.kv_fp8 import (
+    fp16_dot_operand,
+    is_fp8,
+    kv_fp8_mode,
+    load_fp8_rows_as_fp16,
+    scales_arg,
+)
 
 _LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 16
@@ -157,7 +163,7 @@ def _stage1_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
     if USE_DOT and KV_FP8:
-        v = load_fp8_rows_as_fp16(v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D)
+        v = load_fp8_rows_as_fp16(v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D, KV_FP8)
         v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
     else:
         v = tl.load(v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -462,14 +468,14 @@ class _Tiles:
     num_stages: int
     use_dot: bool
     dot_precision: str
-    kv_fp8: bool  # a float8 cache (module docstring)
+    kv_fp8: int  # a float8 cache (module docstring): kernels/kv_fp8.py kv_fp8_mode
 
 
 def _tiles(q: torch.Tensor, group: int, use_dot: bool, kv_dtype: torch.dtype) -> _Tiles:
     D = q.shape[-1]
     BLOCK_D = max(16, triton.next_power_of_2(D))
     num_stages = _SMALL_NUM_STAGES
-    kv_fp8 = is_fp8(kv_dtype)
+    kv_fp8 = kv_fp8_mode(kv_dtype, q.device)
     if use_dot:
         BLOCK_H = max(16, triton.next_power_of_2(group))
         BLOCK_N = _SMALL_BLOCK_N

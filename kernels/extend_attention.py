@@ -31,7 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_fp8 import fp16_dot_operand, is_fp8, load_fp8_rows_as_fp16, scales_arg
+from kernels.kv_fp8 import (
+    fp16_dot_operand,
+    is_fp8,
+    kv_fp8_mode,
+    load_fp8_rows_as_fp16,
+    scales_arg,
+)
 
 # exp2 is the native instruction on the GPU; fold log2(e) into the score scale once per tile
 # instead of multiplying inside exp().
@@ -113,7 +119,9 @@ def _attend_tile(
 
         if KV_FP8:
             # float16 pairs, widened before tl.dot's layout change (kernels/kv_fp8.py)
-            v = load_fp8_rows_as_fp16(V + v_off, slots, stride_vn, offs_n < end, HEAD_DIM, BLOCK_D)
+            v = load_fp8_rows_as_fp16(
+                V + v_off, slots, stride_vn, offs_n < end, HEAD_DIM, BLOCK_D, KV_FP8
+            )
             v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
         else:
             v_ptrs = V + v_off + slots[:, None] * stride_vn + offs_d[None, :]
@@ -374,7 +382,7 @@ def extend_attention(
         BLOCK_M=bm,
         BLOCK_N=bn,
         INPUT_PRECISION=input_precision,
-        KV_FP8=kv_fp8,
+        KV_FP8=kv_fp8_mode(k_buffer.dtype, q.device),
         num_warps=warps,
         num_stages=stages,
     )

@@ -329,3 +329,43 @@ def test_gpu_graph_reads_scales_set_after_capture():
     k8, v8 = quantized["k_buffer"], quantized["v_buffer"]
     ref_args = dict(batch, k_buffer=dequantized(k8, 0.1), v_buffer=dequantized(v8, 0.5))
     assert rel_err(out, decode_attention_ref(**ref_args).double()) < TOL_16BIT
+
+
+def test_v_tiles_widen_with_triton_casts_off_the_fp8_gpus():
+    """The PTX pair conversion is only chosen where it exists (compute capability 8.9+)."""
+    from kernels.kv_fp8 import FP8_CAST, FP8_PTX, kv_fp8_mode
+
+    assert kv_fp8_mode(torch.bfloat16, torch.device("cpu")) == 0
+    assert kv_fp8_mode(E4M3, torch.device("cpu")) == FP8_CAST
+    if torch.cuda.is_available():
+        new_enough = torch.cuda.get_device_capability() >= (8, 9)
+        assert kv_fp8_mode(E5M2, torch.device("cuda")) == (FP8_PTX if new_enough else FP8_CAST)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_gpu_ptx_pair_conversion_gives_the_same_outputs_as_triton_casts(fp8, monkeypatch):
+    """Both ways of widening a V tile give exact float16 values: decode and extend outputs are
+    bit for bit those of Triton's own casts."""
+    import kernels.decode_attention as decode_module
+    import kernels.extend_attention as extend_module
+    from kernels.kv_fp8 import FP8_CAST, FP8_PTX, kv_fp8_mode
+    from tests.kernels.test_decode_attention import gpu_lens
+
+    if kv_fp8_mode(fp8, torch.device("cuda")) != FP8_PTX:
+        pytest.skip("needs compute capability 8.9+")
+    decode = make_decode_batch(
+        gpu_lens(32, 2048, seed=6), 32, 8, 128, dtype=torch.bfloat16, device="cuda"
+    )
+    extend = make_extend_batch(
+        [0, 1000, 37], [700, 64, 1], 32, 8, 128, dtype=torch.bfloat16, device="cuda"
+    )
+    runs = []
+    for mode in (FP8_PTX, FP8_CAST):
+        for module in (decode_module, extend_module):
+            monkeypatch.setattr(module, "kv_fp8_mode", lambda dtype, device, m=mode: m)
+        decoded = run_into_nan_out(decode_attention, fp8_batch(decode, fp8, 0.05, 2.0)[0])
+        extended = run_into_nan_out(extend_attention, fp8_batch(extend, fp8, 0.3, 0.07)[0])
+        runs.append((decoded, extended))
+    for ptx, cast in zip(*runs):
+        assert not ptx.isnan().any() and torch.equal(ptx, cast)
