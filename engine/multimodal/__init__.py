@@ -1,0 +1,1 @@
+"""Multimodal helpers of the scheduler process: pure numpy, no transformers or PIL."""
