@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 ROPE_TYPES = ("default", "linear", "llama3")
 # Architectures that only embed: no LM head, no KV cache (engine/models/ builds them)
 ENCODER_ARCHITECTURES = frozenset({"BertModel"})
+# Vision-language models: images in (generate's image_data), text out
+VISION_LANGUAGE_ARCHITECTURES = frozenset({"Qwen2_5_VLForConditionalGeneration"})
 
 # the names a dtype goes by -> torch's name of it
 _DTYPES = {
@@ -64,6 +66,10 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError(f"{cfg_file} names no 'architectures'.")
+        if isinstance(hf.get("text_config"), dict):
+            # transformers 5 nests a vision-language model's decoder settings; published
+            # checkpoints keep them at the top: read both as one flat dict
+            hf = {**hf["text_config"], **{k: v for k, v in hf.items() if k != "text_config"}}
         for key in (
             "hidden_size",
             "num_hidden_layers",
@@ -116,6 +122,26 @@ class ModelConfig:
         return self.architecture in ENCODER_ARCHITECTURES
 
     @property
+    def is_vision_language(self) -> bool:
+        """Takes images (generate's image_data) beside text: engine/models/qwen2_5_vl.py."""
+        return self.architecture in VISION_LANGUAGE_ARCHITECTURES
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The token each image's embeddings replace (one per merged patch), or None."""
+        token = self.hf.get("image_token_id")
+        return int(token) if token is not None else None
+
+    @property
+    def vision_start_token_id(self) -> int | None:
+        token = self.hf.get("vision_start_token_id")
+        return int(token) if token is not None else None
+
+    @property
+    def vision_config(self) -> dict[str, Any]:
+        return dict(self.hf.get("vision_config") or {})
+
+    @property
     def hidden_size(self) -> int:
         return int(self.hf["hidden_size"])
 
@@ -162,6 +188,14 @@ class ModelConfig:
         return float(self.hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
     @property
+    def mrope_section(self) -> list[int] | None:
+        """Multimodal RoPE (Qwen2-VL family): how many of the head's rotary frequencies follow
+        each of the (temporal, height, width) positions, or None for one position per token."""
+        scaling = self.hf.get("rope_scaling") or self.hf.get("rope_parameters") or {}
+        section = scaling.get("mrope_section")
+        return [int(s) for s in section] if section else None
+
+    @property
     def rope_scaling(self) -> dict[str, Any] | None:
         """The scaling dict with a normalised 'rope_type', or None for plain RoPE."""
         scaling = self.hf.get("rope_scaling") or self.hf.get("rope_parameters")
@@ -169,6 +203,8 @@ class ModelConfig:
             return None
         scaling = dict(scaling)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "mrope":  # (the older configs' name): frequencies as plain RoPE's
+            rope_type = "default"
         if rope_type not in ROPE_TYPES:
             raise ValueError(
                 f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}."

@@ -18,6 +18,17 @@ if TYPE_CHECKING:
     from engine.memory.kv_pool import KVPool
 
 
+@dataclass
+class ImageBatch:
+    """A vision-language model's inputs beyond the tokens, for one prefill (built by
+    engine/runner/images.py; decode steps need none: the model keeps each request's delta)."""
+
+    rope_positions: torch.Tensor  # [3, T] int64: each token's (t, h, w) M-RoPE positions
+    rope_deltas: torch.Tensor  # [B] int64: each request's generated-token position offset
+    rows: torch.Tensor  # [K] int64: the batch's token rows that are image tokens
+    embeds: torch.Tensor  # [K, H]: their embeddings, from the vision tower
+
+
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill: several new tokens per request, after an optional cached prefix
     DECODE = auto()  # one new token per request
@@ -43,6 +54,8 @@ class ForwardBatch:
     packed: torch.Tensor | None = None
     # decode: requests that share a cached prefix, which attention may read once per group
     shared_prefixes: list[SharedPrefix] | None = None
+    # extend, on a vision-language model: M-RoPE positions and image embeddings
+    images: ImageBatch | None = None
 
     @property
     def batch_size(self) -> int:

@@ -26,7 +26,7 @@ class Req:
         "output_ids", "tokens", "_tokens_len", "_drawn", "finish_reason", "cached_tokens",
         "admitted_once", "admit_order", "input_logprob_next", "stop_decoder", "grammar",
         "input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs",
-        "embedding", "label_logprobs", "session_id", "lora_name",
+        "embedding", "label_logprobs", "session_id", "lora_name", "images", "image_embeds",
         "pool_row", "rows", "prefix_len", "last_node",
         "sent_len", "sent_first",
     )  # fmt: skip
@@ -46,6 +46,10 @@ class Req:
         # the session whose turn this is (engine/scheduler/sessions.py), if any
         self.session_id = (request.session_params or {}).get("id")
         self.lora_name = request.lora_name  # its LoRA adapter; its prefixes are cached apart
+        # its images (a vision-language model), and their embeddings while its prompt prefills
+        # (engine/runner/images.py: computed at the first chunk that needs them, then dropped)
+        self.images = request.images
+        self.image_embeds: Any = None
         # drawn tokens that end the request by length whatever they are
         limit = request.sampling.max_new_tokens
         if context_length is not None:
@@ -60,6 +64,8 @@ class Req:
         # appends to output_ids only, the per-token hot path.
         self.tokens = np.empty(self.prompt_len + max(0, min(limit, 16)) + 1, dtype=np.int64)
         self.tokens[: self.prompt_len] = request.input_ids
+        if request.images is not None:  # image tokens go by their image's cache id (prefix cache)
+            self.tokens[request.images.token_positions] = request.images.cache_ids
         self._tokens_len = self.prompt_len  # how much of `tokens` is written
         # NOTE: with overlap scheduling a sampled token reaches output_ids one step after it was
         # drawn on the device; meanwhile it is pending (its value lives in ModelRunner.next_token).
@@ -124,7 +130,8 @@ class Req:
     @property
     def fill_ids(self) -> np.ndarray:
         """Every token the model has seen or will see next: the prompt, then the output so far
-        (an int64 view, valid until the next append)."""
+        (an int64 view, valid until the next append). Image tokens appear as their cache ids
+        (ImageInputs.cache_ids): this is the prefix cache's key; input_ids keeps the real ids."""
         end = self.prompt_len + len(self.output_ids)
         if self._tokens_len < end:  # output tokens appended since the last call
             if end > len(self.tokens):

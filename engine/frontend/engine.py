@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # generate() arguments of SGLang that this engine does not serve; passing them is an error, not a no-op
 _UNSUPPORTED_GENERATE_ARGS = (
-    "image_data", "audio_data", "video_data", "custom_logit_processor",
+    "audio_data", "video_data", "custom_logit_processor",
     "token_ids_logprob", "return_hidden_states", "bootstrap_host", "bootstrap_port",
     "bootstrap_room", "data_parallel_rank",
 )  # fmt: skip
@@ -56,9 +56,7 @@ class Engine:
         if args.tp_size > 1:
             self.model_config.check_tensor_parallel(args.tp_size)
         # FP8 weights and cache: the arguments against the folder (and its quantization_config)
-        resolve_quantization(
-            args.quantization, self.model_config, args.kv_cache_dtype, args.device
-        )
+        resolve_quantization(args.quantization, self.model_config, args.kv_cache_dtype, args.device)
         if self.model_config.is_encoder and not args.is_embedding:
             raise ValueError(
                 f"is_embedding must be True for {self.model_config.architecture}: an encoder "
@@ -84,9 +82,15 @@ class Engine:
         rid: str | list[str] | None = None,
         session_params: dict | list[dict] | None = None,
         lora_path: str | list[str | None] | None = None,
+        image_data: Any = None,
         **unsupported: Any,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> a dict; a list -> a list of dicts in input order; stream=True -> an iterator of chunks.
+
+        image_data (a vision-language model): for one prompt an image or a list of images, for a
+        list of prompts one entry per prompt (an image, a list of images, or None); an image is
+        a file path, an http(s) URL, a base64 string or data URL, bytes, or a PIL image. The
+        prompt holds one image token per image (Qwen's `<|vision_start|><|image_pad|><|vision_end|>`).
 
         Streamed chunks carry the text and token ids new since the previous chunk; the last
         one of each request carries its finish_reason and complete meta_info.
@@ -113,6 +117,7 @@ class Engine:
         rid: str | list[str] | None = None,
         session_params: dict | list[dict] | None = None,
         lora_path: str | list[str | None] | None = None,
+        image_data: Any = None,
         **unsupported: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate(), awaited on the caller's event loop; stream=True gives an async iterator.
@@ -141,7 +146,7 @@ class Engine:
             arguments["prompt"], arguments["input_ids"], arguments["sampling_params"],
             arguments["return_logprob"], arguments["logprob_start_len"], arguments["top_logprobs_num"],
             arguments["rid"], arguments["return_text_in_logprobs"], arguments["stream"],
-            arguments["session_params"], arguments["lora_path"],
+            arguments["session_params"], arguments["lora_path"], arguments["image_data"],
         )  # fmt: skip
 
     # ------------------------------------------------------------------ embeddings and scores
@@ -187,6 +192,12 @@ class Engine:
     def _encode_call(self, prompt, dimensions, rid, *unsupported: Any):
         names = ("image_data", "audio_data", "video_data", "lora_path")
         used = [name for name, value in zip(names, unsupported) if value is not None]
+        if "image_data" in used:
+            raise ValueError(
+                "encode() with image_data needs a multimodal embedding model, and gristmill "
+                "serves none yet: images go through generate() on a vision-language model "
+                "(Qwen2.5-VL)."
+            )
         if used:
             raise ValueError(
                 f"encode() argument(s) {', '.join(used)} are not supported by this engine."

@@ -1,6 +1,7 @@
 """Rotary position embedding (the rotate-half layout of Hugging Face checkpoints).
 
-Supports plain RoPE and the "linear" and "llama3" frequency scalings that configs declare.
+Supports plain RoPE and the "linear" and "llama3" frequency scalings that configs declare, and
+the multimodal RoPE of the Qwen2-VL family (three positions a token).
 """
 
 from __future__ import annotations
@@ -53,20 +54,75 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hk, D] by their token positions [T]; with
         `head_norms` (Qwen3's q_norm, k_norm) each head vector is RMS-normalised first."""
-        if use_triton(q):
-            from kernels.rotary import apply_rotary
+        return rotate(positions, q, k, self.cos_cache, self.sin_cache, head_norms)
 
-            norm = None
-            if head_norms is not None:
-                q_norm, k_norm = head_norms
-                norm = (q_norm.weight, k_norm.weight, q_norm.eps)
-                assert k_norm.eps == q_norm.eps
-            return apply_rotary(q, k, positions, self.cos_cache, self.sin_cache, norm=norm)
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): a token has three positions (temporal, height,
+    width), and the head's rotary frequencies are cut into three sections, each turned by one
+    of them (`mrope_section`: frequencies per section). Text tokens have three equal positions,
+    which is plain RoPE; so is every generated token, at its sequence index plus the request's
+    delta (the model adds it), so decode steps pass [T] positions and take the plain path."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        mrope_section: list[int],
+    ) -> None:
+        super().__init__(head_dim, max_positions, theta, scaling)
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(
+                f"mrope_section {mrope_section} must add up to head_dim // 2 = {head_dim // 2}"
+            )
+        # which of the three positions turns each frequency
+        section = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        self.register_buffer("section_of_freq", section, persistent=False)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        head_norms: tuple[RMSNorm, RMSNorm] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] (plain) or [3, T] (a prefill of a vision-language model)."""
+        if positions.dim() == 1:
+            return super().forward(positions, q, k, head_norms)
+        # each token's own cos/sin rows, frequency j at the position of its section: then the
+        # plain rotation (its kernel included) with token t reading row t
+        freq = torch.arange(self.section_of_freq.shape[0], device=positions.device)
+        per_freq = positions[self.section_of_freq].t()  # [T, D / 2]
+        cos, sin = self.cos_cache[per_freq, freq], self.sin_cache[per_freq, freq]
+        rows = torch.arange(positions.shape[1], device=positions.device)
+        return rotate(rows, q, k, cos, sin, head_norms)
+
+
+def rotate(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_norms: tuple[RMSNorm, RMSNorm] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by rows `positions` of the float32 cos/sin tables [rows, D / 2]."""
+    if use_triton(q):
+        from kernels.rotary import apply_rotary
+
+        norm = None
         if head_norms is not None:
-            q, k = head_norms[0](q), head_norms[1](k)
-        cos = self.cos_cache[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q_norm, k_norm = head_norms
+            norm = (q_norm.weight, k_norm.weight, q_norm.eps)
+            assert k_norm.eps == q_norm.eps
+        return apply_rotary(q, k, positions, cos_cache, sin_cache, norm=norm)
+    if head_norms is not None:
+        q, k = head_norms[0](q), head_norms[1](k)
+    cos = cos_cache[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
+    sin = sin_cache[positions].repeat(1, 2).unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

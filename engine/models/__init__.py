@@ -8,6 +8,7 @@ from engine.model_config import ModelConfig
 from engine.models.bert import BertModel
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -15,6 +16,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 

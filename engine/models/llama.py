@@ -139,9 +139,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(
-            config.head_dim, config.context_length, config.rope_theta, config.rope_scaling
-        )
+        rotary = self.make_rotary(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.layer_cls(config, i, rotary) for i in range(config.num_layers)
@@ -151,10 +149,22 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def make_rotary(self, config: ModelConfig) -> RotaryEmbedding:
+        """The one rotary embedding every layer shares."""
+        return RotaryEmbedding(
+            config.head_dim, config.context_length, config.rope_theta, config.rope_scaling
+        )
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        return self.decode_layers(self.embed_tokens(input_ids), positions, batch)
+
+    def decode_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """The decoder over input embeddings x [T, H], positions as the rotary takes them."""
+        residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, batch)
         x, _ = self.norm(x, residual)
@@ -178,8 +188,12 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(ckpt, ours), shard
         return name, None
 
+    def text_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters load_weights fills (a vision-language model loads its tower apart)."""
+        return dict(self.named_parameters(remove_duplicate=False))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters(remove_duplicate=False))
+        params = self.text_parameters()
         expected = {
             n
             for n, p in params.items()

@@ -37,6 +37,7 @@ from engine.quantization.fp8 import check_device
 from engine.runner.batch_builder import build_forward_batch
 from engine.runner.cuda_graph import DecodeCudaGraphs
 from engine.runner.decode_inputs import DecodeInputs
+from engine.runner.images import ImageEmbedder
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model, reload_weights
 from engine.runner.logits_step import LogitsStep
@@ -59,15 +60,18 @@ class ModelRunner:
         self.device = device
         loading = time.perf_counter()
         # FP8 linear layers (engine/quantization/): quantized at load, or an FP8 checkpoint's
-        self.fp8 = resolve_quantization(
-            args.quantization, config, args.kv_cache_dtype, device.type
-        )
+        self.fp8 = resolve_quantization(args.quantization, config, args.kv_cache_dtype, device.type)
         if self.fp8 is not None:
             check_device(device)
         self.model = load_model(config, args.load_format, device, self.fp8)
         logger.info("weights loaded in %.1fs", time.perf_counter() - loading)
         # LoRA adapters (engine/lora/): a LoraLinear on each projection they may target
         self.lora = LoraManager(args, config, self.model, device) if args.lora_enabled else None
+        # a vision-language model's image embeddings and M-RoPE positions, per prefill
+        self.images: ImageEmbedder | None = None
+        if config.is_vision_language:
+            self.model.set_request_rows(args.max_request_rows + 1)
+            self.images = ImageEmbedder(self.model, config.hidden_size, device)
         # (a float8 cache holds K/V scaled by each layer's k_scale / v_scale: engine/memory/kv_pool.py)
         kv_name = args.kv_cache_dtype_name
         self.kv_dtype = getattr(torch, kv_name) if kv_name is not None else config.dtype
@@ -151,6 +155,8 @@ class ModelRunner:
         forward, plan = build_forward_batch(
             batch, self.kv_pool, self.req_to_token, self.decode_inputs, width
         )
+        if self.images is not None and forward.mode is ForwardMode.EXTEND:
+            forward.images = self.images.image_batch(batch)
         if self.lora is not None:  # each request's adapter in a slot, and the block table
             names = [r.lora_name for r in batch.reqs]
             self.lora.prepare(names, list(batch.extend_lens), self._graph_size(forward, width))
@@ -216,6 +222,10 @@ class ModelRunner:
         return next((b for b in self._logit_buckets if b >= rows), rows)
 
     # ------------------------------------------------------------------ memory
+    def image_counters(self) -> dict[str, float]:
+        """A vision-language model's images encoded and vision-tower seconds (else nothing)."""
+        return self.images.counters() if self.images is not None else {}
+
     def allocator_counters(self) -> dict[str, int]:
         """PyTorch's CUDA allocator: device allocations and frees, and retries after a failed
         allocation. Each free (and retry) synchronises the device, so a step that triggers one
@@ -277,8 +287,8 @@ class ModelRunner:
 
     def _prefill_graph_tokens(self) -> int:
         """The largest prefill step a graph replays (0: none), never above what a step holds."""
-        if not self.attn_backend.supports_prefill_cuda_graph:
-            return 0
+        if not self.attn_backend.supports_prefill_cuda_graph or self.images is not None:
+            return 0  # (a vision-language prefill scatters image rows: it runs eagerly)
         tokens = min(self.args.prefill_cuda_graph_max_tokens, self.args.max_prefill_tokens)
         # a capture's warm-up batch is padding requests of at most one table row each
         return min(tokens, self.config.context_length * self.args.max_request_rows)

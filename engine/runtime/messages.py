@@ -14,10 +14,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from engine.sampling_params import SamplingParams
 
 # the keys of generate()'s session_params (engine/scheduler/sessions.py says what each does)
 SESSION_PARAMS = ("id", "rid", "offset", "replace", "drop_previous_output")
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInputs:
+    """A request's images, decoded and preprocessed by the caller (engine/frontend/images.py)
+    for a vision-language model; the scheduler's runner encodes them (engine/runner/images.py).
+
+    NOTE: image k's tokens are the k-th run of the model's image token in input_ids, and the
+    vision tower's output rows come in the same order: output row j is the embedding of the
+    token at prompt position token_positions[j].
+    """
+
+    pixel_values: np.ndarray  # float32 [patches, channels * temporal * patch**2], images in order
+    grid_thw: np.ndarray  # int64 [images, 3]: each image's (t, h, w) in patches
+    token_positions: np.ndarray  # int64 [image tokens], ascending: where they sit in input_ids
+    # each image token's key in the prefix cache: an id past the vocabulary derived from its
+    # image's content, so the same image is a cache hit and a different one never is
+    cache_ids: np.ndarray  # int64 [image tokens]
+    rope_positions: np.ndarray  # int64 [3, prompt_len]: M-RoPE (t, h, w) of every prompt token
+    rope_delta: int  # a token at sequence index i >= prompt_len sits at position i + rope_delta
+
+    @property
+    def num_images(self) -> int:
+        return len(self.grid_thw)
 
 
 @dataclass(frozen=True)
@@ -41,6 +67,7 @@ class TokenizedRequest:
     # generate(session_params=...): the session turn this continues (engine/scheduler/sessions.py)
     session_params: dict[str, Any] | None = None
     lora_name: str | None = None  # generate(lora_path=...): the adapter (None: the base model)
+    images: ImageInputs | None = None  # generate(image_data=...) on a vision-language model
 
     @property
     def prompt_len(self) -> int:

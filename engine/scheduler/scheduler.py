@@ -270,6 +270,7 @@ class Scheduler:
                 self.runner.prefill_graphs.max_tokens if self.runner.prefill_graphs else 0
             ),
             **self.runner.allocator_counters(),
+            **self.runner.image_counters(),
         }
 
     # ------------------------------------------------------------------ one step

@@ -112,7 +112,7 @@ def test_encode_bad_input_names_the_field(minilm):
         engine.encode("hi", dimensions=385)
     with pytest.raises(ValueError, match="dimensions"):
         engine.encode("hi", dimensions=0)
-    with pytest.raises(ValueError, match="image_data"):
+    with pytest.raises(ValueError, match="image_data needs a multimodal embedding model"):
         engine.encode("hi", image_data="x.png")
     with pytest.raises(ValueError, match="is_embedding"):
         engine.generate("hi")

@@ -131,7 +131,10 @@ def test_engine_arguments_are_checked():
         match="kv_cache_dtype must be one of 'auto', 'fp8_e4m3', 'fp8_e5m2', got 'fp8_e4m4'.*did you mean 'fp8_e4m3'",
     ):
         ServerArgs.from_kwargs(model_path="x", kv_cache_dtype="fp8_e4m4")
-    with pytest.raises(ValueError, match="quantization must be one of 'fp8', 'compressed-tensors' or None, got 'awq'"):
+    with pytest.raises(
+        ValueError,
+        match="quantization must be one of 'fp8', 'compressed-tensors' or None, got 'awq'",
+    ):
         ServerArgs.from_kwargs(model_path="x", quantization="awq")
     with pytest.raises(ValueError, match="tokenizer_mode must be 'auto'"):
         ServerArgs.from_kwargs(model_path="x", tokenizer_mode="slow")
@@ -200,7 +203,8 @@ def _assert_usable(engine):
             {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [10**6]}},
             "stop_token_ids must be < vocab size",
         ),
-        ({"input_ids": [1], "image_data": "cat.png"}, "image_data are not supported"),
+        ({"input_ids": [1], "image_data": "cat.png"}, "image_data needs a vision-language model"),
+        ({"input_ids": [1], "audio_data": "a.wav"}, "audio_data are not supported"),
     ],
 )
 def test_bad_generate_input_raises_and_engine_stays_usable(engine, kwargs, message):
