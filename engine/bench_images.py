@@ -56,10 +56,14 @@ def pictures(count: int, size: int, seed: int) -> list:
 
 
 def prompt(config: ModelConfig) -> list[int]:
+    """One image between a user turn's header and its instruction, then the assistant's
+    header (Qwen2's ids; below the vision tokens of a smaller test vocabulary)."""
     user = [_IM_START, 872, _NEWLINE]  # "user"
-    image = [config.vision_start_token_id, config.image_token_id, config.vision_start_token_id + 1]
     tail = [_IM_END, _NEWLINE, _IM_START, 77091, _NEWLINE]  # "assistant"
-    return user + image + _INSTRUCTION + tail
+    text = [t % config.vision_start_token_id for t in user + _INSTRUCTION + tail]
+    end = int(config.hf["vision_end_token_id"])
+    image = [config.vision_start_token_id, config.image_token_id, end]
+    return text[:3] + image + text[3:]
 
 
 def run(model_path: str, images: list, ids: list[int], output_len: int, engine_args: dict) -> dict:

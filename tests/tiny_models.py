@@ -443,3 +443,56 @@ def peft_greedy(model_dir, adapter_dir, ids: list[int], n: int):
         tokens.append(token)
         logprobs.append(float(lp[token]))
     return tokens[len(ids) :], logprobs
+
+
+# ---------------------------------------------------------------------------------------------
+# A vision-language model
+# ---------------------------------------------------------------------------------------------
+
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+
+
+def make_tiny_vl_model(folder) -> Path:
+    """A Qwen2.5-VL folder: the tiny BPE tokenizer with Qwen's vision tokens added, a 2-layer
+    decoder with M-RoPE (head_dim 16: sections 4, 2, 2), a 2-block vision tower (one window
+    block, one full) of 14-pixel patches merged 2 x 2, random weights, and Qwen2-VL's image
+    processor limited to at most 192 patches an image."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    folder = Path(folder)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [IM_START, IM_END, VISION_START, IMAGE_PAD, VISION_END]}
+    )
+    tokenizer.save_pretrained(folder)
+    token = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=544, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+            rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]
+            },
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=token(IMAGE_PAD), vision_start_token_id=token(VISION_START),
+        vision_end_token_id=token(VISION_END), video_token_id=token(IMAGE_PAD),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    with torch.no_grad():  # sharper logits than the 0.02 init: greedy ties would be luck
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=14 * 14 * 4 * 48)
+    processor.save_pretrained(folder)
+    return folder

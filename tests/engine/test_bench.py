@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -122,3 +124,19 @@ def test_fp8_floor_reads_half_the_cache_and_weight_bytes(llama_dir):
     assert decode == 5 * weight_bytes(cfg) + 2 * kv
     attn = prefill - 2 * (linear + head) * 14
     assert prefill8 == pytest.approx(2 * linear * 14 / 4.0 + 2 * head * 14 + attn)
+
+
+def test_image_bench_prints_the_split(tmp_path, capsys):
+    """engine.bench_images on a tiny Qwen2.5-VL: every image encoded once, and the table."""
+    from engine.bench_images import main as bench_images
+    from tests.tiny_models import make_tiny_vl_model
+
+    folder = make_tiny_vl_model(tmp_path / "vl")
+    bench_images(["--model", str(folder), "--num-images", "5", "--image-size", "56",
+                  "--output-len", "3", "--json", str(tmp_path / "out.json")])  # fmt: skip
+    table = capsys.readouterr().out
+    assert "| images/s | output tok/s" in table
+    assert "| vision tower on the device (s) | images" in table
+    rows = json.loads((tmp_path / "out.json").read_text())
+    assert rows["output tokens"].startswith("15 ")
+    assert rows["vision tower on the device (s) | images"].endswith("| 5")
