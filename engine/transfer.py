@@ -18,7 +18,12 @@ import torch
 
 # numpy builds an array from a Python list 3-4x faster than torch.tensor does (per-step columns
 # of a few hundred ints cost ~4 us instead of ~14 us); the tensor then shares its memory
-_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+_NUMPY_DTYPES = {
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.float32: np.float32,
+    torch.uint8: np.uint8,
+}
 
 
 class PinnedRing:

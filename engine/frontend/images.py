@@ -9,7 +9,8 @@ and the scheduler only ever receives well-formed arrays:
 * `load_image` turns one raw item (path, URL, base64, bytes, PIL image) into an RGB image,
   decoded in full so a truncated file fails here rather than as a garbled picture;
 * `ImageProcessor` wraps the model folder's own image processor (resize to a multiple of the
-  merged patch size, normalise, cut into patches), so the pixels match transformers exactly;
+  merged patch size, cut into patches), so the pixels match transformers exactly; they travel
+  as bytes and are normalised on the device (engine/multimodal/pixels.py);
 * `expand_image_tokens` widens each image's single `<|image_pad|>` of the prompt to the number
   of tokens its patches become;
 * `image_hash` names an image's content for the prefix cache, where two prompts whose
@@ -33,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from engine.multimodal.pixels import normalization_table, patch_bytes
 
 URL_TIMEOUT_S = 10.0
 _ALLOWED = (
@@ -211,43 +214,54 @@ def _is_list(value: object) -> bool:
 
 # ------------------------------------------------------------------------------------ processing
 class ImageProcessor:
-    """The model folder's image processor (preprocessor_config.json), as numpy arrays.
+    """The model folder's image processor (preprocessor_config.json), its numpy (PIL) path.
 
-    `AutoImageProcessor` chooses the torchvision backend where torchvision is installed and the
-    PIL one otherwise, as transformers' own `AutoProcessor` does; `backend` forces one.
+    `process` returns each image's patches as bytes (engine/multimodal/pixels.py: what the
+    processor's float pixels are before rescale and normalize, one copy per patch), with the
+    table that turns them into the processor's float32 values bit for bit. NOTE: always the
+    PIL path, whatever transformers would choose: its resized pixels are whole bytes, and the
+    same on every machine (the torchvision path resizes otherwise).
     """
 
-    def __init__(self, model_path: str, backend: str | None = None) -> None:
-        from transformers import AutoImageProcessor
-
-        kwargs = {} if backend is None else {"backend": backend}
-        self._processor = AutoImageProcessor.from_pretrained(model_path, **kwargs)
-        self.merge_size = int(self._processor.merge_size)
-        self.patch_dim = (
-            3 * int(self._processor.temporal_patch_size) * int(self._processor.patch_size) ** 2
+    def __init__(self, model_path: str) -> None:
+        # (Qwen2-VL's processor, which Qwen2.5-VL folders name: the one family served)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
         )
+
+        self._processor = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+        p = self._processor
+        self.merge_size = int(p.merge_size)
+        self.temporal_patch_size = int(p.temporal_patch_size)
+        self.channels = 3
+        self.table = normalization_table(float(p.rescale_factor), p.image_mean, p.image_std)
 
     def process(
         self, images: Sequence[Image.Image], where: str = "image_data"
     ) -> tuple[np.ndarray, np.ndarray]:
-        """`pixel_values` float32 [num_patches, C*T*P*P] and `image_grid_thw` int64 [n, 3].
+        """`patches` uint8 [num_patches, C*P*P] and `image_grid_thw` int64 [n, 3].
 
         One image at a time, so a refused image (too thin: aspect ratio over 200) is named as
         `{where}[k]`; the concatenation equals what one call on the whole list returns.
         """
-        pixels, grids = [np.zeros((0, self.patch_dim), dtype=np.float32)], []
+        patches, grids = [], []
         for k, image in enumerate(images):
             try:
-                out = self._processor(images=[image], return_tensors="np")
+                out = self._processor(
+                    images=[image], return_tensors="np", do_rescale=False, do_normalize=False
+                )
             except ValueError as exc:
                 raise ValueError(
                     f"{where}[{k}]: the image processor refused the {image.width}x"
                     f"{image.height} image: {exc}"
                 ) from exc
-            pixels.append(np.asarray(out["pixel_values"], dtype=np.float32))
+            raw = np.asarray(out["pixel_values"], dtype=np.float32)
+            patches.append(patch_bytes(raw, self.channels, self.temporal_patch_size))
             grids.append(np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3))
-        grid = np.concatenate(grids) if grids else np.zeros((0, 3), dtype=np.int64)
-        return np.concatenate(pixels), grid
+        width = self.channels * int(self._processor.patch_size) ** 2
+        if not patches:
+            return np.zeros((0, width), dtype=np.uint8), np.zeros((0, 3), dtype=np.int64)
+        return np.concatenate(patches), np.concatenate(grids)
 
     def tokens_per_image(self, grid_thw: np.ndarray) -> list[int]:
         """How many `<|image_pad|>` tokens each image becomes: t*h*w // merge_size**2."""
@@ -277,9 +291,9 @@ def expand_image_tokens(
     return out
 
 
-def image_hash(pixel_values: np.ndarray, grid_thw: Sequence[int] | np.ndarray) -> int:
-    """A stable 63-bit hash of one image's patches and grid (fits a signed int64)."""
+def image_hash(patches: np.ndarray, grid_thw: Sequence[int] | np.ndarray) -> int:
+    """A stable 63-bit hash of one image's patch bytes and grid (fits a signed int64)."""
     digest = hashlib.blake2b(digest_size=8)
     digest.update(np.ascontiguousarray(grid_thw, dtype="<i8").tobytes())
-    digest.update(np.ascontiguousarray(pixel_values, dtype="<f4").tobytes())
+    digest.update(np.ascontiguousarray(patches, dtype=np.uint8).tobytes())
     return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)

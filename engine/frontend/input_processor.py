@@ -16,9 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from engine.model_config import VISION_LANGUAGE_ARCHITECTURES, ModelConfig
+from engine.frontend.image_inputs import ImageInputsBuilder
+from engine.model_config import ModelConfig
 from engine.runtime.messages import SESSION_PARAMS, ImageInputs, TokenizedRequest
 from engine.sampling.grammar import check_grammar
 from engine.sampling_params import SamplingParams
@@ -26,8 +25,6 @@ from engine.server_args import ServerArgs
 
 if TYPE_CHECKING:  # transformers loads in ~1 s; only the annotations need it here
     from transformers import PreTrainedTokenizerBase
-
-    from engine.frontend.images import ImageProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +54,7 @@ class InputProcessor:
         self._seeds = random.Random(args.random_seed)
         # the LoRA adapters a request may name: {name: folder}, kept by load/unload_lora_adapter
         self.lora_adapters: dict[str, str] = dict(args.lora_adapters)
-        self._image_processor: ImageProcessor | None = None  # loaded at the first image
+        self.images = ImageInputsBuilder(config)  # generate(image_data=...)
 
     # ------------------------------------------------------------------ inputs
     def make_call(
@@ -77,7 +74,7 @@ class InputProcessor:
     ) -> GenerateCall:
         token_lists, is_batch = self._token_lists(prompt, input_ids)
         n = len(token_lists)
-        images = self._image_lists(image_data, n, is_batch)
+        images = self.images.prepare(image_data, n, is_batch)
         params = _per_request("sampling_params", sampling_params, n, dict)
         logprob = _per_request("return_logprob", return_logprob, n, bool)
         starts = _per_request("logprob_start_len", logprob_start_len, n, int)
@@ -90,8 +87,8 @@ class InputProcessor:
             where = f"request {i}: " if is_batch else ""
             try:
                 ids, image_inputs = token_lists[i], None
-                if images[i]:
-                    ids, image_inputs = self._with_images(ids, images[i])
+                if images[i]:  # (a list of images, or the error of a bad one)
+                    ids, image_inputs = self.images.build(ids, images[i])
                 request = self._make_request(
                     ids, params[i], logprob[i], starts[i], tops[i], rids[i], stream
                 )
@@ -201,61 +198,6 @@ class InputProcessor:
             top_logprobs_num=top if return_logprob else 0,
             stream=stream,
         )
-
-    # ------------------------------------------------------------------ images
-    def _image_lists(self, image_data: Any, n: int, is_batch: bool) -> list[list[Any]]:
-        """image_data as one (possibly empty) list of raw images per prompt."""
-        if image_data is None:
-            return [[] for _ in range(n)]
-        from engine.frontend.images import normalize_image_data
-
-        lists = normalize_image_data(image_data, n, is_batch)
-        if any(lists) and not self.config.is_vision_language:
-            raise ValueError(
-                f"image_data needs a vision-language model "
-                f"({', '.join(sorted(VISION_LANGUAGE_ARCHITECTURES))}); "
-                f"{self.config.architecture} takes text only"
-            )
-        return lists
-
-    def _with_images(self, ids: list[int], raw: list[Any]) -> tuple[list[int], ImageInputs]:
-        """The prompt's ids with each image slot expanded to its image's tokens, and the images
-        decoded, preprocessed, hashed and given their M-RoPE positions."""
-        from engine.frontend.images import (
-            ImageProcessor,
-            expand_image_tokens,
-            image_hash,
-            load_image,
-        )
-        from engine.multimodal.mrope import mrope_positions
-
-        if self._image_processor is None:
-            self._image_processor = ImageProcessor(str(self.config.path))
-        processor, config = self._image_processor, self.config
-        pictures = [load_image(item, f"image_data[{k}]") for k, item in enumerate(raw)]
-        pixel_values, grid_thw = processor.process(pictures)
-        counts = processor.tokens_per_image(grid_thw)
-        ids = expand_image_tokens(ids, config.image_token_id, counts, "image_data")
-        array = np.asarray(ids, dtype=np.int64)
-        rope, delta = mrope_positions(
-            array, grid_thw, config.image_token_id, config.vision_start_token_id,
-            processor.merge_size,
-        )  # fmt: skip
-        # each image's patches are a run of pixel_values: its content keys the prefix cache
-        ends = np.cumsum(grid_thw.prod(axis=1))
-        keys = [
-            config.vocab_size + image_hash(pixel_values[end - int(size) : end], grid) % 2**40
-            for end, size, grid in zip(ends, grid_thw.prod(axis=1), grid_thw)
-        ]
-        inputs = ImageInputs(
-            pixel_values=pixel_values,
-            grid_thw=grid_thw,
-            token_positions=np.flatnonzero(array == config.image_token_id),
-            cache_ids=np.repeat(np.asarray(keys, dtype=np.int64), counts),
-            rope_positions=rope,
-            rope_delta=int(delta),
-        )
-        return ids, inputs
 
     def _attach_images(
         self, request: TokenizedRequest, images: ImageInputs, session: dict | None

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.batch.forward_batch import ImageBatch
+from engine.multimodal.pixels import patch_pixels
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -79,12 +80,15 @@ class ImageEmbedder:
         rows of the output (one per image token, in prompt order)."""
         if not reqs:
             return
-        pixels = np.concatenate([r.images.pixel_values for r in reqs])
+        patches = np.concatenate([r.images.patches for r in reqs])
         grids = np.concatenate([r.images.grid_thw for r in reqs])
+        first = reqs[0].images  # (one processor, so one table for every request)
         with self._timed():
-            out = self.model.encode_images(
-                to_device(pixels, torch.float32, self.device), torch.from_numpy(grids)
+            table = to_device(first.pixel_table, torch.float32, self.device)
+            pixels = patch_pixels(
+                to_device(patches, torch.uint8, self.device), table, first.temporal_patch_size
             )
+            out = self.model.encode_images(pixels, torch.from_numpy(grids))
         sizes = [len(r.images.token_positions) for r in reqs]
         if out.shape[0] != sum(sizes):
             raise RuntimeError(

@@ -32,7 +32,12 @@ class ImageInputs:
     token at prompt position token_positions[j].
     """
 
-    pixel_values: np.ndarray  # float32 [patches, channels * temporal * patch**2], images in order
+    # each patch's resized pixels as bytes, one temporal copy (engine/multimodal/pixels.py), and
+    # what each byte value of each channel becomes: the processor's float32 pixels, rebuilt on
+    # the device, travel as an eighth of their size
+    patches: np.ndarray  # uint8 [patches, channels * patch**2], images in order
+    pixel_table: np.ndarray  # float32 [channels, 256]
+    temporal_patch_size: int
     grid_thw: np.ndarray  # int64 [images, 3]: each image's (t, h, w) in patches
     token_positions: np.ndarray  # int64 [image tokens], ascending: where they sit in input_ids
     # each image token's key in the prefix cache: an id past the vocabulary derived from its

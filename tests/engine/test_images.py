@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -31,6 +32,7 @@ from engine.frontend.images import (
     load_image,
     normalize_image_data,
 )
+from engine.multimodal.pixels import patch_pixels
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 WORDS = ["[UNK]", "describe", "these", "and", "then", "this"]
@@ -109,16 +111,23 @@ def _hf_image_processor(config: dict) -> Qwen2VLImageProcessorPil:
 
 
 # ------------------------------------------------------------------------------------ processing
+def _float_pixels(processor: ImageProcessor, patches: np.ndarray) -> np.ndarray:
+    """The patches as the runner rebuilds them on the device (here on the CPU)."""
+    table = torch.from_numpy(processor.table)
+    return patch_pixels(torch.from_numpy(patches), table, processor.temporal_patch_size).numpy()
+
+
 def test_processor_matches_transformers_on_odd_sizes(folder):
     path, config = folder
     ours = ImageProcessor(str(path))
     assert ours.merge_size == 2
     images = [_random_image(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
-    pixels, grid = ours.process(images)
+    patches, grid = ours.process(images)
     want = _hf_image_processor(config)(images=images, return_tensors="np")
-    assert pixels.dtype == np.float32 and grid.dtype == np.int64
-    assert pixels.shape[1] == 3 * 2 * 14 * 14
-    np.testing.assert_array_equal(pixels, want["pixel_values"])
+    assert patches.dtype == np.uint8 and grid.dtype == np.int64
+    assert patches.shape[1] == 3 * 14 * 14  # one temporal copy: an eighth of the floats
+    # rebuilt from bytes and the table, the processor's float32 pixels bit for bit
+    np.testing.assert_array_equal(_float_pixels(ours, patches), want["pixel_values"])
     np.testing.assert_array_equal(grid, want["image_grid_thw"])
 
 
@@ -157,9 +166,10 @@ def test_transparency_is_composited_like_transformers(folder):
     rgba = _random_image(60, 45, seed=3, mode="RGBA")
     loaded = load_image(_png_bytes(rgba), "request 0: image_data")
     assert loaded.mode == "RGB"
-    pixels, grid = ImageProcessor(str(path)).process([loaded])
+    processor = ImageProcessor(str(path))
+    patches, grid = processor.process([loaded])
     want = _hf_image_processor(config)(images=[rgba], return_tensors="np")
-    np.testing.assert_array_equal(pixels, want["pixel_values"])
+    np.testing.assert_array_equal(_float_pixels(processor, patches), want["pixel_values"])
 
 
 def test_an_image_the_processor_refuses_is_named(folder):
@@ -172,7 +182,7 @@ def test_an_image_the_processor_refuses_is_named(folder):
 
 def test_no_images_give_empty_arrays(folder):
     pixels, grid = ImageProcessor(str(folder[0])).process([])
-    assert pixels.shape == (0, 1176) and grid.shape == (0, 3)
+    assert pixels.shape == (0, 588) and grid.shape == (0, 3)
 
 
 # --------------------------------------------------------------------------------------- loading

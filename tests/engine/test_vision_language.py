@@ -27,12 +27,17 @@ def vl_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(vl_dir):
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         vl_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    return model, AutoImageProcessor.from_pretrained(vl_dir), build_vl_tokens(vl_dir)
+    # (the PIL path, as the engine's: where torchvision is installed, transformers' default
+    # image processor resizes otherwise)
+    return model, Qwen2VLImageProcessorPil.from_pretrained(vl_dir), build_vl_tokens(vl_dir)
 
 
 def build_vl_tokens(folder) -> dict[str, int]:
