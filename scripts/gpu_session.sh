@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the README's benchmark workloads. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [kernels|extend|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|vl|vl-bench|fp8-accuracy|fp8-decode|w1-fp8|w2-fp8|w2-fp8kv ...]
+# Usage there: bash scripts/gpu_session.sh [kernels|extend|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -67,6 +67,7 @@ for step in "${@:-kernels engine w1 w2}"; do
                 tests/engine/test_fp8_gpu.py -s
            grep "^|" "$OUT/$s.log" ;;
       vl) tests tests/engine/test_vision_language.py tests/engine/test_qwen2_5_vl_vision.py tests/engine/test_images.py tests/engine/test_mrope.py -n 4 ;;
+      vl-profile) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_vision.py 2>&1 | tail -30 ;;
       vl-bench) python3 -m engine.bench_images --model-config qwen2.5-vl-3b --num-images 1000 --image-size 448 --output-len 64 \
                 --json "$OUT/vl-bench.json" 2>&1 | grep "^|\|Error" ;;
       fp8-kernels) tests tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_quant.py ;;

@@ -24,20 +24,6 @@ def normalization_table(rescale_factor: float, mean: list[float], std: list[floa
     return ((values[None, :] - mean32[:, None]) / std32[:, None]).astype(np.float32)
 
 
-def patch_bytes(pixel_values: np.ndarray, channels: int, temporal: int) -> np.ndarray:
-    """The processor's un-normalized patches (float32 [N, C*T*P*P], whole numbers 0-255, as
-    it returns them with rescale and normalize off) as uint8 [N, C*P*P]: one temporal copy."""
-    n = pixel_values.shape[0]
-    per_slot = pixel_values.reshape(n, channels, temporal, -1)
-    if not np.array_equal(per_slot[:, :, :1].repeat(temporal, axis=2), per_slot):
-        raise ValueError("an image's temporal patch copies differ: not a still image")
-    first = per_slot[:, :, 0]
-    out = first.astype(np.uint8)
-    if not np.array_equal(out, first):
-        raise ValueError("the image processor's resized pixels are not bytes (0-255)")
-    return out.reshape(n, -1)
-
-
 def patch_pixels(patches: torch.Tensor, table: torch.Tensor, temporal: int) -> torch.Tensor:
     """uint8 patches [N, C*P*P] -> the processor's float32 pixel_values [N, C*T*P*P]."""
     channels = table.shape[0]

@@ -161,15 +161,17 @@ def _image_pad_runs(ids: list[int]) -> list[list[int]]:
     return runs
 
 
-def test_transparency_is_composited_like_transformers(folder):
-    path, config = folder
+def test_transparency_is_composited_onto_white():
+    """As transformers 5.24's convert_to_rgb does, checked by hand: transformers 5.17 (the GPU
+    machine's) gave other pixels for the same RGBA picture, and the engine's must not depend
+    on the installed version."""
     rgba = _random_image(60, 45, seed=3, mode="RGBA")
     loaded = load_image(_png_bytes(rgba), "request 0: image_data")
     assert loaded.mode == "RGB"
-    processor = ImageProcessor(str(path))
-    patches, grid = processor.process([loaded])
-    want = _hf_image_processor(config)(images=[rgba], return_tensors="np")
-    np.testing.assert_array_equal(_float_pixels(processor, patches), want["pixel_values"])
+    src = np.asarray(rgba, dtype=np.float64)
+    alpha = src[..., 3:] / 255
+    want = src[..., :3] * alpha + 255 * (1 - alpha)
+    assert np.abs(np.asarray(loaded, dtype=np.float64) - want).max() <= 1
 
 
 def test_an_image_the_processor_refuses_is_named(folder):
