@@ -31,6 +31,7 @@ loading is a copy by name.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ from torch import nn
 
 from engine.layers.norm import RMSNorm
 
+_MLP_ALIGN = 64  # the MLP's intermediate size is padded to a multiple of this (_VisionMLP)
+_BLOCK_MLP = re.compile(r"blocks\.\d+\.mlp\.")
 # transformers' Qwen2_5_VLVisionConfig defaults, for keys a config.json leaves out
 _DEFAULTS: dict[str, object] = {
     "depth": 32,
@@ -196,6 +199,11 @@ class _VisionAttention(nn.Module):
 
 
 class _VisionMLP(nn.Module):
+    """SwiGLU with biases. NOTE: the intermediate size is padded to a multiple of 64 with zero
+    rows of gate/up and zero columns of down (silu(0) * 0 adds nothing): Qwen2.5-VL's 3420 is
+    no multiple of 8, and cuBLAS then falls back to Ampere kernels that took half the tower's
+    time on an H100 (load_weights fills the leading part)."""
+
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         if act not in _ACTIVATIONS:
@@ -203,9 +211,10 @@ class _VisionMLP(nn.Module):
                 f"vision hidden_act {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}"
             )
         self.act = _ACTIVATIONS[act]
-        self.gate_proj = nn.Linear(hidden, intermediate)
-        self.up_proj = nn.Linear(hidden, intermediate)
-        self.down_proj = nn.Linear(intermediate, hidden)
+        padded = -(-intermediate // _MLP_ALIGN) * _MLP_ALIGN
+        self.gate_proj = nn.Linear(hidden, padded)
+        self.up_proj = nn.Linear(hidden, padded)
+        self.down_proj = nn.Linear(padded, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -330,12 +339,25 @@ class Qwen2_5_VisionTransformer(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the vision tower")
-            if param.shape != tensor.shape:
+            target = _unpadded(param, tensor.shape) if _BLOCK_MLP.match(name) else param
+            if target is None or target.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {name!r}: the checkpoint has {tuple(tensor.shape)}, "
                     f"the vision tower expects {tuple(param.shape)}"
                 )
             with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
+                param.zero_()  # (an MLP's padding stays zero)
+                target.copy_(tensor.to(param.dtype))
             loaded.add(name)
         return loaded
+
+
+def _unpadded(param: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """The part of a block MLP's parameter that holds a checkpoint tensor of `shape` (the rest
+    is _VisionMLP's alignment padding), or None if `shape` is not what it pads."""
+    padded = tuple(-(-n // _MLP_ALIGN) * _MLP_ALIGN for n in shape)
+    if len(shape) != param.dim() or any(
+        p not in (n, m) for n, m, p in zip(shape, padded, param.shape)
+    ):
+        return None
+    return param[tuple(slice(0, n) for n in shape)]
