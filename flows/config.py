@@ -120,6 +120,11 @@ class PromptConfig(Section):
     template: str = Field(description="Jinja over the row's columns, e.g. 'Review: {{ text }}'")
     chat: bool = Field(False, description="wrap the rendered text in the model's chat template")
     system: str | None = Field(None, description="a system message (chat only)")
+    image_column: str | None = Field(
+        None,
+        description="an input column of images (paths from the input's folder, URLs, bytes) "
+        "for a vision-language model; the template places each with {{ image }}, else first",
+    )
 
     @field_validator("template")
     @classmethod

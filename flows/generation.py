@@ -23,10 +23,12 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from flows.images import resolve_image
 from flows.progress import Progress
 from flows.rows import output_column, refused_row, result_row
 
@@ -56,13 +58,22 @@ class RequestOptions:
     top_logprobs: int
     lora: str | None = None  # the adapter of every row
     lora_column: str | None = None  # or the work rows' column that names each row's
+    image_column: str | None = None  # the work rows' column of each row's image
+    image_base: Path = Path(".")  # where relative image paths start: the input's folder
 
     @classmethod
     def of(cls, config: Any) -> RequestOptions:
         column = output_column(config, config.lora_column) if config.lora_column else None
+        image = config.prompt.image_column
         return cls(
-            config.sampling_params(), config.logprobs, config.top_logprobs, config.lora, column
-        )
+            config.sampling_params(), config.logprobs, config.top_logprobs, config.lora, column,
+            output_column(config, image) if image else None, config.source.path.parent,
+        )  # fmt: skip
+
+    def image_of(self, row: dict[str, Any]) -> Any:
+        if self.image_column is None:
+            return None
+        return resolve_image(row.get(self.image_column), self.image_base)
 
     def lora_of(self, row: dict[str, Any]) -> str | None:
         if self.lora_column is None:
@@ -79,6 +90,7 @@ async def request(engine: Any, row: dict[str, Any], options: RequestOptions) -> 
             return_logprob=options.logprobs,
             top_logprobs_num=options.top_logprobs or None,
             lora_path=options.lora_of(row),
+            image_data=options.image_of(row),
         )
     except ValueError as e:  # refused before it was queued: this row fails, the run goes on
         return refused_row(row, e)

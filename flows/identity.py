@@ -44,7 +44,7 @@ def run_identity(config: RunConfig, checked: Checked) -> dict[str, Any]:
             "format": checked.source_format,
             "id_column": config.source.id_column,
         },
-        "prompt": config.prompt.model_dump(),
+        "prompt": _prompt_identity(config),
         "template_variables": config.template_variables(),
         "samples_per_row": config.samples_per_row,
         "sampling": config.sampling_params(),
@@ -56,7 +56,16 @@ def run_identity(config: RunConfig, checked: Checked) -> dict[str, Any]:
         identity["lora"] = [config.lora, config.lora_column]
     if adapters := adapters_identity(engine_args):
         identity["adapters"] = adapters
+    if config.prompt.image_column is not None:  # the pictures themselves (flows/images.py)
+        identity["images"] = checked.images_digest
     return identity
+
+
+def _prompt_identity(config: RunConfig) -> dict[str, Any]:
+    prompt = config.prompt.model_dump()
+    if prompt["image_column"] is None:  # (the runs of earlier versions keep their fingerprints)
+        del prompt["image_column"]
+    return prompt
 
 
 def adapters_identity(engine_args: dict[str, Any]) -> dict[str, Any]:

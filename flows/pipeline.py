@@ -35,6 +35,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import RunConfig
 from flows.generation import Generated, RequestOptions, generate_rows
+from flows.images import image_placeholder
 from flows.interrupts import Interrupted, interrupted, stop_softly
 from flows.parallel import generate_in_parallel
 from flows.plan import Finish, RunPlan, Work, plan_requests
@@ -119,8 +120,9 @@ def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
     table = read_rows(config.source)
     ids = row_ids(table, config.source.id_column)
     renderer = PromptRenderer(
-        config.prompt, config.template_variables(), _chat_template(config, engine)
-    )
+        config.prompt, config.template_variables(), _chat_template(config, engine),
+        _image_placeholder(config),
+    )  # fmt: skip
     work = plan_requests(config, table, ids, scan.done_ids, renderer)
     store.write_json(
         "run.json", {"config": config.model_dump(mode="json"), "total_rows": work.total}
@@ -226,6 +228,16 @@ def shutdown(engine: Any) -> None:
 
 
 # ---------------------------------------------------------------------- helpers
+def _image_placeholder(config: RunConfig) -> str | None:
+    """The model's image slot, for rows with an image (prompt.image_column)."""
+    if config.prompt.image_column is None:
+        return None
+    from engine import ServerArgs
+
+    args = ServerArgs.from_kwargs(**config.engine.arguments())
+    return image_placeholder(args.model_path, args.tokenizer_path)
+
+
 def _chat_template(config: RunConfig, engine: Any) -> ChatTemplate | None:
     """The engine's chat template, for chat prompts: a resident engine renders them with its
     own tokenizer (this process then loads none: transformers alone takes a second to import);

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flows.config import ConfigError, RunConfig
+from flows.images import images_digest
 from flows.prompts import has_chat_template, template_names
 from flows.sources import TEXT_FORMATS, Input, id_problems, load_input
 
@@ -26,6 +27,7 @@ class Checked:
     columns: list[str]
     source_format: str
     tokenizer_path: str
+    images_digest: str | None = None  # of prompt.image_column's pictures (flows/images.py)
 
 
 def preflight(config: RunConfig) -> Checked:
@@ -37,6 +39,7 @@ def preflight(config: RunConfig) -> Checked:
     if loaded is not None:
         _check_columns(config, columns, problems)
         _check_lora(config, loaded, problems)
+        digest = _check_images(config, loaded, problems)
         id_column = config.source.id_column
         if id_column is not None and id_column in columns:
             problems += id_problems(loaded, id_column)
@@ -47,7 +50,10 @@ def preflight(config: RunConfig) -> Checked:
     problems += config.flow_problems()
     if problems:
         raise ConfigError(problems)
-    return Checked(columns, loaded.format if loaded else "", tokenizer_path)
+    return Checked(
+        columns, loaded.format if loaded else "", tokenizer_path,
+        digest if loaded else None,
+    )  # fmt: skip
 
 
 def _check_engine(config: RunConfig, problems: list[tuple[str, str]]) -> str:
@@ -145,6 +151,8 @@ def _check_columns(config: RunConfig, columns: list[str], problems: list[tuple[s
     if id_column is not None and id_column not in have:
         problems.append(("source.id_column", _missing(id_column, columns)))
     extras = set(config.template_variables()) | {"row"}
+    if config.prompt.image_column is not None:
+        extras.add("image")
     for name in sorted(template_names(config.prompt.template) - have - extras):
         problems.append(("prompt.template", _missing(name, columns)))
     for column, where in config.needed_columns().items():
@@ -178,6 +186,36 @@ def _check_lora(config: RunConfig, loaded: Input, problems: list[tuple[str, str]
             ("lora_column", f"column {column!r} names adapters that are not loaded: "
              f"{', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}; {known}")
         )  # fmt: skip
+
+
+def _check_images(config: RunConfig, loaded: Input, problems: list[tuple[str, str]]) -> str | None:
+    """`prompt.image_column` exists, every file it names does, and the model takes images:
+    the digest of its pictures for the fingerprint."""
+    column = config.prompt.image_column
+    if column is None:
+        return None
+    from engine import ModelConfig
+
+    where = "prompt.image_column"
+    if column not in loaded.table.column_names:
+        problems.append((where, _missing(column, loaded.table.column_names)))
+        return None
+    model_path = config.engine.arguments()["model_path"]
+    try:
+        model = ModelConfig.from_folder(str(model_path))
+    except ValueError:
+        return None  # (engine.model_path's own problem, reported by _check_engine)
+    if not model.is_vision_language:
+        problems.append(
+            (where, f"the model in {model_path} ({model.architecture}) takes text only: images "
+             "need a vision-language model (Qwen2.5-VL)")
+        )  # fmt: skip
+    values = loaded.table.column(column).to_pylist()
+    digest, unreadable = images_digest(values, config.source.path.parent)
+    if unreadable:
+        more = f" (and {len(unreadable) - 5} more)" if len(unreadable) > 5 else ""
+        problems.append((where, "; ".join(unreadable[:5]) + more))
+    return digest
 
 
 def _missing(column: str, columns: list[str]) -> str:

@@ -50,23 +50,37 @@ ChatTemplate = Callable[..., Any]
 
 class PromptRenderer:
     def __init__(
-        self, prompt: PromptConfig, variables: dict[str, Any], chat_template: ChatTemplate | None
+        self,
+        prompt: PromptConfig,
+        variables: dict[str, Any],
+        chat_template: ChatTemplate | None,
+        image_placeholder: str | None = None,
     ) -> None:
         self.template = _ENV.from_string(prompt.template)
         self.chat = prompt.chat
         self.system = prompt.system
         self.variables = variables
         self.chat_template = chat_template
-        if self.chat and chat_template is None:
-            raise ValueError("prompt.chat needs the tokenizer's chat template")
+        # rows with an image (prompt.image_column): the model's image slot, where the template
+        # writes {{ image }}, else before the text; a row without one gets neither (flows/images.py)
+        self.image_column = prompt.image_column if image_placeholder is not None else None
+        self.image_placeholder = image_placeholder or ""
+        self.image_first = "image" not in template_names(prompt.template)
 
     def render(self, row: dict[str, Any]) -> str:
         return self.render_many([row])[0]
 
+    def _render(self, row: dict[str, Any]) -> str:
+        if self.image_column is None:
+            return self.template.render({**row, "row": row, **self.variables})
+        image = self.image_placeholder if row.get(self.image_column) else ""
+        text = self.template.render({**row, "row": row, **self.variables, "image": image})
+        return image + text if self.image_first else text
+
     def render_many(self, rows: list[dict[str, Any]]) -> list[str]:
         """The prompts of rows; the chat template renders them all in one call (one round
         trip when a resident engine renders them)."""
-        texts = [self.template.render({**row, "row": row, **self.variables}) for row in rows]
+        texts = [self._render(row) for row in rows]
         if not self.chat or not texts:
             return texts
         system = [{"role": "system", "content": self.system}] if self.system else []
