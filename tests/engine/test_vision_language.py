@@ -229,3 +229,31 @@ def test_chunked_prefill_cuts_through_images(vl_dir, hf):
         )
     for (ids, images), out in zip(cases, outs):
         assert out["output_ids"] == hf_greedy(hf, ids, images)[0]
+
+
+def test_json_labels_for_images(engine, hf):
+    """Structured output beside images: every answer is JSON of the (bounded) schema, and
+    ends by itself (sampled: greedy, the random model would pad JSON with whitespace)."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["red", "green", "blue"]},
+            "shape": {"enum": ["circle", "square"]},
+        },
+        "required": ["colour", "shape"],
+        "additionalProperties": False,
+    }
+    ids = prompt_ids(hf[2], 1, seed=40)
+    images = [picture(56, 56, 40 + k) for k in range(3)]
+    params = [
+        {"temperature": 1.0, "sampling_seed": k, "max_new_tokens": 200, "json_schema": json.dumps(schema)}
+        for k in range(3)
+    ]  # fmt: skip
+    outs = engine.generate(input_ids=[ids] * 3, image_data=images, sampling_params=params)
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+        label = json.loads(out["text"])
+        assert label["colour"] in ("red", "green", "blue")
+        assert label["shape"] in ("circle", "square")
