@@ -96,17 +96,18 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NORM: tl.constexpr,
+    ROUND_TABLES: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dmask = d < half
-    # The layer casts the float32 cache to q's dtype before using it.
     cos = tl.load(cos_ptr + pos * cos_stride + d, mask=dmask, other=0.0)
     sin = tl.load(sin_ptr + pos * sin_stride + d, mask=dmask, other=0.0)
-    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)
-    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
+    if ROUND_TABLES:  # the text layer casts the float32 cache to q's dtype before using it
+        cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)
+        sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
     if hb < num_q_blocks:
         _rotate_heads(
             q_ptr,
@@ -186,9 +187,12 @@ def apply_rotary(
     sin_cache: torch.Tensor,
     inplace: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    round_tables: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, k) rotated by their positions; fresh contiguous tensors unless ``inplace``.
-    ``norm`` = (q weight, k weight, eps): RMSNorm each head vector first (Qwen3's q/k norm)."""
+    ``norm`` = (q weight, k weight, eps): RMSNorm each head vector first (Qwen3's q/k norm).
+    ``round_tables=False`` uses cos/sin in float32 as they are (Qwen2.5-VL's vision tower)
+    instead of rounded to q's dtype first (the text layers)."""
     _check(q, k, positions, cos_cache, sin_cache)
     _check_norm(norm, q.shape[-1])
     T, num_q_heads, D = q.shape
@@ -234,6 +238,7 @@ def apply_rotary(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         NORM=norm is not None,
+        ROUND_TABLES=round_tables,
         num_warps=4,
     )
     return q_out, k_out
@@ -247,13 +252,16 @@ def apply_rotary_reference(
     sin_cache: torch.Tensor,
     inplace: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    round_tables: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain PyTorch: the cache cast to q's dtype (as the layer does), the rotation in float64;
-    with ``norm``, each head RMSNorm-ed first in float64 and rounded as the layer rounds."""
+    """Plain PyTorch: the cache cast to q's dtype (as the layer does, unless not
+    ``round_tables``), the rotation in float64; with ``norm``, each head RMSNorm-ed first in
+    float64 and rounded as the layer rounds."""
     _check(q, k, positions, cos_cache, sin_cache)
     _check_norm(norm, q.shape[-1])
-    cos = cos_cache[positions].to(q.dtype).double().unsqueeze(1)  # [T, 1, D/2]
-    sin = sin_cache[positions].to(q.dtype).double().unsqueeze(1)
+    table_dtype = q.dtype if round_tables else torch.float32
+    cos = cos_cache[positions].to(table_dtype).double().unsqueeze(1)  # [T, 1, D/2]
+    sin = sin_cache[positions].to(table_dtype).double().unsqueeze(1)
 
     def normed(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         x64 = x.double()

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.norm import RMSNorm
+from kernels.dispatch import use_triton
 
 _MLP_ALIGN = 64  # the MLP's intermediate size is padded to a multiple of this (_VisionMLP)
 _BLOCK_MLP = re.compile(r"blocks\.\d+\.mlp\.")
@@ -151,19 +152,30 @@ def _axial_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
 def _rotary_cos_sin(
     patch_rc: torch.Tensor, inv_freq: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, head_dim] float32 cos and sin, laid out [row freqs | col freqs] twice, to rotate
-    dims i and i + head_dim/2 together (rotate-half convention)."""
+    """[N, head_dim / 2] float32 cos and sin, [row freqs | col freqs]: frequency i turns dims
+    i and i + head_dim/2 together (rotate-half convention)."""
     angles = (patch_rc.float()[:, :, None] * inv_freq.to(patch_rc.device)).flatten(1)
-    angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim] rotated in float32 (as transformers), back in x's dtype."""
-    x32 = x.float()
-    first, second = x32.chunk(2, dim=-1)
-    rotated = x32 * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None]
-    return rotated.to(x.dtype)
+def _rotate(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [N, heads, head_dim] rotated in float32 with float32 tables (as transformers), back
+    in their dtype; on the GPU one kernel for both (the engine's rotary, unrounded tables)."""
+    if use_triton(q):
+        from kernels.rotary import apply_rotary
+
+        rows = torch.arange(q.shape[0], device=q.device)
+        return apply_rotary(q, k, rows, cos, sin, round_tables=False)
+    cos2, sin2 = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        first, second = x32.chunk(2, dim=-1)
+        return (x32 * cos2 + torch.cat((-second, first), dim=-1) * sin2).to(x.dtype)
+
+    return one(q), one(k)
 
 
 # ---------------------------------------------------------------------------- attention
@@ -194,7 +206,7 @@ class _VisionAttention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = _rotate(q, k, cos, sin)
         return self.proj(_segment_attention(q, k, v, groups).reshape(n, -1))
 
 

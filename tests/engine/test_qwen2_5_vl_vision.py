@@ -7,6 +7,8 @@ over whole frames, blocks 0 and 2 within windows only.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -110,3 +112,15 @@ def test_bfloat16_follows_float32(towers) -> None:
         expected = ours(pixels, grid_thw)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.gpu
+def test_gpu_tower_equals_transformers(towers) -> None:
+    """On CUDA (float32): the rotary kernel with float32 tables and the padded MLP's GEMMs."""
+    reference, ours = towers
+    grid_thw = torch.tensor([(1, 8, 12), (1, 6, 10)])
+    pixels = torch.randn(156, PATCH_DIM, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = reference(pixels, grid_thw).pooler_output
+        got = copy.deepcopy(ours).cuda()(pixels.cuda(), grid_thw).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

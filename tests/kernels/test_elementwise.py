@@ -226,6 +226,26 @@ def test_rotary_with_head_norm_matches_norm_then_rotary_layers(dtype, gen):
                      norm=(q_norm.weight[:-1], k_norm.weight, EPS))  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_with_float32_tables(dtype, gen):
+    """round_tables=False (Qwen2.5-VL's vision tower): cos/sin used in float32 as given, one
+    table row per token, the rotation rounded once to q's dtype."""
+    T, Hq, Hk, D = 29, 3, 3, 40
+    angles = _randn(gen, T, D // 2, scale=3.0)
+    cos, sin = angles.cos(), angles.sin()
+    q = _randn(gen, T, Hq, D, dtype=dtype)
+    k = _randn(gen, T, Hk, D, dtype=dtype)
+    rows = torch.arange(T, device=DEVICE)
+    q_out, k_out = apply_rotary(q, k, rows, cos, sin, round_tables=False)
+    ref_q, ref_k = apply_rotary_reference(q, k, rows, cos, sin, round_tables=False)
+    tol = F32 if dtype == torch.float32 else {"rtol": 1e-3, "atol": 1e-3}
+    torch.testing.assert_close(q_out, ref_q.to(dtype), **tol)
+    torch.testing.assert_close(k_out, ref_k.to(dtype), **tol)
+    if dtype == torch.float16:  # the tables rounded to float16 are another rotation
+        rounded, _ = apply_rotary_reference(q, k, rows, cos, sin)
+        assert not torch.equal(q_out, rounded.to(dtype))
+
+
 def test_rotary_rejects_bad_shapes(gen):
     rope = RotaryEmbedding(64, 16, 10000.0, None).to(DEVICE)
     q, k = _randn(gen, 3, 2, 64), _randn(gen, 3, 1, 32)
