@@ -258,3 +258,47 @@ def test_json_labels_for_images(engine, hf):
         label = json.loads(out["text"])
         assert label["colour"] in ("red", "green", "blue")
         assert label["shape"] in ("circle", "square")
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_logprobs_close_to_transformers(vl_dir, hf):
+    """Teacher-forced, as for text (tests/engine/test_gpu_path.py): transformers in bf16 on the
+    GPU scores the bf16 engine's own tokens, with 1 and 3 images beside a text-only prompt, and
+    the engine's decode CUDA graphs on (its default there)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    tokens = hf[2]
+    cases = [
+        (prompt_ids(tokens, 1, seed=50), [picture(56, 84, 50)]),
+        (prompt_ids(tokens, 3, seed=51), [picture(70, 70, k) for k in range(51, 54)]),
+        (prompt_ids(tokens, 0, seed=52), []),
+    ]
+    params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    with Engine(model_path=str(vl_dir), dtype="bfloat16", max_total_tokens=8192) as engine:
+        outs = engine.generate(
+            input_ids=[ids for ids, _ in cases],
+            image_data=[images or None for _, images in cases],
+            sampling_params=params,
+            return_logprob=True,
+        )
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    processor = hf[1]
+    diffs = []
+    for (ids, images), out in zip(cases, outs):
+        _, _, expanded = hf_greedy(hf, ids, images)  # (its expansion of the image slots)
+        seq = torch.tensor([expanded + out["output_ids"]], device="cuda")
+        kwargs = {}
+        if images:
+            pixels = processor(images=images, return_tensors="pt")
+            kwargs = {
+                "pixel_values": pixels["pixel_values"].cuda(),
+                "image_grid_thw": pixels["image_grid_thw"].cuda(),
+                "mm_token_type_ids": (seq == tokens[IMAGE_PAD]).int(),
+            }
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=seq, **kwargs).logits[0].float(), -1)
+        for step, (value, token, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+            diffs.append(abs(value - lp[len(expanded) - 1 + step, token].item()))
+    diffs = torch.tensor(diffs)
+    assert diffs.max() < 0.15 and diffs.mean() < 0.03, (diffs.max(), diffs.mean())
