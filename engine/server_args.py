@@ -275,6 +275,19 @@ class ServerArgs:
         return torch.device("cuda", self.base_gpu_id + rank)
 
     # ------------------------------------------------------------------ construction
+    @staticmethod
+    def choices() -> dict[str, tuple[str, ...]]:
+        """The allowed values of the arguments that take one of a few names (for forms and
+        schemas elsewhere: the flows' config; `_RULES` checks them here)."""
+        return {
+            "dtype": DTYPES,
+            "kv_cache_dtype": ("auto", *KV_CACHE_DTYPES),
+            "attention_backend": ATTENTION_BACKENDS,
+            "load_format": LOAD_FORMATS,
+            "schedule_policy": SCHEDULE_POLICIES,
+            "quantization": QUANTIZATIONS,
+        }
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
         """Build from keyword arguments, naming any argument this engine does not know."""

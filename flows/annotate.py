@@ -39,7 +39,9 @@ class AnnotateSpec(Section):
     constrained: bool = Field(
         False, description="make the engine emit only a choice (needs constrained output)"
     )
-    label_column: str = Field("label", pattern=r"^\w+$")
+    label_column: str = Field(
+        "label", pattern=r"^\w+$", description="the output column that holds each row's label"
+    )
 
     @model_validator(mode="after")
     def _one_kind_of_label(self) -> AnnotateSpec:
@@ -54,8 +56,8 @@ class AnnotateSpec(Section):
 
 
 class AnnotateConfig(RunConfig):
-    flow: Literal["annotate"] = "annotate"
-    annotate: AnnotateSpec
+    flow: Literal["annotate"] = Field("annotate", description="which flow runs the config")
+    annotate: AnnotateSpec = Field(description="the labels: choices or a JSON schema")
 
     def template_variables(self) -> dict[str, Any]:
         spec = self.annotate

@@ -30,7 +30,18 @@ from typing import Any, Literal
 
 import jinja2
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from engine import ServerArgs
 
 
 class ConfigError(ValueError):
@@ -62,27 +73,77 @@ class _Open(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
+_CHOICES = ServerArgs.choices()  # the engine's own lists: forms offer what the engine takes
+Dtype = Literal[_CHOICES["dtype"]]
+KvCacheDtype = Literal[_CHOICES["kv_cache_dtype"]]
+AttentionBackend = Literal[_CHOICES["attention_backend"]]
+
+
 class EngineConfig(_Open):
-    """Arguments of `engine.Engine` (SGLang's names); unset fields keep the engine's defaults."""
+    """Arguments of `engine.Engine` (SGLang's names); unset fields keep the engine's defaults.
+    The ranges here are the engine's own rules, so a form refuses what the engine would."""
 
     model_path: str = Field(description="a local Hugging Face model folder")
-    dtype: str | None = None
-    context_length: int | None = None
-    max_running_requests: int | None = None
-    max_total_tokens: int | None = None
-    mem_fraction_static: float | None = None
-    attention_backend: str | None = None
+    dtype: Dtype | None = Field(
+        None, description="of weights and activations; default auto: the model config's"
+    )
+    context_length: int | None = Field(
+        None, ge=1, description="tokens one request may hold; default: the model's maximum"
+    )
+    max_running_requests: int | None = Field(
+        None, ge=1, description="requests generating at once; default: from the KV pool's size"
+    )
+    max_total_tokens: int | None = Field(
+        None, ge=1, description="tokens the KV cache holds; default: from mem_fraction_static"
+    )
+    mem_fraction_static: float | None = Field(
+        None, gt=0, lt=1, description="share of GPU memory for weights and KV cache (0.85)"
+    )
+    attention_backend: AttentionBackend | None = Field(
+        None, description="attention kernels; default triton on a GPU, torch on the CPU"
+    )
+    kv_cache_dtype: KvCacheDtype | None = Field(
+        None, description="auto (the model's dtype), or float8: half the KV bytes (a GPU)"
+    )
 
 
 class SamplingConfig(_Open):
     """SGLang sampling parameters; unset fields keep the engine's defaults. Each row's
-    `sampling_seed` comes from the run's seed and the row's id, never from here."""
+    `sampling_seed` comes from the run's seed and the row's id, never from here. The ranges
+    are the engine's (engine/sampling_params.py), so a form refuses what the engine would."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_new_tokens: int | None = None
-    stop: list[str] | None = None
+    temperature: float | None = Field(
+        None, ge=0, description="0: greedy; higher: more varied (default 1)"
+    )
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="sample from the smallest set of tokens this likely (1)"
+    )
+    top_k: Literal[-1] | PositiveInt | None = Field(
+        None, description="sample from the k likeliest tokens; -1: all (default)"
+    )
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="drop tokens less likely than this times the top one (0)"
+    )
+    max_new_tokens: int | None = Field(
+        None, ge=0, description="the most tokens generated per row (default 128)"
+    )
+    min_new_tokens: int | None = Field(
+        None, ge=0, description="no stop before this many tokens (default 0)"
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="lowers a token's logit per time it appeared (0)"
+    )
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="lowers the logit of any token that appeared (0)"
+    )
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=2, description="divides repeated tokens' logits; 1: none (default)"
+    )
+    stop: list[str] | None = Field(None, description="strings that end a row's text")
+    stop_token_ids: list[NonNegativeInt] | None = Field(
+        None, description="token ids that end a row's text (besides EOS)"
+    )
+    ignore_eos: bool | None = Field(None, description="generate past the EOS token")
 
 
 class SourceConfig(Section):
@@ -186,13 +247,23 @@ class ParallelConfig(Section):
 class RunConfig(Section):
     """A batch run: every row of `source` rendered by `prompt` and generated with `sampling`."""
 
-    flow: Literal["generate"] = "generate"
-    run_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    output_dir: Path = Path("runs")
-    engine: EngineConfig
-    source: SourceConfig
-    prompt: PromptConfig
-    sampling: SamplingConfig = SamplingConfig()
+    flow: Literal["generate"] = Field("generate", description="which flow runs the config")
+    run_name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        title="Results folder name",
+        description="names the run's folder, <output_dir>/<run_name>/ (not Prefect's flow-run "
+        "name): letters, digits, '.', '_', '-'",
+    )
+    output_dir: Path = Field(
+        Path("runs"),
+        description="where results go; a relative path starts at the run's working directory",
+    )
+    engine: EngineConfig = Field(description="the inference engine: its model and arguments")
+    source: SourceConfig = Field(description="the input rows")
+    prompt: PromptConfig = Field(description="how a row becomes a prompt")
+    sampling: SamplingConfig = Field(
+        SamplingConfig(), description="how tokens are chosen (SGLang's sampling parameters)"
+    )
     seed: int = Field(0, description="with each row's id, gives the row's sampling seed")
     shard_size: int = Field(1000, ge=1, description="rows per checkpoint shard")
     max_in_flight: int = Field(256, ge=1, description="requests in the engine at once")
@@ -200,7 +271,9 @@ class RunConfig(Section):
     top_logprobs: int = Field(
         0, ge=0, description="keep the top-k logprobs per token (needs logprobs)"
     )
-    parallel: ParallelConfig = ParallelConfig()
+    parallel: ParallelConfig = Field(
+        ParallelConfig(), description="data-parallel engines on Dask workers (default: one engine)"
+    )
     lora: str | None = Field(
         None, description="the LoRA adapter every row uses: a name of engine.lora_paths"
     )

@@ -32,10 +32,14 @@ from flows.rows import output_column
 
 class EvaluateSpec(Section):
     reference_column: str = Field(description="the input column holding the right answer")
-    metric: Literal["exact_match", "regex", "choice"] = "exact_match"
+    metric: Literal["exact_match", "regex", "choice"] = Field(
+        "exact_match",
+        description="exact_match: the answer equals the reference; regex: the reference is a "
+        "pattern the answer matches; choice: the choice named in the answer is the reference",
+    )
     extract: str | None = Field(None, description="regex; default: the whole generation")
     choices: list[str] | None = Field(None, description="for metric choice; templates see them")
-    case_sensitive: bool = False
+    case_sensitive: bool = Field(False, description="compare answers with case (default: not)")
 
     @field_validator("extract")
     @classmethod
@@ -55,8 +59,8 @@ class EvaluateSpec(Section):
 
 
 class EvaluateConfig(RunConfig):
-    flow: Literal["evaluate"] = "evaluate"
-    evaluate: EvaluateSpec
+    flow: Literal["evaluate"] = Field("evaluate", description="which flow runs the config")
+    evaluate: EvaluateSpec = Field(description="how answers are scored against the references")
 
     def template_variables(self) -> dict[str, Any]:
         return {"choices": self.evaluate.choices} if self.evaluate.choices else {}

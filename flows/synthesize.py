@@ -25,8 +25,8 @@ class SynthesizeSpec(Section):
 
 
 class SynthesizeConfig(RunConfig):
-    flow: Literal["synthesize"] = "synthesize"
-    synthesize: SynthesizeSpec
+    flow: Literal["synthesize"] = Field("synthesize", description="which flow runs the config")
+    synthesize: SynthesizeSpec = Field(description="how many generations each row gets")
 
     @property
     def samples_per_row(self) -> int:
