@@ -5,6 +5,7 @@ stays resident for the next run of the same engine section, until serve.py stops
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -46,13 +47,17 @@ def test_prefect_yaml_is_valid_for_prefect_deploy_and_leaves_templates_alone(spe
 
 def test_each_deployment_runs_its_flow_with_the_config_of_the_same_name(spec):
     by_name = {d.name: d for d in load_deployments()}
-    assert set(by_name) == {"annotate-nightly", "evaluate", "synthesize"}
+    demos = {"demo-annotate", "demo-evaluate", "demo-synthesize"}
+    assert set(by_name) == {"annotate-nightly", "evaluate", "synthesize", *demos}
     for entry in spec["deployments"]:
         deployment = by_name[entry["name"]]
         config = entry["parameters"]["config"]
         flow = FLOWS[config["flow"]]
         assert entry["entrypoint"] == flow.entrypoint
-        assert config == yaml.safe_load((ROOT / "configs" / f"{config['flow']}.yaml").read_text())
+        # a demo deployment is its demo config (test_demo_flows runs those and checks their
+        # results); the others are the sample configs for one's own model and data
+        name = f"demo-{config['flow']}" if entry["name"] in demos else config["flow"]
+        assert config == yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
         flow.flow().validate_parameters(entry["parameters"])
         assert deployment.parameters == entry["parameters"]
         assert deployment.flow_name == flow.flow().name
@@ -66,6 +71,27 @@ def test_each_deployment_runs_its_flow_with_the_config_of_the_same_name(spec):
     (nightly,) = by_name["annotate-nightly"].schedules
     assert nightly.schedule.cron == "0 2 * * *" and nightly.schedule.timezone == "UTC"
     assert not by_name["evaluate"].schedules and not by_name["synthesize"].schedules
+    assert not any(by_name[name].schedules for name in demos)
+
+
+def test_demo_deployments_run_as_they_are(spec):
+    """Their defaults name only what the repository holds (a Quick run needs no edit): the demo
+    model and inputs exist, and the whole config passes the checks a run starts with."""
+    from flows.config import load_config
+    from flows.preflight import preflight
+
+    demos = [d for d in spec["deployments"] if d["name"].startswith("demo-")]
+    assert len(demos) == 3
+    for entry in demos:
+        config = load_config(entry["parameters"]["config"])
+        assert (ROOT / config.engine.model_path).is_dir(), entry["name"]
+        assert (ROOT / config.source.path).is_file(), entry["name"]
+        cwd = os.getcwd()
+        os.chdir(ROOT)  # (as deployments/serve.py runs them)
+        try:
+            preflight(config)
+        finally:
+            os.chdir(cwd)
 
 
 def test_a_run_triggered_through_the_api_completes(prefect_api, llama_dir, tmp_path, spec):
