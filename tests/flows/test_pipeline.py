@@ -340,7 +340,12 @@ WRONG_FOR_THE_WORLD = [
         {"engine": {"model_path": "/nonexistent"}},
         "engine.model_path: model_path '/nonexistent' is not a folder",
     ),
-    ({"sampling": {"temperature": -1}}, "sampling: temperature must be non-negative"),
+    # (a single value out of range is the config model's to refuse: test_config_schema.py;
+    # what spans fields is the engine's rule, checked here)
+    (
+        {"sampling": {"min_new_tokens": 9, "max_new_tokens": 4}},
+        "sampling: min_new_tokens must be in [0, max_new_tokens(4)]",
+    ),
 ]
 
 
