@@ -18,15 +18,30 @@ from flows.identity import run_identity
 from flows.images import image_placeholder
 from flows.pipeline import generate_batch
 from flows.preflight import preflight
-from tests.flows.fixtures import base_config, run_folder, write_jsonl
+from tests.flows.fixtures import base_config, lent_engine, run_folder, write_jsonl
 from tests.tiny_models import make_tiny_vl_model
 
 TEMPLATE = "What is in the picture? {{ question }}"
 
 
+ENGINE = {"max_total_tokens": 8192}  # the arguments of every engine here
+
+
 @pytest.fixture(scope="module")
 def vl_dir(tmp_path_factory):
     return make_tiny_vl_model(tmp_path_factory.mktemp("tiny-vl"))
+
+
+@pytest.fixture(scope="module")
+def vl_engine(vl_dir):
+    """One engine for the module: lent to the flows (lent_engine), and the reference."""
+    with Engine(model_path=str(vl_dir), **ENGINE) as engine:
+        yield engine
+
+
+def _run(flow, config: dict, engine) -> object:
+    with lent_engine(engine, {"model_path": config["engine"]["model_path"], **ENGINE}):
+        return flow(config=load_config(config), return_state=True)
 
 
 def _picture(path, seed: int) -> None:
@@ -49,14 +64,14 @@ def _rows(folder, count: int) -> list[dict]:
 def _config(vl_dir, folder, rows, **fields) -> dict:
     source = write_jsonl(folder / "rows.jsonl", rows)
     config = base_config(vl_dir, source, folder / "runs", **fields)
-    config["engine"] = {"model_path": str(vl_dir), "max_total_tokens": 8192}
+    config["engine"] = {"model_path": str(vl_dir), **ENGINE}
     config["prompt"] = {"template": TEMPLATE, "image_column": "image"}
     return config
 
 
-def test_rows_with_images_are_what_the_engine_gives(prefect_api, vl_dir, tmp_path):
+def test_rows_with_images_are_what_the_engine_gives(prefect_api, vl_dir, vl_engine, tmp_path):
     rows = _rows(tmp_path, 5)
-    state = generate_batch(config=load_config(_config(vl_dir, tmp_path, rows)), return_state=True)
+    state = _run(generate_batch, _config(vl_dir, tmp_path, rows), vl_engine)
     assert state.is_completed(), state.message
     table = pq.read_table(run_folder(tmp_path / "runs") / "output.parquet")
     got = dict(zip(table.column("id").to_pylist(), table.column("text").to_pylist()))
@@ -66,8 +81,7 @@ def test_rows_with_images_are_what_the_engine_gives(prefect_api, vl_dir, tmp_pat
     assert slot == "<|vision_start|><|image_pad|><|vision_end|>"
     prompts = [(slot if r["image"] else "") + f"What is in the picture? {r['question']}" for r in rows]  # fmt: skip
     images = [str(tmp_path / r["image"]) if r["image"] else None for r in rows]
-    with Engine(model_path=str(vl_dir), max_total_tokens=8192) as engine:
-        outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8}, image_data=images)
+    outs = vl_engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8}, image_data=images)
     assert got == {r["qid"]: o["text"] for r, o in zip(rows, outs)}
     # the image rows' prompts hold their image tokens (the engine's count, as in the output)
     assert table.column("prompt_tokens").to_pylist() == [
@@ -75,13 +89,13 @@ def test_rows_with_images_are_what_the_engine_gives(prefect_api, vl_dir, tmp_pat
     ]
 
 
-def test_annotate_labels_pictures(prefect_api, vl_dir, tmp_path):
+def test_annotate_labels_pictures(prefect_api, vl_dir, vl_engine, tmp_path):
     rows = _rows(tmp_path, 4)
     choices = ["red", "green", "blue"]
     config = _config(vl_dir, tmp_path, rows, flow="annotate", run_name="colours")
     config["annotate"] = {"choices": choices, "constrained": True}
     config["prompt"]["template"] = "{{ image }}Which colour? One of {{ choices | join(', ') }}."
-    state = annotate(config=load_config(config), return_state=True)
+    state = _run(annotate, config, vl_engine)
     assert state.is_completed(), state.message
     table = pq.read_table(run_folder(tmp_path / "runs", "colours") / "output.parquet")
     assert set(table.column("label").to_pylist()) <= set(choices)
