@@ -178,9 +178,16 @@ class SourceConfig(Section):
 
 
 class PromptConfig(Section):
-    template: str = Field(description="Jinja over the row's columns, e.g. 'Review: {{ text }}'")
+    template: str | None = Field(
+        None, description="Jinja over the row's columns, e.g. 'Review: {{ text }}'"
+    )
     chat: bool = Field(False, description="wrap the rendered text in the model's chat template")
     system: str | None = Field(None, description="a system message (chat only)")
+    messages_column: str | None = Field(
+        None,
+        description="instead of a template: an input column of chat messages (lists of role / "
+        "content), rendered with the model's chat template; system first where a row has none",
+    )
     image_column: str | None = Field(
         None,
         description="an input column of images (paths from the input's folder, URLs, bytes) "
@@ -189,7 +196,9 @@ class PromptConfig(Section):
 
     @field_validator("template")
     @classmethod
-    def _parses(cls, template: str) -> str:
+    def _parses(cls, template: str | None) -> str | None:
+        if template is None:
+            return None
         try:
             jinja2.Environment().parse(template)
         except jinja2.TemplateSyntaxError as e:
@@ -197,10 +206,23 @@ class PromptConfig(Section):
         return template
 
     @model_validator(mode="after")
+    def _one_source_of_prompts(self) -> PromptConfig:
+        if (self.template is None) == (self.messages_column is None):
+            raise ValueError("give either template or messages_column (a column of chat messages)")
+        if self.messages_column is not None and self.image_column is not None:
+            raise ValueError("image_column goes with a template, not with messages_column (yet)")
+        return self
+
+    @model_validator(mode="after")
     def _system_needs_chat(self) -> PromptConfig:
-        if self.system is not None and not self.chat:
+        if self.system is not None and not self.chat and self.messages_column is None:
             raise ValueError("system needs chat: true (it is a chat message)")
         return self
+
+    @property
+    def uses_chat_template(self) -> bool:
+        """Whether prompts go through the tokenizer's chat template (chat rows always do)."""
+        return self.chat or self.messages_column is not None
 
 
 _SCHEDULER_ADDRESS = re.compile(r"^((tcp|tls|ucx|ws|wss)://)?[^\s/]+:\d{1,5}$")

@@ -63,8 +63,9 @@ def run_identity(config: RunConfig, checked: Checked) -> dict[str, Any]:
 
 def _prompt_identity(config: RunConfig) -> dict[str, Any]:
     prompt = config.prompt.model_dump()
-    if prompt["image_column"] is None:  # (the runs of earlier versions keep their fingerprints)
-        del prompt["image_column"]
+    for field in ("image_column", "messages_column"):
+        if prompt[field] is None:  # (the runs of earlier versions keep their fingerprints)
+            del prompt[field]
     return prompt
 
 

@@ -245,7 +245,7 @@ def _chat_template(config: RunConfig, engine: Any) -> ChatTemplate | None:
     the workers) the same tokenizer is loaded here, as the engine loads it."""
     from engine import ResidentEngine, ServerArgs, load_tokenizer
 
-    if not config.prompt.chat:
+    if not config.prompt.uses_chat_template:
         return None
     if isinstance(engine, ResidentEngine):
         return engine.apply_chat_template

@@ -16,7 +16,7 @@ from typing import Any
 
 from flows.config import ConfigError, RunConfig
 from flows.images import images_digest
-from flows.prompts import has_chat_template, template_names
+from flows.prompts import chat_messages, has_chat_template, template_names
 from flows.sources import TEXT_FORMATS, Input, id_problems, load_input
 
 
@@ -39,12 +39,18 @@ def preflight(config: RunConfig) -> Checked:
     if loaded is not None:
         _check_columns(config, columns, problems)
         _check_lora(config, loaded, problems)
+        _check_messages(config, loaded, problems)
         digest = _check_images(config, loaded, problems)
         id_column = config.source.id_column
         if id_column is not None and id_column in columns:
             problems += id_problems(loaded, id_column)
-    if config.prompt.chat and tokenizer_path and not has_chat_template(tokenizer_path):
-        problems.append(("prompt.chat", f"the tokenizer in {tokenizer_path} has no chat template"))
+    if (
+        config.prompt.uses_chat_template
+        and tokenizer_path
+        and not has_chat_template(tokenizer_path)
+    ):
+        where = "prompt.chat" if config.prompt.chat else "prompt.messages_column"
+        problems.append((where, f"the tokenizer in {tokenizer_path} has no chat template"))
     if not any(where.startswith("engine.") for where, _ in problems):
         _check_gpus(config, problems)  # it reads engine arguments that passed their own checks
     problems += config.flow_problems()
@@ -153,7 +159,7 @@ def _check_columns(config: RunConfig, columns: list[str], problems: list[tuple[s
     extras = set(config.template_variables()) | {"row"}
     if config.prompt.image_column is not None:
         extras.add("image")
-    for name in sorted(template_names(config.prompt.template) - have - extras):
+    for name in sorted(template_names(config.prompt.template or "") - have - extras):
         problems.append(("prompt.template", _missing(name, columns)))
     for column, where in config.needed_columns().items():
         if column not in have:
@@ -186,6 +192,26 @@ def _check_lora(config: RunConfig, loaded: Input, problems: list[tuple[str, str]
             ("lora_column", f"column {column!r} names adapters that are not loaded: "
              f"{', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}; {known}")
         )  # fmt: skip
+
+
+def _check_messages(config: RunConfig, loaded: Input, problems: list[tuple[str, str]]) -> None:
+    """Every row of `prompt.messages_column` is a list of chat messages (the first few bad
+    rows named)."""
+    column = config.prompt.messages_column
+    if column is None:
+        return
+    if column not in loaded.table.column_names:
+        problems.append(("prompt.messages_column", _missing(column, loaded.table.column_names)))
+        return
+    bad = []
+    for row, value in enumerate(loaded.table.column(column).to_pylist()):
+        try:
+            chat_messages(value)
+        except ValueError as e:
+            bad.append(f"row {row}: {e}")
+    if bad:
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        problems.append(("prompt.messages_column", "; ".join(bad[:5]) + more))
 
 
 def _check_images(config: RunConfig, loaded: Input, problems: list[tuple[str, str]]) -> str | None:

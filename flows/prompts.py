@@ -56,16 +56,19 @@ class PromptRenderer:
         chat_template: ChatTemplate | None,
         image_placeholder: str | None = None,
     ) -> None:
-        self.template = _ENV.from_string(prompt.template)
-        self.chat = prompt.chat
+        self.template = _ENV.from_string(prompt.template) if prompt.template is not None else None
+        self.messages_column = prompt.messages_column  # chat rows: no template
+        self.chat = prompt.uses_chat_template
         self.system = prompt.system
         self.variables = variables
         self.chat_template = chat_template
+        if self.chat and chat_template is None:
+            raise ValueError("prompt.chat needs the tokenizer's chat template")
         # rows with an image (prompt.image_column): the model's image slot, where the template
         # writes {{ image }}, else before the text; a row without one gets neither (flows/images.py)
         self.image_column = prompt.image_column if image_placeholder is not None else None
         self.image_placeholder = image_placeholder or ""
-        self.image_first = "image" not in template_names(prompt.template)
+        self.image_first = "image" not in template_names(prompt.template or "")
 
     def render(self, row: dict[str, Any]) -> str:
         return self.render_many([row])[0]
@@ -80,10 +83,50 @@ class PromptRenderer:
     def render_many(self, rows: list[dict[str, Any]]) -> list[str]:
         """The prompts of rows; the chat template renders them all in one call (one round
         trip when a resident engine renders them)."""
-        texts = [self._render(row) for row in rows]
-        if not self.chat or not texts:
-            return texts
+        if not rows:
+            return []
         system = [{"role": "system", "content": self.system}] if self.system else []
-        conversations = [[*system, {"role": "user", "content": text}] for text in texts]
+        if self.messages_column is not None:
+            conversations = [self._conversation(row, system) for row in rows]
+        else:
+            texts = [self._render(row) for row in rows]
+            if not self.chat:
+                return texts
+            conversations = [[*system, {"role": "user", "content": text}] for text in texts]
         assert self.chat_template is not None
         return list(self.chat_template(conversations, tokenize=False, add_generation_prompt=True))
+
+    def _conversation(self, row: dict[str, Any], system: list[dict[str, str]]) -> list[dict]:
+        """A chat row's messages, the config's system message first where it has none."""
+        messages = chat_messages(row.get(self.messages_column))
+        has_system = any(m["role"] == "system" for m in messages)
+        return messages if has_system else [*system, *messages]
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def chat_messages(value: Any) -> list[dict[str, Any]]:
+    """A cell of prompt.messages_column as a list of {role, content} (a JSON string too, as a
+    CSV holds it); keys a message lacks, which Parquet and JSONL give as nulls, are dropped.
+    ValueError saying what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON ({e.msg})") from None
+    if not isinstance(value, list) or not value:
+        raise ValueError("not a list of messages ({role, content})")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {i} is {type(message).__name__}, not {{role, content}}")
+        message = {k: v for k, v in message.items() if v is not None}
+        if message.get("role") not in CHAT_ROLES:
+            raise ValueError(
+                f"message {i} has role {message.get('role')!r}; roles: {', '.join(CHAT_ROLES)}"
+            )
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"message {i} has no text content")
+        messages.append(message)
+    return messages
