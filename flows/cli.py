@@ -73,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     show = commands.add_parser("show", parents=[common], help="print the first rows")
     show.add_argument("run_dir", type=Path)
     show.add_argument("-n", type=int, default=5, help="how many rows (default 5)")
+    export = commands.add_parser(
+        "export", parents=[common], help="write a run's output in another format"
+    )
+    export.add_argument("run_dir", type=Path)
+    export.add_argument(
+        "--to", choices=["hf-dataset"], required=True,
+        help="hf-dataset: a folder that datasets.load_from_disk opens",
+    )  # fmt: skip
+    export.add_argument("destination", type=Path, help="the folder to write (must not exist)")
     engine_cli.add_commands(commands, common, _config_arguments)
     args = parser.parse_args(argv)
     args.debug = args.debug or os.environ.get("GRISTMILL_DEBUG", "") not in ("", "0")
@@ -80,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         "run": _run,
         "status": _status,
         "show": _show,
+        "export": _export,
         "engine": lambda a: engine_cli.run(a, _load),
     }
     try:
@@ -314,6 +324,22 @@ def _show(args: argparse.Namespace) -> int:
 
 
 _LONG = ("prompt", "text")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from flows.hf_datasets import export_dataset
+
+    folder = run_folders(args.run_dir)[0]
+    output = CheckpointStore.at(folder).output_path
+    if not output.is_file():
+        print(f"{folder} has no merged output yet: finish the run first", file=sys.stderr)
+        return EXIT_FIX
+    if args.destination.exists():
+        print(f"{args.destination} exists: export writes a new folder", file=sys.stderr)
+        return EXIT_FIX
+    rows = export_dataset(output, args.destination)
+    print(f"{rows} rows of {output} -> {args.destination} (datasets.load_from_disk opens it)")
+    return 0
 
 
 def first_shard_rows(store: CheckpointStore, n: int) -> pa.Table:

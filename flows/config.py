@@ -147,7 +147,10 @@ class SamplingConfig(_Open):
 
 
 class SourceConfig(Section):
-    path: Path = Field(description="a JSONL, CSV or Parquet file, or a folder of Parquet files")
+    path: Path = Field(
+        description="a JSONL, CSV or Parquet file, a folder of them, or a Hugging Face dataset "
+        "folder (save_to_disk)"
+    )
     format: Literal["jsonl", "csv", "parquet"] | None = Field(
         None, description="default: from the file suffix"
     )
@@ -155,6 +158,11 @@ class SourceConfig(Section):
         None, description="a column of unique row ids; default: the row's position in the input"
     )
     encoding: str = Field("utf-8", description="of a JSONL or CSV file's text, e.g. latin-1")
+    split: str | None = Field(
+        None,
+        description="a split of a Hugging Face dataset folder (save_to_disk, or Parquet shards "
+        "named by split); default train",
+    )
 
     @field_validator("encoding")
     @classmethod

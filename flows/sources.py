@@ -27,11 +27,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flows.config import ConfigError, SourceConfig
+from flows.hf_datasets import is_saved_dataset, load_saved_dataset, split_files
 from flows.input_file import Unreadable, codec_name, parse_file, read_text, row_lines
 
 _SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
                    ".parquet": "parquet", ".pq": "parquet"}  # fmt: skip
 TEXT_FORMATS = ("jsonl", "csv")  # the formats `source.encoding` applies to
+HF_DATASET = "hf-dataset"  # a save_to_disk folder (flows/hf_datasets.py)
 # what ends the word around undecodable bytes (the part of the value a message shows)
 
 
@@ -39,9 +41,15 @@ def source_files(source: SourceConfig) -> list[Path]:
     """The files of the source, in a stable order; ValueError if there are none."""
     path = source.path
     if path.is_file():
+        if source.split is not None:
+            raise ValueError("source.split picks a split of a dataset folder, not of one file")
         return [path]
     if not path.is_dir():
         raise ValueError(f"file not found: {path}")
+    if is_saved_dataset(path):
+        return [path]  # (read whole by datasets: flows/hf_datasets.py)
+    if source.split is not None:  # a folder laid out as on the Hub: the split's files
+        return split_files(path, source.split)
     # a folder: its data files of one format, skipping hidden and _-prefixed ones (_SUCCESS, ...)
     files = sorted(
         p
@@ -60,6 +68,8 @@ def source_files(source: SourceConfig) -> list[Path]:
 def source_format(source: SourceConfig) -> str:
     if source.format is not None:
         return source.format
+    if is_saved_dataset(source.path):
+        return HF_DATASET
     path = source_files(source)[0]
     if path.suffix.lower() not in _SUFFIX_FORMATS:
         raise ValueError(
@@ -94,7 +104,7 @@ class Input:
         for row in rows:
             index = bisect.bisect_right(ends, row)
             file, local = self.files[index], row - ends[index] + self.files[index].rows
-            if self.format == "parquet":
+            if self.format in ("parquet", HF_DATASET):
                 found.append((file, local + 1))
                 continue
             if index not in lines:  # read again: this only runs to word a problem
@@ -112,6 +122,8 @@ def load_input(source: SourceConfig) -> Input:
     key = _cache_key(source, files, fmt)
     if key in _loaded:
         return _loaded[key]
+    if fmt == HF_DATASET:
+        return _remember(key, _load_saved_dataset(source))
     digest = _Digest(source, fmt)
     tables: list[pa.Table] = []
     read: list[InputFile] = []
@@ -135,10 +147,27 @@ def load_input(source: SourceConfig) -> Input:
     table = _concat(tables, read)
     if table.num_rows == 0:
         raise ConfigError([("source.path", _no_rows(source, read, fmt))])
-    loaded = Input(table, tuple(read), fmt, source.encoding, digest.value())
+    return _remember(key, Input(table, tuple(read), fmt, source.encoding, digest.value()))
+
+
+def _remember(key: tuple[Any, ...], loaded: Input) -> Input:
     _loaded.clear()
     _loaded[key] = loaded
     return loaded
+
+
+def _load_saved_dataset(source: SourceConfig) -> Input:
+    """A save_to_disk folder, read by datasets: its rows and the digest of its data files."""
+    try:
+        table, split, digest = load_saved_dataset(source.path, source.split)
+    except ValueError as e:
+        where = "source.split" if "source.split" in str(e) else "source.path"
+        raise ConfigError([(where, str(e))]) from None
+    name = _name(source, source.path) + (f" (split {split})" if split else "")
+    if table.num_rows == 0:
+        raise ConfigError([("source.path", f"{name} has no rows")])
+    file = InputFile(source.path, name, table.num_rows)
+    return Input(table, (file,), HF_DATASET, "utf-8", digest)
 
 
 def read_rows(source: SourceConfig) -> pa.Table:
@@ -155,6 +184,8 @@ def content_digest(source: SourceConfig) -> str:
     loaded = _loaded.get(_cache_key(source, files, fmt))
     if loaded is not None:
         return loaded.digest  # the bytes the rows were read from, not a later version
+    if fmt == HF_DATASET:
+        return load_saved_dataset(source.path, source.split)[2]
     digest = _Digest(source, fmt)
     for path in files:
         digest.add(path, path.read_bytes())
@@ -172,7 +203,13 @@ def _cache_key(source: SourceConfig, files: list[Path], fmt: str) -> tuple[Any, 
     for path in files:
         stat = path.stat()
         stats.append((str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino))
-    return (str(source.path.resolve()), fmt, codec_name(source.encoding), tuple(stats))
+    return (
+        str(source.path.resolve()),
+        source.split,
+        fmt,
+        codec_name(source.encoding),
+        tuple(stats),
+    )
 
 
 class _Digest:
