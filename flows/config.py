@@ -189,8 +189,8 @@ class RunConfig(Section):
     run_name: str = Field(
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
         title="Results folder name",
-        description="names the run's folder, <output_dir>/<run_name>/ (not Prefect's flow-run "
-        "name): letters, digits, '.', '_', '-'",
+        description="names the run's folder in output_dir (not Prefect's flow-run name): "
+        "letters, digits, '.', '_', '-'",
     )
     output_dir: Path = Field(
         Path("runs"),

@@ -1,0 +1,161 @@
+"""The deployments in a real browser: chromium (headless, driven by playwright) against
+`prefect server start` and deployments/serve.py, as a user meets them.
+
+* The demo evaluate deployment's Quick run (no field edited) completes, with its progress
+  artifact at 100% and its summary table.
+* In a custom run, sampling.temperature -1 is refused by the form itself: no run is created.
+
+It runs only where chromium and playwright are installed (`apt-get install -y chromium`,
+`pip install playwright`; playwright cannot download its own browsers here, so the system
+chromium is launched): CI has neither, and skips it. The demo run writes under the
+repository's runs/ (git ignores it), as serve.py runs every config from the repository root.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or importlib.util.find_spec("playwright") is None,
+    reason="needs chromium and playwright (apt-get install -y chromium; pip install playwright)",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory) -> Iterator[str]:
+    """A Prefect server with its UI, and serve.py serving the deployments: the UI's URL."""
+    import httpx
+
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home")),
+           "PREFECT_API_URL": api, "PREFECT_UI_API_URL": api,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_RUNNER_POLL_FREQUENCY": "1"}  # fmt: skip
+    server = subprocess.Popen(
+        ["prefect", "server", "start", "--port", str(port)], env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    serve = None
+    try:
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{api}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait(healthy, 120, "prefect server start")
+        serve = subprocess.Popen(
+            [sys.executable, str(ROOT / "deployments" / "serve.py")], env=env,
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+        def registered() -> bool:
+            found = httpx.post(f"{api}/deployments/filter", json={}, timeout=5).json()
+            return len(found) == 6
+
+        _wait(registered, 120, "serve.py to register the deployments")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for process in (serve, server):
+            if process is not None:
+                os.killpg(process.pid, signal.SIGTERM)
+                process.wait(timeout=60)
+
+
+@pytest.fixture
+def page(ui):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 2000})
+        yield page
+        browser.close()
+
+
+def _open_run_menu(page, ui: str, deployment: str) -> None:
+    page.goto(f"{ui}/deployments")
+    page.get_by_text(deployment, exact=True).click()
+    page.get_by_role("button", name="Run", exact=True).click()
+
+
+def _flow_runs(ui: str, deployment: str) -> list[dict]:
+    import httpx
+
+    api = f"{ui}/api"
+    (found,) = httpx.post(
+        f"{api}/deployments/filter", json={"deployments": {"name": {"any_": [deployment]}}}
+    ).json()
+    body = {"flow_runs": {"deployment_id": {"any_": [found["id"]]}}}
+    return httpx.post(f"{api}/flow_runs/filter", json=body).json()
+
+
+def test_quick_run_of_the_demo_evaluate_deployment_completes(ui, page):
+    import httpx
+
+    _open_run_menu(page, ui, "demo-evaluate")
+    page.get_by_text("Quick run", exact=True).click()
+    # the quick run's dialog shows the deployment's parameters: run them as they are
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_role("button", name="Run", exact=True).click()
+    _wait(lambda: len(_flow_runs(ui, "demo-evaluate")) == 1, 30, "the quick run to be created")
+
+    def finished() -> bool:
+        (run,) = _flow_runs(ui, "demo-evaluate")
+        assert run["state"]["type"] not in ("FAILED", "CRASHED"), run["state"]
+        return run["state"]["type"] == "COMPLETED"
+
+    _wait(finished, 600, "the demo evaluate run to complete")
+    (run,) = _flow_runs(ui, "demo-evaluate")
+    artifacts = httpx.post(
+        f"{ui}/api/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}
+    ).json()
+    kinds = {a["type"] for a in artifacts}
+    assert {"progress", "table"} <= kinds, artifacts
+    assert any(a["type"] == "progress" and a["data"] == 100 for a in artifacts)
+    # and the run's page shows it completed
+    page.goto(f"{ui}/runs/flow-run/{run['id']}")
+    page.get_by_text("Completed").first.wait_for(timeout=30_000)
+
+
+def test_a_custom_run_with_temperature_minus_one_is_refused_by_the_form(ui, page):
+    before = len(_flow_runs(ui, "demo-evaluate"))
+    _open_run_menu(page, ui, "demo-evaluate")
+    page.get_by_text("Custom run", exact=True).click()
+    label = page.get_by_text("Temperature (Optional)", exact=True)
+    field = page.locator("div.schema-form-property", has=label).last
+    field.locator("input[type=number]").fill("-1")
+    page.get_by_role("button", name="Submit").click()
+    field.get_by_text("-1 is not valid").wait_for(timeout=10_000)
+    assert "/run" in page.url  # still on the form
+    time.sleep(2)
+    assert len(_flow_runs(ui, "demo-evaluate")) == before, "a run was created"
