@@ -16,6 +16,7 @@ of the first steps (which tests/test_demo_model.py recomputes) and the loss curv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -177,14 +178,22 @@ def train(
     log: Callable[[str], None] | None = _print,
 ) -> TrainResult:
     """Train from scratch; ``max_steps`` stops early on the same schedule (the reproducibility test)."""
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(cfg.threads)
+    with deterministic_torch(cfg.threads):
+        return _train(cfg, cfg.steps if max_steps is None else max_steps, log)
+
+
+@contextlib.contextmanager
+def deterministic_torch(threads: int) -> Iterator[None]:
+    """Deterministic algorithms on `threads` threads for the block (float sums depend on the
+    thread count), the caller's settings back after it: what makes a training rerun exact."""
+    before, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
     try:
-        return _train(cfg, cfg.steps if max_steps is None else max_steps, log)
+        yield
     finally:
         torch.use_deterministic_algorithms(deterministic)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _train(cfg: TrainConfig, steps: int, log: Callable[[str], None] | None) -> TrainResult:

@@ -37,7 +37,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from demo import data
-from demo.train import MODEL_DIR, _print, batches, lr_at, reply_loss
+from demo.train import MODEL_DIR, _print, batches, deterministic_torch, lr_at, reply_loss
 
 ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
 ADAPTER_DIR = ADAPTERS_DIR / "rating"
@@ -111,14 +111,8 @@ def train(
     model_dir: Path = MODEL_DIR,
 ) -> LoraTrainResult:
     """Train the adapter on the frozen base model; ``max_steps`` stops early on the same schedule."""
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(cfg.threads)
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_torch(cfg.threads):
         return _train(cfg, cfg.steps if max_steps is None else max_steps, log, model_dir)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-        torch.set_num_threads(threads)
 
 
 def _train(
@@ -226,7 +220,11 @@ def save(result: LoraTrainResult, cfg: LoraTrainConfig, out_dir: Path, accuracy:
         "steps": steps,
         "first_losses": result.losses[: cfg.first_losses],
         "loss_every": {
-            str(s): round(sum(result.losses[s : s + cfg.log_every]) / len(result.losses[s : s + cfg.log_every]), 5)
+            str(s): round(
+                sum(result.losses[s : s + cfg.log_every])
+                / len(result.losses[s : s + cfg.log_every]),
+                5,
+            )
             for s in range(0, steps, cfg.log_every)
         },  # fmt: skip
         "final_loss": result.losses[-1],

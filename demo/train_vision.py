@@ -53,6 +53,7 @@ from demo.train import (
     _portable_tokenizer_config,
     _print,
     _round_up,
+    deterministic_torch,
     lr_at,
     reply_loss,
 )
@@ -278,14 +279,8 @@ def train(
     log: Callable[[str], None] | None = _print,
 ) -> VisionTrainResult:
     """Train from scratch; ``max_steps`` stops early on the same schedule (the reproducibility test)."""
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(cfg.threads)
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_torch(cfg.threads):
         return _train(cfg, cfg.steps if max_steps is None else max_steps, log)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-        torch.set_num_threads(threads)
 
 
 def _train(

@@ -109,6 +109,14 @@ def run_transformers(model_path: str, work: Workload, device: torch.device) -> d
     return {"wall": wall, "startup": startup, "output_tokens": produced}
 
 
+def print_table(rows: list[tuple[str, str]], json_path: str | None) -> None:
+    """The benchmark's result as a two-column markdown table; also as JSON to `json_path`."""
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows))
+    if json_path:
+        Path(json_path).write_text(json.dumps(dict(rows), indent=2))
+
+
 def dummy_adapters(cfg: ModelConfig, count: int, rank: int) -> dict[str, str]:
     """`count` PEFT LoRA folders of random weights for cfg's shapes, rank `rank`, targeting all
     seven projections: {name: folder}."""
@@ -323,10 +331,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{(result['output_tokens'] / result['wall']) / (peer['output_tokens'] / peer['wall']):.2f}x",
             ),
         ]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(rows), indent=2))
+    print_table(rows, args.json)
 
 
 if __name__ == "__main__":

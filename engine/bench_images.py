@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.bench import dummy_folder
+from engine.bench import dummy_folder, print_table
 from engine.model_config import ModelConfig
 
 # Qwen2-VL's image processor as published (preprocessor_config.json of the Qwen2.5-VL folders)
@@ -146,10 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         ("the rest of the wall: prefill, decode, host (s)", f"{wall - vision:.2f}"),
         ("steps: prefill | decode", "{} | {}".format(*result["steps"])),
     ]  # fmt: skip
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"| {k.ljust(width)} | {v} |" for k, v in rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(rows), indent=2))
+    print_table(rows, args.json)
 
 
 if __name__ == "__main__":

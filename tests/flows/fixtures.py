@@ -115,6 +115,25 @@ def lent_engine(engine: Any, arguments: dict[str, Any]) -> Iterator[list[dict[st
         yield asked
 
 
+def run_config_with(
+    engine: Any, config: Path, tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> list[dict[str, Any]]:
+    """`gristmill run CONFIG` from the repository root, as the README runs the demo configs
+    (their paths are the repository's), with `engine` lent to the flow: the output rows."""
+    import re
+
+    from flows.cli import main
+    from flows.config import load_config
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    with lent_engine(engine, load_config(config).engine.arguments()):
+        code = main(["run", str(config), "--set", f"output_dir={tmp_path}"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err[-3000:]
+    path = re.search(r"^output\s+(\S+)$", printed.out, re.MULTILINE).group(1)
+    return pq.read_table(path).to_pylist()
+
+
 # ---------------------------------------------------------------------- what the Prefect server saw
 def settled_task_runs(flow_run_id: Any, *names: str, timeout: float = 30.0) -> list[Any]:
     """A flow run's task runs, once the server has recorded one for each of `names` (a task's

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,9 +27,7 @@ from demo.make_inputs import review_rows
 from demo.train import MODEL_DIR
 from demo.train_lora import ADAPTER_DIR, LoraTrainConfig, train
 from engine import Engine
-from flows.cli import main
-from flows.config import load_config
-from tests.flows.fixtures import lent_engine
+from tests.flows.fixtures import run_config_with
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo-lora.yaml"
@@ -86,14 +82,7 @@ def rating_engine():
 def test_demo_lora_run_gives_the_stars_the_base_model_cannot(
     prefect_api, rating_engine, tmp_path, capsys, monkeypatch
 ):
-    monkeypatch.chdir(ROOT)  # as the README runs it: the config's paths are the repository's
-    asked = load_config(CONFIG).engine.arguments()
-    with lent_engine(rating_engine, asked):
-        code = main(["run", str(CONFIG), "--set", f"output_dir={tmp_path}"])
-    printed = capsys.readouterr()
-    assert code == 0, printed.err[-3000:]
-    path = re.search(r"^output\s+(\S+)$", printed.out, re.MULTILINE).group(1)
-    rows = pq.read_table(path).to_pylist()
+    rows = run_config_with(rating_engine, CONFIG, tmp_path, capsys, monkeypatch)
     assert len(rows) == 100 and len({r["id"] for r in rows}) == 100
     stars = {r["id"]: data.STARS[r["sentiment"]] for r in review_rows()}
     assert sum(r["label"] == stars[r["id"]] for r in rows) / len(rows) >= 0.9

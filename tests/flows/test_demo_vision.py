@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
@@ -35,10 +33,8 @@ from demo.train_vision import (
     train,
 )
 from engine import Engine
-from flows.cli import main
-from flows.config import load_config
 from flows.images import image_placeholder
-from tests.flows.fixtures import lent_engine
+from tests.flows.fixtures import run_config_with
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo-vision.yaml"
@@ -96,14 +92,7 @@ def vision_engine():
 def test_demo_vision_run_names_the_colours(
     prefect_api, vision_engine, tmp_path, capsys, monkeypatch
 ):
-    monkeypatch.chdir(ROOT)  # as the README runs it: the config's paths are the repository's
-    asked = load_config(CONFIG).engine.arguments()
-    with lent_engine(vision_engine, asked):
-        code = main(["run", str(CONFIG), "--set", f"output_dir={tmp_path}"])
-    printed = capsys.readouterr()
-    assert code == 0, printed.err[-3000:]
-    path = re.search(r"^output\s+(\S+)$", printed.out, re.MULTILINE).group(1)
-    rows = pq.read_table(path).to_pylist()
+    rows = run_config_with(vision_engine, CONFIG, tmp_path, capsys, monkeypatch)
     assert len(rows) == 100 and len({r["id"] for r in rows}) == 100
     colour = {r["id"]: r["colour"] for r in shape_rows()}
     assert sum(r["label"] == colour[r["id"]] for r in rows) / len(rows) >= 0.9
