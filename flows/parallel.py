@@ -60,7 +60,7 @@ STOP_GRACE_SECONDS = 5.0  # how long a stopping run waits for its parts to write
 def generate_in_parallel(plan: RunPlan, work: Work) -> Generated:
     """The generate step on Dask workers: a nested flow on a task runner made for this run."""
     if work.todo.num_rows == 0:
-        get_run_logger().info("nothing to generate: every row is already in a shard")
+        Progress.nothing_left(work.total, plan.config.run_name, get_run_logger())
         return Generated()
     runner = task_runner(plan.config)
     with _api_for_workers():

@@ -33,7 +33,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import RunConfig
+from flows.config import EngineConfig, RunConfig
 from flows.generation import Generated, RequestOptions, generate_rows
 from flows.images import image_placeholder
 from flows.interrupts import Interrupted, interrupted, stop_softly
@@ -90,11 +90,12 @@ def configure(config: RunConfig) -> RunPlan:
 
 
 @task(cache_policy=NO_CACHE)
-def init_engine(plan: RunPlan) -> Any:
+def init_engine(plan: RunPlan, section: EngineConfig | None = None) -> Any:
     """The engine of the whole run: a resident engine that serves this config's engine section
-    (`gristmill engine start`), attached to in a moment, or else one of the run's own."""
+    (or `section`, where the checks settled another), attached to in a moment, or else one of
+    the run's own."""
     started = time.perf_counter()
-    engine, how = open_engine(plan.config.engine)
+    engine, how = open_engine(section or plan.config.engine)
     info = engine.get_server_info()
     get_run_logger().info(
         "engine %s: ready in %.1fs on %s (scheduler and detokenizer pids %s)",
@@ -142,7 +143,7 @@ def generate(plan: RunPlan, engine: Any, work: Work) -> Generated:
     logger = get_run_logger()
     config, store = plan.config, plan.store
     if work.todo.num_rows == 0:
-        logger.info("nothing to generate: every row is already in a shard")
+        Progress.nothing_left(work.total, config.run_name, logger)
         return Generated()
     options = RequestOptions.of(config)
     progress = Progress(work.total, work.done_before, config.run_name, logger)

@@ -8,6 +8,7 @@ seconds; failing to update it never fails the run.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import sys
@@ -78,13 +79,17 @@ class Progress:
 
     # ------------------------------------------------------------------ updates
     async def open(self) -> None:
-        self._artifact = await self._safely(
-            acreate_progress_artifact,
-            progress=self.percent,
-            key=artifact_key(self.run_name, "progress"),
-            description=f"rows of {self.run_name} written to checkpoint shards",
-        )
+        await self._create_artifact()
         self.logger.info("generating %d of %d rows", self.total - self.done, self.total)
+
+    @classmethod
+    def nothing_left(
+        cls, total: int, run_name: str, logger: logging.Logger | logging.LoggerAdapter
+    ) -> None:
+        """A run whose rows are all in shards already: its progress artifact, at 100%, so a
+        resumed run's page looks like any finished run's."""
+        logger.info("nothing to generate: every row is already in a shard")
+        asyncio.run(cls(total, total, run_name, logger, bar=False)._create_artifact())
 
     async def advance(self, rows: int, tokens: int) -> None:
         self.rows += rows
@@ -113,6 +118,14 @@ class Progress:
         bar = "█" * filled + "░" * (_BAR_WIDTH - filled)
         self.stream.write(f"\r{bar} {self.line()}\033[K")
         self.stream.flush()
+
+    async def _create_artifact(self) -> None:
+        self._artifact = await self._safely(
+            acreate_progress_artifact,
+            progress=self.percent,
+            key=artifact_key(self.run_name, "progress"),
+            description=f"rows of {self.run_name} written to checkpoint shards",
+        )
 
     async def _publish(self) -> None:
         if self._artifact is not None:

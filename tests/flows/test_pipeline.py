@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,6 +129,28 @@ def test_summary_and_progress_are_prefect_artifacts(greedy_run):
     assert summary.type == "table"
     table = {row["metric"]: row["value"] for row in json.loads(summary.data)}
     assert table["rows"] == str(ROWS) and float(table["tokens_per_second"].replace(",", "")) > 0
+
+
+def test_a_rerun_of_a_finished_run_generates_nothing_and_shows_its_progress_full(
+    greedy_run, shared_llama_engine, llama_dir, tmp_path
+):
+    config, summary, folder, _ = greedy_run
+    out = tmp_path / "copy"
+    shutil.copytree(folder.parent.parent, out)  # greedy_run's own folder stays as it is
+    with lent_engine(shared_llama_engine, engine_arguments(llama_dir)):
+        state = generate_batch(config=config.model_copy(update={"output_dir": out}),
+                               return_state=True)  # fmt: skip
+    again = state.result()
+    assert again["rows_generated_now"] == 0 and again["rows_from_earlier_runs"] == ROWS
+    assert again["completion_tokens"] == summary["completion_tokens"]
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])
+            )
+        )
+    (progress,) = [a for a in artifacts if a.type == "progress"]
+    assert progress.data == 100.0  # the run's page shows it finished, as any finished run's
 
 
 # ---------------------------------------------------------------------- crash and resume
