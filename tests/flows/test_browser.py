@@ -7,7 +7,7 @@
 
 It runs only where chromium and playwright are installed (`apt-get install -y chromium`,
 `pip install playwright`; playwright cannot download its own browsers here, so the system
-chromium is launched): CI has neither, and skips it. The demo run writes under the
+chromium is launched); elsewhere it skips. The demo run writes under the
 repository's runs/ (git ignores it), as serve.py runs every config from the repository root.
 """
 
@@ -80,15 +80,35 @@ def ui(tmp_path_factory) -> Iterator[str]:
 
         def registered() -> bool:
             found = httpx.post(f"{api}/deployments/filter", json={}, timeout=5).json()
-            return len(found) == 6
+            return len(found) == 7
 
         _wait(registered, 120, "serve.py to register the deployments")
         yield f"http://127.0.0.1:{port}"
     finally:
-        for process in (serve, server):
-            if process is not None:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=60)
+        hung = [_stop(p) for p in (serve, server) if p is not None]
+        assert not any(hung), "\n".join(filter(None, hung))
+
+
+def _stop(process: subprocess.Popen) -> str | None:
+    """SIGTERM, as a service manager stops it. A process group still there after 30 s is
+    killed: what it was doing is returned, for the test to fail on."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+        return None
+    except subprocess.TimeoutExpired:
+        stacks = _stacks(process.pid)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    return f"{process.args} did not stop within 30 s of SIGTERM:\n{stacks}"
+
+
+def _stacks(pid: int) -> str:
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        return "(pip install py-spy to see its threads)"
+    done = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True)
+    return done.stdout + done.stderr
 
 
 @pytest.fixture
@@ -147,15 +167,38 @@ def test_quick_run_of_the_demo_evaluate_deployment_completes(ui, page):
     page.get_by_text("Completed").first.wait_for(timeout=30_000)
 
 
-def test_a_custom_run_with_temperature_minus_one_is_refused_by_the_form(ui, page):
+def test_a_custom_run_with_temperature_minus_one_is_refused_by_the_form(ui, page, tmp_path):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import expect
+
     before = len(_flow_runs(ui, "demo-evaluate"))
     _open_run_menu(page, ui, "demo-evaluate")
     page.get_by_text("Custom run", exact=True).click()
+    # the form renders before the deployment's parameters arrive, and renders again with them:
+    # a value typed in between would be replaced
+    page.wait_for_load_state("networkidle")
     label = page.get_by_text("Temperature (Optional)", exact=True)
     field = page.locator("div.schema-form-property", has=label).last
-    field.locator("input[type=number]").fill("-1")
+    number = field.locator("input[type=number]")
+    number.fill("-1")
+    number.press("Tab")  # as a user leaves the field
+    expect(number).to_have_value("-1")
+    heard: list[str] = []  # what the page did after Submit, for a failure to show
+    page.on("console", lambda m: heard.append(f"console {m.type}: {m.text}"))
+    page.on("response", lambda r: heard.append(f"{r.status} {r.request.method} {r.url}"))
     page.get_by_role("button", name="Submit").click()
-    field.get_by_text("-1 is not valid").wait_for(timeout=10_000)
+    try:
+        field.get_by_text("-1 is not valid").wait_for(timeout=30_000)
+    except PlaywrightTimeout:
+        field.scroll_into_view_if_needed()
+        shot = tmp_path / "form.png"
+        page.screenshot(path=str(shot))
+        raise AssertionError(
+            f"the form showed no refusal ({shot}); at {page.url}, after Submit:\n"
+            + "\n".join(heard[-40:])
+            + "\nthe field reads: "
+            + field.inner_text()
+        ) from None
     assert "/run" in page.url  # still on the form
     time.sleep(2)
     assert len(_flow_runs(ui, "demo-evaluate")) == before, "a run was created"
