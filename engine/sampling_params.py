@@ -13,7 +13,9 @@ _GREEDY_EPS = 1e-6
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    # None: as many as the context leaves after the prompt (SGLang's scheduler does the same);
+    # the caller's InputProcessor settles it once the prompt is tokenized
+    max_new_tokens: int | None = 128
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -82,9 +84,10 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}."
             )
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+        most = self.max_new_tokens if self.max_new_tokens is not None else math.inf
+        if not 0 <= self.min_new_tokens <= most:
             raise ValueError(
                 f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}."
             )
@@ -154,7 +157,7 @@ class SamplingParams:
 # Types a user may pass per field (bool is rejected where a number is expected).
 _NUM = (int, float)
 _USER_FIELDS: dict[str, tuple[type, ...]] = {
-    "max_new_tokens": (int,),
+    "max_new_tokens": (int, type(None)),
     "min_new_tokens": (int,),
     "temperature": _NUM,
     "top_p": _NUM,

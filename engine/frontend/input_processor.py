@@ -168,6 +168,9 @@ class InputProcessor:
         if min(ids) < 0 or max(ids) >= vocab:  # (C loops: a long prompt costs no Python per token)
             bad = [t for t in ids if not 0 <= t < vocab]
             raise ValueError(f"input_ids contain token ids outside [0, {vocab}): {bad[:5]}")
+        if sampling.max_new_tokens is None:  # the rest of the context (and of the KV pool)
+            room = min(self.config.context_length, self.max_total_tokens) - len(ids)
+            sampling = dataclasses.replace(sampling, max_new_tokens=max(room, 0))
         ids = self._fit_context(ids, sampling.max_new_tokens)
         need = len(ids) + sampling.max_new_tokens
         if need > self.max_total_tokens:

@@ -227,6 +227,18 @@ def test_request_larger_than_pool_fails_alone(engine):
     _assert_usable(engine)
 
 
+def test_max_new_tokens_none_generates_until_the_context_or_pool_is_full(engine):
+    # SGLang's scheduler gives a request without a limit the rest of its context; this engine's
+    # pool (400 tokens) is smaller than its context (512), so the pool is the limit
+    out = engine.generate(
+        input_ids=list(range(3, 383)),
+        sampling_params={"max_new_tokens": None, "ignore_eos": True, "temperature": 0},
+    )
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == 380 and meta["completion_tokens"] == 400 - 380
+    assert meta["finish_reason"]["type"] == "length"
+
+
 def test_auto_truncate_keeps_the_head(llama_dir):
     with Engine(
         model_path=str(llama_dir),
