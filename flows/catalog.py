@@ -12,6 +12,9 @@ class FlowEntry:
     module: str
     flow_name: str
     config_name: str
+    # the module's function that checks a config before its run folder is locked: config ->
+    # (what the checks learned, the run's identity); None: a batch run's (flows/run_lock.py)
+    checks_name: str | None = None
 
     @property
     def entrypoint(self) -> str:
@@ -24,10 +27,16 @@ class FlowEntry:
     def config_class(self) -> Any:
         return getattr(importlib.import_module(self.module), self.config_name)
 
+    def checks(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.checks_name)
+
 
 FLOWS = {
     "generate": FlowEntry("flows.pipeline", "generate_batch", "RunConfig"),
     "annotate": FlowEntry("flows.annotate", "annotate", "AnnotateConfig"),
     "synthesize": FlowEntry("flows.synthesize", "synthesize", "SynthesizeConfig"),
     "evaluate": FlowEntry("flows.evaluate", "evaluate", "EvaluateConfig"),
+    "openai_batch": FlowEntry(
+        "flows.openai_batch", "openai_batch", "OpenAIBatchConfig", checks_name="check_batch"
+    ),
 }

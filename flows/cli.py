@@ -2,6 +2,8 @@
 
     gristmill run [CONFIG.yaml] [--fresh] [--set key=value ...] run (or resume) a config;
                                                                 without one, the evaluate demo
+    gristmill batch -i IN.jsonl -o OUT.jsonl --model PATH       answer an OpenAI batch file
+                                                                (flows/openai_batch.py)
     gristmill status RUN_DIR                                    rows done, tokens, shards
     gristmill show RUN_DIR [-n N]                               the first rows
     gristmill engine start|status|stop                          resident engines, which runs
@@ -82,11 +84,25 @@ def main(argv: list[str] | None = None) -> int:
         help="hf-dataset: a folder that datasets.load_from_disk opens",
     )  # fmt: skip
     export.add_argument("destination", type=Path, help="the folder to write (must not exist)")
+    batch = commands.add_parser(
+        "batch", parents=[common],
+        help="answer an OpenAI Batch API input file (chat, completions, embeddings); resumable",
+    )  # fmt: skip
+    batch.add_argument("-i", "--input", type=Path, required=True, help="the batch input (JSONL)")
+    batch.add_argument("-o", "--output", type=Path, required=True, help="the output file (JSONL)")
+    batch.add_argument("--model", required=True, help="a local Hugging Face model folder")
+    batch.add_argument("--run-name", help="its results folder's name (default: the input's)")
+    batch.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="set a config field, e.g. --set engine.dtype=bfloat16 --set output_dir=runs",
+    )  # fmt: skip
+    batch.add_argument("--fresh", action="store_true", help="delete this batch's results first")
     engine_cli.add_commands(commands, common, _config_arguments)
     args = parser.parse_args(argv)
     args.debug = args.debug or os.environ.get("GRISTMILL_DEBUG", "") not in ("", "0")
     commands_run = {
         "run": _run,
+        "batch": _run,
         "status": _status,
         "show": _show,
         "export": _export,
@@ -116,7 +132,7 @@ def _run_config(args: argparse.Namespace) -> int:
     from flows.prefect_server import prefect_api
     from flows.run_lock import lock_run, unlock_run
 
-    config = _load(args)
+    config = _load(args) if args.command == "run" else _batch_config(args)
     # the config checked and the folder locked in a second or two: before Prefect or an engine
     plan = lock_run(config)
     try:
@@ -167,6 +183,13 @@ def _load(args: argparse.Namespace) -> Any:
         f"source.path={package / 'inputs' / 'arithmetic_eval.jsonl'}",
     ]
     return load_config(DEMO_CONFIG, paths + args.overrides)
+
+
+def _batch_config(args: argparse.Namespace) -> Any:
+    """`gristmill batch`'s arguments as an OpenAI batch config (flows/openai_batch.py)."""
+    from flows.openai_batch import batch_config
+
+    return batch_config(args.input, args.output, args.model, args.run_name, args.overrides)
 
 
 def _error_of(state: Any) -> BaseException:

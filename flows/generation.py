@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,6 +107,25 @@ async def generate_rows(
     write_shard: Callable[[list[dict[str, Any]]], Any],
     progress: Progress,
 ) -> Generated:
+    """Every work row through the engine (request), written in shards as they finish."""
+    return await answer_rows(
+        lambda row: request(engine, row, options), _rows(work),
+        max_in_flight=max_in_flight, shard_size=shard_size, write_shard=write_shard,
+        progress=progress,
+    )  # fmt: skip
+
+
+async def answer_rows(
+    answer: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
+    rows: Iterable[dict[str, Any]],
+    *,
+    max_in_flight: int,
+    shard_size: int,
+    write_shard: Callable[[list[dict[str, Any]]], Any],
+    progress: Progress,
+) -> Generated:
+    """`answer` each row, at most max_in_flight at once; each answer is an output row (with
+    its id and token counts), buffered and written shard_size at a time (the module's doc)."""
     stats = Generated()
     started = time.perf_counter()
     buffer: list[dict[str, Any]] = []
@@ -137,11 +156,11 @@ async def generate_rows(
             await flush(rows)
 
     try:
-        for row in _rows(work):
+        for row in rows:
             while len(pending) >= max_in_flight:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 await absorb(done)
-            pending.add(asyncio.create_task(request(engine, row, options)))
+            pending.add(asyncio.create_task(answer(row)))
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             await absorb(done)

@@ -14,7 +14,7 @@ import codecs
 from dataclasses import dataclass
 from typing import Any
 
-from flows.config import ConfigError, RunConfig
+from flows.config import ConfigError, EngineConfig, RunConfig
 from flows.images import images_digest
 from flows.prompts import chat_messages, has_chat_template, template_names
 from flows.sources import TEXT_FORMATS, Input, id_problems, load_input
@@ -32,7 +32,7 @@ class Checked:
 
 def preflight(config: RunConfig) -> Checked:
     problems: list[tuple[str, str]] = []
-    tokenizer_path = _check_engine(config, problems)
+    tokenizer_path = check_engine(config.engine, problems)
     _check_sampling(config, problems)
     loaded = _check_source(config, problems)
     columns = loaded.table.column_names if loaded is not None else []
@@ -62,10 +62,12 @@ def preflight(config: RunConfig) -> Checked:
     )  # fmt: skip
 
 
-def _check_engine(config: RunConfig, problems: list[tuple[str, str]]) -> str:
+def check_engine(engine: EngineConfig, problems: list[tuple[str, str]]) -> str:
+    """The engine section by the engine's own rules (each argument, then all together, then
+    the model folder): its tokenizer's folder, or "" with the problems added."""
     from engine import ModelConfig, ServerArgs  # lazily: importing the flows loads no torch
 
-    args = config.engine.arguments()
+    args = engine.arguments()
     model_path = args.pop("model_path")
     # one argument at a time first, so each message is pinned on the field that caused it
     bad = [
@@ -175,7 +177,7 @@ def _check_lora(config: RunConfig, loaded: Input, problems: list[tuple[str, str]
     try:
         names = set(ServerArgs.from_kwargs(**config.engine.arguments()).lora_adapters)
     except ValueError:
-        return  # (the engine section's own problem, reported by _check_engine)
+        return  # (the engine section's own problem, reported by check_engine)
     known = f"engine.lora_paths has {sorted(names)}" if names else "engine.lora_paths is empty"
     if config.lora is not None and config.lora not in names:
         problems.append(("lora", f"names adapter {config.lora!r}, which is not loaded: {known}"))
@@ -230,7 +232,7 @@ def _check_images(config: RunConfig, loaded: Input, problems: list[tuple[str, st
     try:
         model = ModelConfig.from_folder(str(model_path))
     except ValueError:
-        return None  # (engine.model_path's own problem, reported by _check_engine)
+        return None  # (engine.model_path's own problem, reported by check_engine)
     if not model.is_vision_language:
         problems.append(
             (where, f"the model in {model_path} ({model.architecture}) takes text only: images "

@@ -26,7 +26,9 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from flows.catalog import FLOWS
 from flows.config import RunConfig
 from flows.identity import run_identity
 from flows.plan import RunPlan
@@ -58,8 +60,7 @@ def lock_run(config: RunConfig) -> RunPlan:
         early = _ConfigLock(config, key)
         early.acquire()
         try:
-            checked = preflight(config)
-            identity = run_identity(config, checked)
+            checked, identity = check_config(config)
             store = CheckpointStore(config.output_dir, config.run_name, identity)
             store.lock()
         except BaseException:
@@ -81,6 +82,16 @@ def unlock_run(plan: RunPlan) -> None:
             del _held[key]
             plan.store.unlock()
             held.early.release()
+
+
+def check_config(config: RunConfig) -> tuple[Any, dict[str, Any]]:
+    """The config checked against the world, and the identity its folder is named by: a batch
+    run's (preflight), or the flow's own checks (an OpenAI batch file: flows/openai_batch.py)."""
+    entry = FLOWS[config.flow]
+    if entry.checks_name is not None:
+        return entry.checks()(config)
+    checked = preflight(config)
+    return checked, run_identity(config, checked)
 
 
 def _key(config: RunConfig) -> str:

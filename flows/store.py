@@ -322,6 +322,11 @@ def write_parquet(path: Path, table: pa.Table, fence: Callable[[], None] | None 
     _atomic_write(path, _parquet_bytes(table), fence)
 
 
+def write_file(path: Path, data: bytes) -> None:
+    """A file that appears whole or not at all."""
+    _atomic_write(path, data)
+
+
 def _parquet_bytes(table: pa.Table) -> bytes:
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)

@@ -1,0 +1,183 @@
+"""An OpenAI batch line through the engine: prepared (`prepare_jobs`), then answered (`answer`)
+as the checkpoint row that holds its output line.
+
+Preparing decides, before any request is sent, what each line needs: a chat line's
+conversation rendered by the engine's chat template (many at once: a resident engine renders
+them in one round trip), its images, and the lines this engine cannot serve (an embedding
+line on a generating engine, or the other way round; an image for a text-only model; a
+conversation the chat template refuses), which get error entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from flows.batch_requests import (
+    BatchRequest,
+    LineError,
+    chat_conversation,
+    completion_prompts,
+    embedding_inputs,
+    sampling_params,
+    top_logprobs,
+)
+from flows.batch_responses import (
+    chat_body,
+    completion_body,
+    embedding_body,
+    engine_error,
+    error_line,
+    output_line,
+    usage_of,
+)
+from flows.config import EngineConfig
+from flows.images import image_placeholder
+
+RENDER_BATCH = 1024  # conversations per chat-template call
+
+
+@dataclass(frozen=True)
+class Job:
+    request: BatchRequest
+    prompt: str | None = None  # a chat line's conversation, rendered
+    images: list[str] | None = None  # a chat line's image_url parts, in order
+    error: LineError | None = None  # why it cannot be served: it gets an error entry
+
+
+def prepare_jobs(
+    requests: list[BatchRequest], engine: Any, section: EngineConfig, tokenizer_path: str
+) -> list[Job]:
+    embeds = bool(section.arguments().get("is_embedding"))
+    slot = _image_slot(section, tokenizer_path)
+    jobs: list[Job] = []
+    chats: list[tuple[int, list[dict[str, str]]]] = []  # (job index, messages)
+    for request in requests:
+        if request.error is not None:
+            jobs.append(Job(request, error=request.error))
+        elif embeds != (request.kind == "embedding"):
+            jobs.append(Job(request, error=_wrong_engine(request, embeds)))
+        elif request.kind == "chat":
+            try:
+                messages, images = chat_conversation(request, slot)
+            except LineError as e:
+                jobs.append(Job(request, error=e))
+                continue
+            chats.append((len(jobs), messages))
+            jobs.append(Job(request, images=images))
+        else:
+            jobs.append(Job(request))
+    for start in range(0, len(chats), RENDER_BATCH):
+        chunk = chats[start : start + RENDER_BATCH]
+        for (index, _), (prompt, error) in zip(chunk, _render(engine, [m for _, m in chunk])):
+            jobs[index] = dataclasses.replace(jobs[index], prompt=prompt, error=error)
+    return jobs
+
+
+async def answer(engine: Any, job: Job, model: str, seed: int) -> dict[str, Any]:
+    """The job's checkpoint row (flows/openai_batch.py SCHEMA); `model` names the model where
+    the body does not, `seed` samples where the body gives none."""
+    request, error = job.request, job.error
+    if error is None:
+        try:
+            line = output_line(request, await _body(engine, job, request.model or model, seed))
+        except LineError as e:
+            error = e
+        except ValueError as e:  # the engine refused the request: this line fails, no other
+            error = engine_error(e)
+    if error is not None:
+        line = error_line(request, error)
+    prompt, completion, cached = usage_of(line)
+    return {
+        "id": request.key,
+        "line": request.line,
+        "custom_id": request.custom_id,
+        "status_code": None if error is not None else 200,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "cached_tokens": cached,
+        "error": line["error"]["message"] if error is not None else None,
+        "output": json.dumps(line, ensure_ascii=False),
+    }
+
+
+async def _body(engine: Any, job: Job, model: str, seed: int) -> dict[str, Any]:
+    request = job.request
+    if request.kind == "embedding":
+        if not hasattr(engine, "async_encode"):
+            raise LineError("embeddings need an engine of the run's own; a resident engine "
+                            "serves generation only", "unsupported_url", "url")  # fmt: skip
+        body = request.body
+        results = await engine.async_encode(
+            embedding_inputs(request), dimensions=body.get("dimensions")
+        )
+        return embedding_body(results, model, body.get("encoding_format", "float"))
+    params = sampling_params(request, seed)
+    top = top_logprobs(request)
+    logprobs = {"return_logprob": top is not None, "top_logprobs_num": top or None,
+                "return_text_in_logprobs": top is not None}  # fmt: skip
+    if request.kind == "chat":
+        results = await engine.async_generate(
+            prompt=job.prompt, sampling_params=params, image_data=job.images or None, **logprobs
+        )
+        return chat_body(_listed(results), model, top)
+    texts, ids = completion_prompts(request)
+    echo = bool(request.body.get("echo"))
+    if echo and texts is None:
+        raise LineError("echo needs text prompts (the prompt is token ids)", param="echo")
+    results = await engine.async_generate(
+        prompt=texts, input_ids=ids, sampling_params=params, **logprobs
+    )
+    return completion_body(_listed(results), texts or [], params.get("n", 1), model, top, echo)
+
+
+def _listed(results: dict | list[dict]) -> list[dict]:
+    return results if isinstance(results, list) else [results]
+
+
+def _wrong_engine(request: BatchRequest, embeds: bool) -> LineError:
+    if embeds:
+        why = "this run's engine embeds (engine.is_embedding): it does not generate"
+    else:
+        why = "this run's engine generates: embeddings need an embedding model, in a batch file of their own"
+    return LineError(f"{why}", "unsupported_url", "url")
+
+
+def _image_slot(section: EngineConfig, tokenizer_path: str) -> str | None:
+    """The model's image slot where it takes images, else None."""
+    from engine import ModelConfig
+
+    model_path = section.arguments()["model_path"]
+    if not ModelConfig.from_folder(str(model_path)).is_vision_language:
+        return None
+    return image_placeholder(model_path, tokenizer_path)
+
+
+def _render(engine: Any, conversations: list[list[dict[str, str]]]) -> list[tuple]:
+    """(prompt, None) per conversation, or (None, error) for one the chat template refuses;
+    all in one call, one by one only when that call fails."""
+    template = _chat_template(engine)
+    try:
+        prompts = template(conversations, tokenize=False, add_generation_prompt=True)
+        return [(prompt, None) for prompt in prompts]
+    except Exception:  # a template raises on one bad conversation (e.g. roles out of order)
+        pass
+    rendered = []
+    for messages in conversations:
+        try:
+            (prompt,) = template([messages], tokenize=False, add_generation_prompt=True)
+            rendered.append((prompt, None))
+        except Exception as e:
+            error = LineError(f"the model's chat template refused the messages: {e}",
+                              param="messages")  # fmt: skip
+            rendered.append((None, error))
+    return rendered
+
+
+def _chat_template(engine: Any) -> Any:
+    """A resident engine's renderer (its own tokenizer), else the engine's tokenizer's."""
+    if hasattr(engine, "apply_chat_template"):
+        return engine.apply_chat_template
+    return engine.tokenizer.apply_chat_template

@@ -1,0 +1,180 @@
+"""OpenAI Batch API output lines, from the engine's results.
+
+    {"id": "batch_req_…", "custom_id": "r1",
+     "response": {"status_code": 200, "request_id": "req_…", "body": {<chat.completion>}},
+     "error": null}
+
+The bodies are shaped as OpenAI's objects of each endpoint (`chat.completion`,
+`text_completion`, an embedding `list`), with `usage`; the usage also says how many prompt
+tokens came from the prefix cache (`prompt_tokens_details.cached_tokens`, as OpenAI's does).
+A request that could not be served gets `response: null` and `error: {code, message}`, the
+shape of OpenAI's error file lines.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+import uuid
+from typing import Any
+
+from flows.batch_requests import BatchRequest, LineError
+
+
+def _hex() -> str:
+    return uuid.uuid4().hex
+
+
+def output_line(request: BatchRequest, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": f"batch_req_{_hex()}",
+        "custom_id": request.custom_id,
+        "response": {"status_code": 200, "request_id": f"req_{_hex()}", "body": body},
+        "error": None,
+    }
+
+
+def error_line(request: BatchRequest, error: LineError) -> dict[str, Any]:
+    return {
+        "id": f"batch_req_{_hex()}",
+        "custom_id": request.custom_id,
+        "response": None,
+        "error": {"code": error.code, "message": f"line {request.line}: {error}"},
+    }
+
+
+# ---------------------------------------------------------------------- bodies
+def chat_body(results: list[dict], model: str, top: int | None) -> dict[str, Any]:
+    """A chat.completion of one conversation's n results."""
+    choices = []
+    for index, result in enumerate(results):
+        meta = result["meta_info"]
+        choices.append({
+            "index": index,
+            "message": {"role": "assistant", "content": result["text"], "refusal": None},
+            "logprobs": _chat_logprobs(meta) if top is not None else None,
+            "finish_reason": _finish_reason(meta),
+        })  # fmt: skip
+    return {
+        "id": f"chatcmpl-{_hex()}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": _usage(results, per_prompt=len(results)),
+        "system_fingerprint": None,
+    }
+
+
+def completion_body(
+    results: list[dict], prompts: list[str], n: int, model: str, top: int | None, echo: bool
+) -> dict[str, Any]:
+    """A text_completion of each prompt's n results (results in prompt order, n per prompt)."""
+    choices = []
+    for index, result in enumerate(results):
+        meta = result["meta_info"]
+        head = prompts[index // n] if echo else ""
+        choices.append({
+            "index": index,
+            "text": head + result["text"],
+            "logprobs": _completion_logprobs(meta, len(head)) if top is not None else None,
+            "finish_reason": _finish_reason(meta),
+        })  # fmt: skip
+    return {
+        "id": f"cmpl-{_hex()}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": _usage(results, per_prompt=n),
+        "system_fingerprint": None,
+    }
+
+
+def embedding_body(results: list[dict], model: str, encoding_format: str) -> dict[str, Any]:
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(r["embedding"], encoding_format)}
+        for i, r in enumerate(results)
+    ]
+    tokens = sum(r["meta_info"]["prompt_tokens"] for r in results)
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def usage_of(line: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens of an output line (zeros for an error entry)."""
+    usage = ((line.get("response") or {}).get("body") or {}).get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), cached
+
+
+# ---------------------------------------------------------------------- parts
+def _usage(results: list[dict], per_prompt: int) -> dict[str, Any]:
+    """A prompt's n samples share it: its tokens count once (the first sample's)."""
+    firsts = [r["meta_info"] for r in results[::per_prompt]]
+    prompt = sum(m["prompt_tokens"] for m in firsts)
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in firsts)},
+    }
+
+
+def _finish_reason(meta: dict[str, Any]) -> str:
+    kind = (meta.get("finish_reason") or {}).get("type")
+    return "length" if kind == "length" else "stop"
+
+
+def _token(text: str | None) -> dict[str, Any]:
+    text = text or ""
+    return {"token": text, "bytes": list(text.encode("utf-8"))}
+
+
+def _chat_logprobs(meta: dict[str, Any]) -> dict[str, Any]:
+    tops = meta.get("output_top_logprobs") or [[] for _ in meta["output_token_logprobs"]]
+    content = [
+        {
+            **_token(text),
+            "logprob": logprob,
+            "top_logprobs": [{**_token(t), "logprob": lp} for lp, _, t in top],
+        }
+        for (logprob, _, text), top in zip(meta["output_token_logprobs"], tops)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(meta: dict[str, Any], offset: int) -> dict[str, Any]:
+    tokens, offsets = [], []
+    for _, _, text in meta["output_token_logprobs"]:
+        offsets.append(offset)
+        tokens.append(text or "")
+        offset += len(text or "")
+    tops = meta.get("output_top_logprobs")
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
+        "top_logprobs": [{t or "": lp for lp, _, t in top} for top in tops] if tops else None,
+        "text_offset": offsets,
+    }
+
+
+def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's base64 form: the float32 values' little-endian bytes."""
+    if encoding_format == "float":
+        return embedding
+    return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+
+
+def engine_error(error: ValueError) -> LineError:
+    """A request the engine refused, as its error entry (a prompt longer than the context
+    gets OpenAI's code for it)."""
+    text = str(error)
+    code = "context_length_exceeded" if "context length" in text else "invalid_request"
+    return LineError(text, code)
