@@ -6,7 +6,9 @@
 * reviews.jsonl         — {"id", "review", "sentiment", "stars"}: reviews training never saw,
   with their label (not called "label": the annotate flow writes its own `label` column) and
   the same label as stars (the LoRA adapter's task, demo/train_lora.py);
-* products.csv          — id, product, sentiment: seeds for synthesizing reviews.
+* products.csv          — id, product, sentiment: seeds for synthesizing reviews;
+* arithmetic_batch.jsonl — the first 100 of arithmetic_eval's questions as an OpenAI Batch API
+  input file (chat completion requests; custom_id the question's id): the OpenAI batch demo.
 """
 
 from __future__ import annotations
@@ -52,13 +54,27 @@ def product_rows() -> list[dict[str, str]]:
     ]
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+N_BATCH = 100
+
+
+def batch_lines(rows: list[dict[str, str]]) -> list[dict]:
+    """Questions as OpenAI Batch API request lines, answered greedily in at most 8 tokens."""
+    return [
+        {"custom_id": row["id"], "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "gristmill-demo", "max_tokens": 8, "temperature": 0,
+                  "messages": [{"role": "user", "content": row["question"]}]}}
+        for row in rows
+    ]  # fmt: skip
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def main(out_dir: Path = INPUTS_DIR) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_jsonl(out_dir / "arithmetic_eval.jsonl", arithmetic_rows())
+    _write_jsonl(out_dir / "arithmetic_batch.jsonl", batch_lines(arithmetic_rows()[:N_BATCH]))
     _write_jsonl(out_dir / "reviews.jsonl", review_rows())
     with (out_dir / "products.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["id", "product", "sentiment"], lineterminator="\n")

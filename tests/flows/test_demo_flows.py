@@ -1,6 +1,6 @@
-"""The three demo configs on the built-in demo model, through the `gristmill` command (its main,
+"""The demo configs on the built-in demo model, through the `gristmill` command (its main,
 in this process: the command in a process of its own is test_cli's and test_pipeline's). The
-three runs share one engine on the demo model, with the demo configs' engine arguments.
+runs share one engine on the demo model, with the demo configs' engine arguments.
 
 `gristmill run` with no config is the README's second command: it must finish with an eval
 score well above chance and its results in Parquet. The references are the demo generator's
@@ -10,6 +10,7 @@ for synthesized reviews), never the model's earlier outputs.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -77,3 +78,17 @@ def test_synthesize_demo_writes_matching_reviews(gristmill):
     assert len({r["text"] for r in rows}) >= 40, "sampled with seeds: mostly different reviews"
     good = sum(review_matches(r["text"], r["product"], r["sentiment"]) for r in rows)
     assert good / len(rows) >= 0.8
+
+
+def test_openai_batch_demo_answers_the_sums(gristmill, tmp_path):
+    output = tmp_path / "results.jsonl"
+    gristmill("configs/demo-openai-batch.yaml", "--set", f"output={output}")
+    answers = {
+        r["id"]: r["answer"]
+        for r in map(json.loads, open(ROOT / "demo/inputs/arithmetic_eval.jsonl"))
+    }
+    results = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == list(answers)[:100]  # input order
+    said = [r["response"]["body"]["choices"][0]["message"]["content"] for r in results]
+    right = sum(text.strip() == answers[r["custom_id"]] for text, r in zip(said, results))
+    assert right / len(results) >= 0.9

@@ -47,7 +47,7 @@ def test_prefect_yaml_is_valid_for_prefect_deploy_and_leaves_templates_alone(spe
 
 def test_each_deployment_runs_its_flow_with_the_config_of_the_same_name(spec):
     by_name = {d.name: d for d in load_deployments()}
-    demos = {"demo-annotate", "demo-evaluate", "demo-synthesize"}
+    demos = {"demo-annotate", "demo-evaluate", "demo-synthesize", "demo-openai-batch"}
     assert set(by_name) == {"annotate-nightly", "evaluate", "synthesize", *demos}
     for entry in spec["deployments"]:
         deployment = by_name[entry["name"]]
@@ -56,7 +56,7 @@ def test_each_deployment_runs_its_flow_with_the_config_of_the_same_name(spec):
         assert entry["entrypoint"] == flow.entrypoint
         # a demo deployment is its demo config (test_demo_flows runs those and checks their
         # results); the others are the sample configs for one's own model and data
-        name = f"demo-{config['flow']}" if entry["name"] in demos else config["flow"]
+        name = entry["name"] if entry["name"] in demos else config["flow"]
         assert config == yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
         flow.flow().validate_parameters(entry["parameters"])
         assert deployment.parameters == entry["parameters"]
@@ -64,9 +64,8 @@ def test_each_deployment_runs_its_flow_with_the_config_of_the_same_name(spec):
         # the UI renders this schema as a form: the config's fields, typed, with defaults
         schema = parameter_schema(flow.flow()).model_dump()
         form = schema["definitions"][flow.config_class().__name__]
-        assert {"run_name", "engine", "source", "prompt", "sampling", "shard_size"} <= set(
-            form["properties"]
-        )
+        fields = {"input", "output"} if config["flow"] == "openai_batch" else {"source", "prompt"}
+        assert {"run_name", "engine", "shard_size", *fields} <= set(form["properties"])
         assert form["properties"]["shard_size"]["type"] == "integer"
     (nightly,) = by_name["annotate-nightly"].schedules
     assert nightly.schedule.cron == "0 2 * * *" and nightly.schedule.timezone == "UTC"
@@ -78,18 +77,19 @@ def test_demo_deployments_run_as_they_are(spec):
     """Their defaults name only what the repository holds (a Quick run needs no edit): the demo
     model and inputs exist, and the whole config passes the checks a run starts with."""
     from flows.config import load_config
-    from flows.preflight import preflight
+    from flows.run_lock import check_config
 
     demos = [d for d in spec["deployments"] if d["name"].startswith("demo-")]
-    assert len(demos) == 3
+    assert len(demos) == 4
     for entry in demos:
         config = load_config(entry["parameters"]["config"])
         assert (ROOT / config.engine.model_path).is_dir(), entry["name"]
-        assert (ROOT / config.source.path).is_file(), entry["name"]
+        inputs = config.input if config.flow == "openai_batch" else config.source.path
+        assert (ROOT / inputs).is_file(), entry["name"]
         cwd = os.getcwd()
         os.chdir(ROOT)  # (as deployments/serve.py runs them)
         try:
-            preflight(config)
+            check_config(config)
         finally:
             os.chdir(cwd)
 
