@@ -3,7 +3,8 @@
 
 * The demo evaluate deployment's Quick run (no field edited) completes, with its progress
   artifact at 100% and its summary table.
-* In a custom run, sampling.temperature -1 is refused by the form itself: no run is created.
+* In a custom run, sampling.temperature -1 is refused by the form itself: no run is created;
+  an unset optional field (sampling.top_p) opens as a number input, not on a "None" type.
 
 It runs only where chromium and playwright are installed (`apt-get install -y chromium`,
 `pip install playwright`; playwright cannot download its own browsers here, so the system
@@ -180,6 +181,11 @@ def test_a_custom_run_with_temperature_minus_one_is_refused_by_the_form(ui, page
     label = page.get_by_text("Temperature (Optional)", exact=True)
     field = page.locator("div.schema-form-property", has=label).last
     number = field.locator("input[type=number]")
+    # an unset optional field opens as its own input, ready to type in (not on a "None")
+    unset = page.get_by_text("Top P (Optional)", exact=True)
+    top_p = page.locator("div.schema-form-property", has=unset).last
+    expect(top_p.locator("input[type=number]")).to_have_value("")
+    expect(top_p.get_by_text("None", exact=True)).to_have_count(0)
     number.fill("-1")
     number.press("Tab")  # as a user leaves the field
     expect(number).to_have_value("-1")

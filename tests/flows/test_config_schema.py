@@ -5,6 +5,9 @@ is, in one line."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 from pydantic import ValidationError
 
@@ -61,19 +64,22 @@ def test_schema_carries_the_engines_ranges_and_pydantic_refuses_them(section, fi
 
 def test_top_k_is_minus_one_or_positive():
     prop = RunConfig.model_json_schema()["$defs"]["SamplingConfig"]["properties"]["top_k"]
-    assert {"const": -1, "type": "integer"} in prop["anyOf"]
-    assert {"exclusiveMinimum": 0, "type": "integer"} in prop["anyOf"]
+    (schema,) = prop["anyOf"]  # one input in the form, not a choice of types
+    assert schema["type"] == "integer"
     for bad in (0, -2):
+        with pytest.raises(jsonschema.ValidationError):  # the form's check
+            jsonschema.validate(bad, schema)
         with pytest.raises(ValidationError, match="top_k"):
             RunConfig.model_validate({**BASE, "sampling": {"top_k": bad}})
     for good in (-1, 1, 50):
+        jsonschema.validate(good, schema)
         RunConfig.model_validate({**BASE, "sampling": {"top_k": good}})
 
 
 def test_engine_choices_are_the_engines():
     schema = RunConfig.model_json_schema()["$defs"]["EngineConfig"]["properties"]
     for field in ("dtype", "attention_backend", "kv_cache_dtype"):
-        enum = next(a["enum"] for a in schema[field]["anyOf"] if "enum" in a)
+        enum = schema[field]["enum"]
         assert tuple(enum) == ServerArgs.choices()[field]
     with pytest.raises(ValidationError, match="dtype"):
         RunConfig.model_validate({**BASE, "engine": {**BASE["engine"], "dtype": "float64"}})
@@ -96,3 +102,26 @@ def test_every_field_has_a_description(config):
 def test_run_name_reads_apart_from_prefects_flow_run_name(config):
     prop = config.model_json_schema()["properties"]["run_name"]
     assert prop["title"] != "Run Name" and "folder" in prop["title"].lower()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.__name__)
+def test_optional_fields_open_as_their_own_type(config):
+    """The form renders a field of type "null" as a "None" to switch away from before one can
+    type: no field offers null, yet an unset (None) field still validates."""
+    schema = config.model_json_schema()
+    models = [("", schema), *schema["$defs"].items()]
+    nullable = [
+        f"{name}.{field}"
+        for name, model in models
+        for field, prop in model.get("properties", {}).items()
+        if "null" in json.dumps({k: v for k, v in prop.items() if k != "default"})
+    ]
+    assert not nullable, nullable
+
+
+def test_an_unset_field_is_none_and_a_null_still_validates():
+    config = RunConfig.model_validate(
+        {**BASE, "sampling": {"temperature": None}, "source": {"path": "r.jsonl", "format": None}}
+    )
+    assert config.sampling.temperature is None and config.source.format is None
+    assert config.sampling.arguments() == {}  # unset: the engine's default

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -66,7 +67,8 @@ def test_each_deployment_runs_its_flow_with_the_config_of_the_same_name(spec):
         form = schema["definitions"][flow.config_class().__name__]
         fields = {"input", "output"} if config["flow"] == "openai_batch" else {"source", "prompt"}
         assert {"run_name", "engine", "shard_size", *fields} <= set(form["properties"])
-        assert form["properties"]["shard_size"]["type"] == "integer"
+        (shard_size,) = form["properties"]["shard_size"]["anyOf"]  # its rule: see engine_sections
+        assert shard_size == {"type": "integer", "minimum": 1}
     (nightly,) = by_name["annotate-nightly"].schedules
     assert nightly.schedule.cron == "0 2 * * *" and nightly.schedule.timezone == "UTC"
     assert not by_name["evaluate"].schedules and not by_name["synthesize"].schedules
@@ -92,6 +94,40 @@ def test_demo_deployments_run_as_they_are(spec):
             check_config(config)
         finally:
             os.chdir(cwd)
+
+
+def _with_defaults(value: Any, schema: dict, defs: dict) -> Any:
+    """A value with every default its JSON schema gives filled in, as the UI's Quick run
+    fills them before it validates the parameters."""
+    if "$ref" in schema:
+        schema = defs[schema["$ref"].rsplit("/", 1)[1]]
+    for option in schema.get("allOf", []):
+        value = _with_defaults(value, option, defs)
+    if not isinstance(value, dict) or "properties" not in schema:
+        return value
+    filled = dict(value)
+    for name, prop in schema["properties"].items():
+        if name not in filled and "default" in prop:
+            filled[name] = prop["default"]
+        if name in filled:
+            filled[name] = _with_defaults(filled[name], prop, defs)
+    return filled
+
+
+def test_a_quick_run_with_every_default_filled_in_validates(spec):
+    """The UI's Quick run sends the deployment's parameters with the schema's defaults filled
+    in, and Prefect validates them against the schema: a default the field's own type refuses
+    (null, say) would block every Quick run of every deployment."""
+    from prefect.utilities.schema_tools.validation import validate
+
+    for entry in spec["deployments"]:
+        flow = FLOWS[entry["parameters"]["config"]["flow"]].flow()
+        schema = parameter_schema(flow).model_dump(by_alias=True)
+        defs = schema.get("definitions") or schema.get("$defs") or {}
+        filled = _with_defaults(entry["parameters"], schema, defs)
+        assert filled["config"].get("sampling", {}) is not None
+        errors = validate(filled, schema, raise_on_error=False)
+        assert not errors, (entry["name"], [e.message for e in errors])
 
 
 def test_a_run_triggered_through_the_api_completes(prefect_api, llama_dir, tmp_path, spec):
