@@ -1,13 +1,17 @@
 """`gristmill batch`: an OpenAI Batch API file answered as the engine answers the same inputs
 called directly (Engine.generate / encode), errors as entries of their own lines, and a run
-that crashed mid-way rerun to every custom_id exactly once."""
+killed mid-way (SIGKILL) rerun to every custom_id exactly once."""
 
 from __future__ import annotations
 
 import base64
 import itertools
 import json
+import os
+import signal
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +23,7 @@ import yaml
 
 from flows.cli import main
 from flows.store import row_seed
-from tests.flows.fixtures import engine_arguments, lent_engine, run_folder
+from tests.flows.fixtures import engine_arguments, flow_env, lent_engine, run_folder, wait_until
 from tests.tiny_models import SHARED_ENGINE_ARGS
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
@@ -276,50 +280,50 @@ def test_embedding_lines_equal_encode(prefect_api, minilm_engine, tmp_path):
     assert "embeds (engine.is_embedding)" in answers["chat"]["error"]["message"]
 
 
-# ---------------------------------------------------------------------- crash and rerun
-def test_a_batch_that_crashed_mid_run_reruns_to_every_custom_id_once(
-    prefect_api, shared_llama_engine, llama_dir, tmp_path, monkeypatch, capsys
+# ---------------------------------------------------------------------- killed and rerun
+def test_a_batch_killed_mid_run_reruns_to_every_custom_id_once(
+    prefect_api, shared_llama_engine, llama_dir, tmp_path, capsys
 ):
-    import flows.openai_batch
-
     lines = [
         line(f"q{i:02d}", CHAT, messages=[{"role": "user", "content": f"Question {i}?"}],
              max_tokens=3, temperature=0.8)
         for i in range(30)
     ]  # fmt: skip
     source, output = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    calls, real_answer = itertools.count(), flows.openai_batch.answer
+    # one line in flight and shards of 3: the first shards land early, the last ones late
+    command = batch_command(source, output, llama_dir, tmp_path / "runs", "--set", "shard_size=3",
+                            "--set", "max_in_flight=1", "--run-name", "killed")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *command],
+                            env=flow_env(prefect_api), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        shards = tmp_path / "runs" / "killed"
+        wait_until(lambda: proc.poll() is None and any(shards.glob("*/shards/shard-*.parquet")),
+                   timeout=180, what="the first shard of the batch in the subprocess")  # fmt: skip
+        os.killpg(proc.pid, signal.SIGKILL)  # the command and its engine, all at once
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert not output.exists(), "no output file until every line is answered"
+    folder = run_folder(tmp_path / "runs", "killed")
+    landed = pq.read_table(folder / "shards").to_pylist()
+    assert 0 < len(landed) < 30
 
-    async def crashing(engine: Any, job: Any, model: str, seed: int) -> dict[str, Any]:
-        if next(calls) == 17:  # as the engine reports a child process that died
-            raise RuntimeError("the scheduler process exited with code -9")
-        return await real_answer(engine, job, model, seed)
-
-    command = batch_command(source, output, llama_dir, tmp_path / "runs", "--set", "shard_size=5",
-                            "--set", "max_in_flight=1", "--run-name", "crash")  # fmt: skip
+    # the rerun, as a config of the flow (`flow: openai_batch`) run by `gristmill run`
+    config = tmp_path / "batch.yaml"
+    config.write_text(yaml.safe_dump({
+        "flow": "openai_batch", "run_name": "killed", "output_dir": str(tmp_path / "runs"),
+        "engine": engine_arguments(llama_dir), "input": str(source), "output": str(output),
+        "shard_size": 3, "max_in_flight": 1,
+    }))  # fmt: skip
     with lent_engine(shared_llama_engine, engine_arguments(llama_dir)):
-        monkeypatch.setattr(flows.openai_batch, "answer", crashing)
-        assert main(command) == 1  # a rerun helps
-        assert "run the same command again to resume" in capsys.readouterr().err
-        assert not output.exists(), "no output file until every line is answered"
-        folder = run_folder(tmp_path / "runs", "crash")
-        landed = pq.read_table(folder / "shards").to_pylist()
-        assert len(landed) == 17  # every answer that finished was kept, the buffer's too
-        monkeypatch.setattr(flows.openai_batch, "answer", real_answer)
-
-        # the rerun, as a config of the flow (`flow: openai_batch`) run by `gristmill run`
-        config = tmp_path / "batch.yaml"
-        config.write_text(yaml.safe_dump({
-            "flow": "openai_batch", "run_name": "crash", "output_dir": str(tmp_path / "runs"),
-            "engine": engine_arguments(llama_dir), "input": str(source), "output": str(output),
-            "shard_size": 5, "max_in_flight": 1,
-        }))  # fmt: skip
         assert main(["run", str(config)]) == 0
     summary = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
-    assert summary["answered_now"] == "13" and summary["from_earlier_runs"] == "17"
+    assert int(summary["answered_now"]) == 30 - len(landed)
+    assert int(summary["from_earlier_runs"]) == len(landed)
     results = read_lines(output)
     assert [r["custom_id"] for r in results] == [f"q{i:02d}" for i in range(30)]
-    # the 17 answers of the crashed run are in the output as they were written, not redone
+    # the answers of the killed run are in the output as they were written, not redone
     kept = {row["custom_id"]: json.loads(row["output"]) for row in landed}
     assert [r for r in results if r["custom_id"] in kept] == [
         kept[r["custom_id"]] for r in results if r["custom_id"] in kept
