@@ -56,15 +56,7 @@ def chat_body(results: list[dict], model: str, top: int | None) -> dict[str, Any
             "logprobs": _chat_logprobs(meta) if top is not None else None,
             "finish_reason": _finish_reason(meta),
         })  # fmt: skip
-    return {
-        "id": f"chatcmpl-{_hex()}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": _usage(results, per_prompt=len(results)),
-        "system_fingerprint": None,
-    }
+    return _completion("chatcmpl", "chat.completion", model, choices, _usage(results, len(results)))
 
 
 def completion_body(
@@ -81,13 +73,17 @@ def completion_body(
             "logprobs": _completion_logprobs(meta, len(head)) if top is not None else None,
             "finish_reason": _finish_reason(meta),
         })  # fmt: skip
+    return _completion("cmpl", "text_completion", model, choices, _usage(results, per_prompt=n))
+
+
+def _completion(prefix: str, kind: str, model: str, choices: list, usage: dict) -> dict[str, Any]:
     return {
-        "id": f"cmpl-{_hex()}",
-        "object": "text_completion",
+        "id": f"{prefix}-{_hex()}",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": _usage(results, per_prompt=n),
+        "usage": usage,
         "system_fingerprint": None,
     }
 

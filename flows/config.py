@@ -182,10 +182,10 @@ class ParallelConfig(Section):
         return self.workers > 1 or self.address is not None
 
 
-class RunConfig(Section):
-    """A batch run: every row of `source` rendered by `prompt` and generated with `sampling`."""
+class RunBase(Section):
+    """What every run's config names: its flow, its results folder and its engine."""
 
-    flow: Literal["generate"] = Field("generate", description="which flow runs the config")
+    flow: str = Field(description="which flow runs the config")  # a Literal in each flow's
     run_name: str = Field(
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
         title="Results folder name",
@@ -197,6 +197,12 @@ class RunConfig(Section):
         description="where results go; a relative path starts at the run's working directory",
     )
     engine: EngineConfig = Field(description="the inference engine: its model and arguments")
+
+
+class RunConfig(RunBase):
+    """A batch run: every row of `source` rendered by `prompt` and generated with `sampling`."""
+
+    flow: Literal["generate"] = Field("generate", description="which flow runs the config")
     source: SourceConfig = Field(description="the input rows")
     prompt: PromptConfig = Field(description="how a row becomes a prompt")
     sampling: SamplingConfig = Field(

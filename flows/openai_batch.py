@@ -42,7 +42,7 @@ from pydantic import Field, model_validator
 
 from flows.batch_answers import Job, answer, prepare_jobs
 from flows.batch_requests import BatchRequest, read_batch
-from flows.config import ConfigError, EngineConfig, Section
+from flows.config import ConfigError, EngineConfig, RunBase
 from flows.generation import Generated, answer_rows
 from flows.identity import PERFORMANCE_ARGS, model_identity
 from flows.pipeline import configure, init_engine, shutdown
@@ -66,21 +66,10 @@ SCHEMA = pa.schema([
 ])  # fmt: skip
 
 
-class OpenAIBatchConfig(Section):
+class OpenAIBatchConfig(RunBase):
     """An OpenAI batch input file answered into an output file, resumably."""
 
     flow: Literal["openai_batch"] = Field("openai_batch", description="which flow runs the config")
-    run_name: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-        title="Results folder name",
-        description="names the run's folder in output_dir (not Prefect's flow-run name): "
-        "letters, digits, '.', '_', '-'",
-    )
-    output_dir: Path = Field(
-        Path("runs"),
-        description="where the checkpoints go; a relative path starts at the working directory",
-    )
-    engine: EngineConfig = Field(description="the inference engine: its model and arguments")
     input: Path = Field(description="an OpenAI Batch API input file (JSONL request lines)")
     output: Path = Field(
         description="the output file (JSONL), written in input order once every line is answered"
