@@ -346,7 +346,7 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-_LONG = ("prompt", "text")
+_LONG = ("prompt", "text", "output")  # (output: an OpenAI batch line)
 
 
 def _export(args: argparse.Namespace) -> int:
