@@ -12,6 +12,7 @@ measures bf16, FP8 KV and FP8 weights against float32 transformers on the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -27,6 +28,15 @@ from tests.tiny_models import load_hf_model, make_tiny_model, random_prompts, sp
 
 PROMPTS = random_prompts(400, [19, 33, 7], seed=1, avoid_ids=special_token_ids())
 ONE_TOKEN = {"temperature": 0.0, "max_new_tokens": 1}
+
+
+def _engine(folder, **kwargs) -> Engine:
+    """An engine on `folder` that takes token ids and loads no tokenizer.
+
+    NOTE: these tests send token ids and read logprobs, tokens and weights, never text:
+    skip_tokenizer_init spares each start's children an import of transformers' tokenizers
+    (about 3 CPU-seconds of the 5 a start costs here) and changes nothing they compute."""
+    return Engine(model_path=str(folder), max_total_tokens=2048, skip_tokenizer_init=True, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +60,15 @@ def per_tensor_static(source, tmp_path_factory):
         source, tmp_path_factory.mktemp("fp8_static"), strategy="tensor",
         static_prompts=random_prompts(400, [40, 40], seed=8, avoid_ids=special_token_ids()),
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def per_channel_engine(per_channel):
+    """The float32 CPU engine on the per-channel checkpoint, shared by the two tests that start
+    this same engine: the checkpoint's test reads it first, then the weight-update test
+    updates it (and puts the checkpoint back)."""
+    with _engine(per_channel[0], dtype="float32", device="cpu") as engine:
+        yield engine
 
 
 def _prompt_logprobs(engine, prompts=PROMPTS) -> list[np.ndarray]:
@@ -79,7 +98,11 @@ def _max_diff(got, want) -> float:
 def test_an_fp8_checkpoint_computes_its_dequantized_model(layout, request):
     fp8_dir, twin = request.getfixturevalue(layout)
     static = _static_scales(fp8_dir) if layout == "per_tensor_static" else None
-    with Engine(model_path=str(fp8_dir), dtype="float32", device="cpu", max_total_tokens=2048) as engine:
+    if layout == "per_channel":
+        started = contextlib.nullcontext(request.getfixturevalue("per_channel_engine"))
+    else:
+        started = _engine(fp8_dir, dtype="float32", device="cpu")
+    with started as engine:
         got = _prompt_logprobs(engine)
         # what is loaded: float8 weights, the scale of each output row
         weight = engine.get_weights_by_name("model.layers.0.self_attn.k_proj.weight", 1000)
@@ -94,8 +117,7 @@ def test_quantization_fp8_quantizes_a_16_bit_checkpoint_per_channel(source, per_
     """Online: each weight row scaled to the float8 range as it loads, the very numbers that
     llm-compressor's per-channel scheme writes (the twin of the per-channel checkpoint)."""
     _, twin = per_channel
-    with Engine(model_path=str(source), dtype="float32", quantization="fp8", device="cpu",
-                max_total_tokens=2048) as engine:  # fmt: skip
+    with _engine(source, dtype="float32", quantization="fp8", device="cpu") as engine:
         got = _prompt_logprobs(engine)
         info = engine.get_server_info()
     assert _max_diff(got, _reference(twin)) < 2e-4
@@ -106,7 +128,7 @@ def test_bf16_with_fp8_weights_stays_within_fp8_error_of_the_model(source, per_c
     """bf16 activations, FP8 weights: within the FP8 error of the unquantized model (measured:
     activations rounded to float8 move this tiny random model's logprobs by ~0.2 on average)."""
     fp8_dir, twin = per_channel
-    with Engine(model_path=str(fp8_dir), dtype="bfloat16", max_total_tokens=2048) as engine:
+    with _engine(fp8_dir, dtype="bfloat16") as engine:
         got = _prompt_logprobs(engine)
         tokens = engine.generate(input_ids=PROMPTS, sampling_params=ONE_TOKEN)
     model = load_hf_model(twin)
@@ -125,25 +147,27 @@ def test_tensor_parallel_fp8_checkpoint(per_tensor_static):
     scales; with static activation scales each rank rounds its share of an input as one rank
     rounds the whole, so the result is the reference's."""
     fp8_dir, twin = per_tensor_static
-    with Engine(model_path=str(fp8_dir), dtype="float32", tp_size=2, device="cpu",
-                max_total_tokens=2048) as engine:  # fmt: skip
+    with _engine(fp8_dir, dtype="float32", tp_size=2, device="cpu") as engine:
         got = _prompt_logprobs(engine)
     assert _max_diff(got, _reference(twin, static=_static_scales(fp8_dir))) < 2e-4
 
 
 def test_a_weight_update_takes_an_fp8_checkpoint_of_the_same_layout(
-    per_channel, source, tmp_path_factory
+    per_channel, per_channel_engine, source, tmp_path_factory
 ):
     fp8_dir, _ = per_channel
+    engine = per_channel_engine
     other = make_tiny_model(tmp_path_factory.mktemp("fp8_other_src"), "llama",
                             dtype=torch.bfloat16, seed=9)  # fmt: skip
     other_fp8, other_twin = write_fp8_checkpoint(other, tmp_path_factory.mktemp("fp8_other"))
-    with Engine(model_path=str(fp8_dir), dtype="float32", device="cpu", max_total_tokens=2048) as engine:
+    try:
         assert engine.update_weights_from_disk(str(other_fp8))[0]
         got = _prompt_logprobs(engine)
         success, message = engine.update_weights_from_disk(str(source))  # not FP8
         assert not success and "quantized otherwise" in message, message
         assert _max_diff(_prompt_logprobs(engine), got) == 0.0  # still the FP8 weights
+    finally:  # the module's engine gets its checkpoint back
+        assert engine.update_weights_from_disk(str(fp8_dir))[0]
     assert _max_diff(got, _reference(other_twin)) < 2e-4
 
 

@@ -27,7 +27,13 @@ def arch_case(request):
     if request.param == "llama":  # the session's shared engine: its pool holds every prompt
         yield model_dir, request.getfixturevalue("llama_engine"), prompts, refs
         return
-    with Engine(model_path=str(model_dir), dtype="float32", max_total_tokens=8192) as engine:
+    # NOTE: token ids in, ids and logprobs out: no tokenizer in the engine (skip_tokenizer_init)
+    # spares its children an import of transformers' tokenizers (about 3 of the 5 CPU-seconds
+    # of a start); every architecture's folder holds the same tokenizer as llama's, whose
+    # engine (the shared one) loads it
+    with Engine(
+        model_path=str(model_dir), dtype="float32", max_total_tokens=8192, skip_tokenizer_init=True
+    ) as engine:
         yield model_dir, engine, prompts, refs
 
 

@@ -15,14 +15,23 @@ from engine.runner.prefill_graph import PrefillCudaGraphs, prefill_capture_sizes
 from tests.engine.core import InProcessCore
 from tests.tiny_models import hf_greedy, random_prompts, special_token_ids
 
-GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
-# prefill steps of at most 64 tokens, prompts in chunks of 24: token counts of every bucket
+# NOTE: two tokens: the first from the prefill's logits, the second from a decode step that
+# reads every KV entry the (padded) prefill wrote, the cached stem's included; later decode
+# steps would read only what decode wrote, which is not these tests' subject
+NEW = 2
+GREEDY = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True}
+# prefill steps of at most 64 tokens, prompts in chunks of 24: token counts of every bucket.
+# NOTE: 16 request rows (the default is 256) still hold all 9 prompts at once; the graphs'
+# tile tables, sized for the most requests a step can have, then carry filler rows for 17
+# requests instead of 257 (still far more than a step fills): each is a program the
+# interpreter runs
 ARGS = dict(
     dtype="float32",
     attention_backend="triton",
     max_total_tokens=4096,
     chunked_prefill_size=24,
     max_prefill_tokens=64,
+    max_running_requests=16,
 )
 
 
@@ -40,6 +49,12 @@ def prompts():
     others = random_prompts(512, [1, 3, 17, 29, 50, 70], seed=6, avoid_ids=special_token_ids())
     # the stem's requests find it cached (a prefix in the table, extend tokens after it)
     return others + [stem + [7], stem + [8, 9, 10], stem[:30] + [11] * 5]
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(llama_dir, prompts):
+    """transformers' greedy tokens of each prompt (once for the module's two tests)."""
+    return [hf_greedy(llama_dir, p, NEW)[0] for p in prompts]
 
 
 def static_core(model_dir, max_tokens: int) -> tuple[InProcessCore, list[int]]:
@@ -76,7 +91,7 @@ def generate(core: InProcessCore, prompts, input_logprobs: bool) -> list:
     return reqs
 
 
-def test_padded_static_prefill_equals_eager_and_transformers(llama_dir, prompts):
+def test_padded_static_prefill_equals_eager_and_transformers(llama_dir, prompts, hf_tokens):
     eager = InProcessCore(llama_dir, **ARGS)
     core, replays = static_core(llama_dir, max_tokens=64)
     for input_logprobs in (False, True):
@@ -94,16 +109,16 @@ def test_padded_static_prefill_equals_eager_and_transformers(llama_dir, prompts)
                 )
         if not input_logprobs:
             assert core.scheduler.stats.prefill_tokens_cached > 0
-            assert [r.output_ids for r in got] == [hf_greedy(llama_dir, p, 4)[0] for p in prompts]
+            assert [r.output_ids for r in got] == hf_tokens
     assert any(padded > tokens for tokens, padded in replays), "no step was padded"
     assert len({padded for _, padded in replays}) >= 2, replays
     # the padding request kept the padded rows finite (they share the graph's layers and slot 0)
     assert core.scheduler.runner.prefill_graphs.hidden[: replays[-1][1]].isfinite().all()
 
 
-def test_steps_beyond_the_largest_graph_run_eagerly(llama_dir, prompts):
+def test_steps_beyond_the_largest_graph_run_eagerly(llama_dir, prompts, hf_tokens):
     core, replays = static_core(llama_dir, max_tokens=32)
     outs = core.run(prompts, GREEDY)
-    assert outs == [hf_greedy(llama_dir, p, 4)[0] for p in prompts]
+    assert outs == hf_tokens
     assert replays and all(tokens <= 32 for tokens, _ in replays)
     assert core.scheduler.stats.prefill_steps > len(replays), "no step ran eagerly"

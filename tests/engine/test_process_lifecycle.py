@@ -52,6 +52,13 @@ MAX_NEW = 8
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 ENGINE_KWARGS = {"dtype": "float32", "max_total_tokens": 1024}
 
+# The engines of the failure tests (a child killed, a request racing the engine's failure, the
+# script killed with SIGKILL) get token ids only: without a tokenizer (skip_tokenizer_init)
+# their children skip an import of transformers' tokenizers, about 3 of the 5 CPU-seconds of a
+# start; how a failure reaches the caller does not depend on it. The engines whose whole life
+# is tested (a script's normal end, the context manager, garbage collection) start as a user's.
+IDS_ONLY = {"skip_tokenizer_init": True}
+
 START_TIMEOUT_S = 120.0  # an engine start (~4 s here), generously bounded for a loaded machine
 SCRIPT_TIMEOUT_S = 180.0
 
@@ -124,7 +131,7 @@ import sys
 
 from engine import Engine
 
-engine = Engine(model_path={model!r}, dtype="float32", max_total_tokens=1024)
+engine = Engine(model_path={model!r}, dtype="float32", max_total_tokens=1024{extra})
 pids = engine.get_server_info()["pids"]
 """
 
@@ -132,7 +139,7 @@ pids = engine.get_server_info()["pids"]
 def test_script_without_main_guard_exits_cleanly_and_children_go(tmp_path, llama_dir):
     script = _write_script(
         tmp_path,
-        _SCRIPT_HEAD.format(model=str(llama_dir))
+        _SCRIPT_HEAD.format(model=str(llama_dir), extra="")
         + f"""\
 out = engine.generate({PROMPT!r}, {GREEDY!r})
 print(json.dumps({{"pids": pids, "output_ids": out["output_ids"]}}))
@@ -159,7 +166,7 @@ print(json.dumps({{"pids": pids, "output_ids": out["output_ids"]}}))
 def test_script_raising_mid_generation_exits_nonzero_and_children_go(tmp_path, llama_dir):
     script = _write_script(
         tmp_path,
-        _SCRIPT_HEAD.format(model=str(llama_dir))
+        _SCRIPT_HEAD.format(model=str(llama_dir), extra="")
         + """\
 print(json.dumps({"pids": pids}), flush=True)
 params = {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
@@ -185,10 +192,12 @@ for chunk in engine.generate("Hello world", params, stream=True):
 def test_sigkill_of_the_script_while_generating_takes_the_children_down(tmp_path, llama_dir):
     script = _write_script(
         tmp_path,
-        _SCRIPT_HEAD.format(model=str(llama_dir))
+        # token ids only (IDS_ONLY, which spares the script an import of transformers too)
+        _SCRIPT_HEAD.format(model=str(llama_dir), extra=", skip_tokenizer_init=True")
         + """\
 print(json.dumps({"pids": pids}), flush=True)
-params = {"temperature": 0.0, "max_new_tokens": 500, "ignore_eos": True}
+# short generations (the first tick waits for one): the loop never stops generating
+params = {"temperature": 0.0, "max_new_tokens": 50, "ignore_eos": True}
 while True:
     engine.generate(input_ids=[[5, 6, 7]] * 4, sampling_params=params)
     print("tick", flush=True)
@@ -242,7 +251,7 @@ while True:
 
 @pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
 def test_killing_a_child_fails_the_caller_fast_and_shutdown_still_works(llama_dir, victim):
-    engine = _start(llama_dir, max_total_tokens=8192)
+    engine = _start(llama_dir, max_total_tokens=8192, **IDS_ONLY)
     pids = engine.get_server_info()["pids"]
     try:
         running = threading.Event()
@@ -314,7 +323,7 @@ def test_a_request_submitted_as_the_engine_fails_gets_runtime_error(
 ):
     """The engine may fail between a caller's usability check and its request being registered:
     that caller must still get RuntimeError, never wait forever or see a raw zmq error."""
-    engine = _start(llama_dir)
+    engine = _start(llama_dir, **IDS_ONLY)
     pids = engine.get_server_info()["pids"]
     tm = engine.tokenizer_manager
     lock = _PausingLock(tm._send_lock, who="late caller")

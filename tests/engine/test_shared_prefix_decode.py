@@ -17,7 +17,12 @@ from tests.tiny_models import (
     special_token_ids,
 )
 
-NEW = 8
+# NOTE: six tokens and the late items after two steps (the prefill of the first and one
+# decode step): the first requests are still decoding when the late ones join their groups
+# (run_staggered checks it), and the small pool of test_grouped_decode_under_retraction still
+# forces a retraction
+NEW = 6
+LATE_AFTER_STEPS = 2
 GREEDY = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True}
 
 
@@ -42,11 +47,19 @@ def few_shot_prompts() -> tuple[list[list[int]], list[list[int]]]:
     return first, late
 
 
+@pytest.fixture(scope="module")
+def refs(llama_dir) -> list[list[int]]:
+    """transformers' greedy tokens of `first + late` (once for the module)."""
+    first, late = few_shot_prompts()
+    return [hf_greedy(llama_dir, p, NEW)[0] for p in first + late]
+
+
 def run_staggered(core: InProcessCore, first, late, params=GREEDY) -> list[list[int]]:
-    """Submit `first`, decode a few steps, then submit `late` (they join running groups)."""
+    """Submit `first`, run a few steps, then submit `late` (they join running groups)."""
     reqs = core.submit(first, params)
-    for _ in range(4):
+    for _ in range(LATE_AFTER_STEPS):
         core.scheduler.step()
+    assert not any(r.finished for r in reqs), "the late items must join running requests"
     reqs += core.submit(late, params)
     while core.scheduler.has_work():
         core.scheduler.step()
@@ -58,7 +71,7 @@ def core(model_dir, **kwargs) -> InProcessCore:
     return InProcessCore(model_dir, **{**args, **kwargs})
 
 
-def test_grouped_decode_equals_plain_decode_and_transformers(llama_dir, monkeypatch):
+def test_grouped_decode_equals_plain_decode_and_transformers(llama_dir, refs, monkeypatch):
     first, late = few_shot_prompts()
     grouped = core(llama_dir)
     kernel_calls = []  # the grouped kernel itself, not only the scheduler's plan, must run
@@ -79,14 +92,13 @@ def test_grouped_decode_equals_plain_decode_and_transformers(llama_dir, monkeypa
     assert plain.scheduler.stats.shared_prefix_steps == 0
     no_cache = core(llama_dir, disable_radix_cache=True, attention_backend="torch")
     assert run_staggered(no_cache, first, late) == outs
-    assert outs == [hf_greedy(llama_dir, p, NEW)[0] for p in first + late]
+    assert outs == refs
 
 
-def test_grouped_decode_under_retraction(llama_dir, monkeypatch):
+def test_grouped_decode_under_retraction(llama_dir, refs, monkeypatch):
     """A pool too small for every request's growth: decode retracts requests (their KV goes to
     the cache, they resume later) while groups form and change; the tokens do not."""
     first, late = few_shot_prompts()
-    refs = [hf_greedy(llama_dir, p, NEW)[0] for p in first + late]
     # a stop id they never produce: their KV is a guess, which the small pool proves wrong
     params = {**GREEDY, "stop_token_ids": [never_generated(refs)]}
     guess_like_sglang(monkeypatch)
