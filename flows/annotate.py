@@ -28,13 +28,12 @@ from prefect import flow
 from pydantic import Field, model_validator
 
 from flows.config import RunConfig, Section
-from flows.engine_sections import Unset
 from flows.pipeline import run_steps
 
 
 class AnnotateSpec(Section):
-    choices: list[str] | Unset = Field(None, description="the labels to choose from")
-    json_schema: dict[str, Any] | Unset = Field(
+    choices: list[str] | None = Field(None, description="the labels to choose from")
+    json_schema: dict[str, Any] | None = Field(
         None, description="label as JSON of this schema (needs constrained output in the engine)"
     )
     constrained: bool = Field(

@@ -26,13 +26,13 @@ import difflib
 import encodings.aliases
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import jinja2
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from flows.engine_sections import EngineConfig, SamplingConfig, Unset, no_null_defaults
+from flows.engine_sections import EngineConfig, SamplingConfig, form_schema
 
 
 class ConfigError(ValueError):
@@ -51,7 +51,7 @@ class ConfigError(ValueError):
 class Section(BaseModel):
     """A config section: unknown fields are errors."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra=no_null_defaults)
+    model_config = ConfigDict(extra="forbid", json_schema_extra=form_schema)
 
 
 class SourceConfig(Section):
@@ -59,14 +59,14 @@ class SourceConfig(Section):
         description="a JSONL, CSV or Parquet file, a folder of them, or a Hugging Face dataset "
         "folder (save_to_disk)"
     )
-    format: Literal["jsonl", "csv", "parquet"] | Unset = Field(
+    format: Literal["jsonl", "csv", "parquet"] | None = Field(
         None, description="default: from the file suffix"
     )
-    id_column: str | Unset = Field(
+    id_column: str | None = Field(
         None, description="a column of unique row ids; default: the row's position in the input"
     )
     encoding: str = Field("utf-8", description="of a JSONL or CSV file's text, e.g. latin-1")
-    split: str | Unset = Field(
+    split: str | None = Field(
         None,
         description="a split of a Hugging Face dataset folder (save_to_disk, or Parquet shards "
         "named by split); default train",
@@ -94,17 +94,17 @@ class SourceConfig(Section):
 
 
 class PromptConfig(Section):
-    template: str | Unset = Field(
+    template: str | None = Field(
         None, description="Jinja over the row's columns, e.g. 'Review: {{ text }}'"
     )
     chat: bool = Field(False, description="wrap the rendered text in the model's chat template")
-    system: str | Unset = Field(None, description="a system message (chat only)")
-    messages_column: str | Unset = Field(
+    system: str | None = Field(None, description="a system message (chat only)")
+    messages_column: str | None = Field(
         None,
         description="instead of a template: an input column of chat messages (lists of role / "
         "content), rendered with the model's chat template; system first where a row has none",
     )
-    image_column: str | Unset = Field(
+    image_column: str | None = Field(
         None,
         description="an input column of images (paths from the input's folder, URLs, bytes) "
         "for a vision-language model; the template places each with {{ image }}, else first",
@@ -160,10 +160,10 @@ class ParallelConfig(Section):
     """
 
     workers: int = Field(1, ge=1, description="engines generating at once, one per Dask worker")
-    gpus_per_worker: Annotated[int, Field(ge=1)] | Unset = Field(
-        None, description="GPUs per engine, its tensor-parallel size; default engine.tp_size"
+    gpus_per_worker: int | None = Field(
+        None, ge=1, description="GPUs per engine, its tensor-parallel size; default engine.tp_size"
     )
-    address: str | Unset = Field(
+    address: str | None = Field(
         None, description="a Dask scheduler, e.g. tcp://10.0.0.5:8786; none: a local cluster"
     )
 
@@ -218,10 +218,10 @@ class RunConfig(RunBase):
     parallel: ParallelConfig = Field(
         ParallelConfig(), description="data-parallel engines on Dask workers (default: one engine)"
     )
-    lora: str | Unset = Field(
+    lora: str | None = Field(
         None, description="the LoRA adapter every row uses: a name of engine.lora_paths"
     )
-    lora_column: str | Unset = Field(
+    lora_column: str | None = Field(
         None, description="an input column naming each row's LoRA adapter (empty: the base model)"
     )
 

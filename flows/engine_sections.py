@@ -9,34 +9,32 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt
-from pydantic.json_schema import SkipJsonSchema
 
 from engine import ServerArgs
-
-# An optional field is `T | Unset = Field(None, ...)`: None still validates (unset: the engine's
-# or the flow's default), but the JSON schema shows T alone, so the Prefect form opens the field
-# as T's own input (a number, a text, a choice), not on a "None" type to switch from first.
-# NOTE: a range goes on T itself, `Annotated[float, Field(ge=0)] | Unset`: pydantic cannot put
-# one on a union that holds a skipped None.
-Unset = SkipJsonSchema[None]
-
 
 _RULES = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "not")
 
 
-def no_null_defaults(schema: dict[str, Any]) -> None:
-    """A section's JSON schema without null defaults: a field left unset stays out of the
-    parameters (a Quick run fills each default in, and null is not of the field's type).
+def form_schema(schema: dict[str, Any]) -> None:
+    """A section's JSON schema as the Prefect form should render it (its `json_schema_extra`).
 
-    NOTE: Prefect's form checks a field's rules (a minimum, a pattern) only inside an `anyOf`
-    (it drops them from a plain field before it validates), so a field with rules is an
-    `anyOf` of its one type."""
+    An optional field (`T | None = None`) validates None as ever (unset: the engine's or the
+    flow's default), but its schema offers T alone, with no null default: the form opens the
+    field as T's own input, not on a "None" to switch from first, and a field left unset stays
+    out of the parameters (a Quick run fills each default in, and validates it).
+
+    NOTE: Prefect's form checks a field's rules (a minimum, a "not") only inside an `anyOf`:
+    it drops them from a plain field before it validates. So a field with rules stays an
+    `anyOf`, of its one type."""
     for name, prop in schema.get("properties", {}).items():
-        default = prop.get("default", 0)
-        if default is None:
+        if prop.get("default", 0) is None:
             del prop["default"]
-        elif isinstance(default, dict):
-            prop["default"] = {k: v for k, v in default.items() if v is not None}
+        elif isinstance(prop.get("default"), dict):
+            prop["default"] = {k: v for k, v in prop["default"].items() if v is not None}
+        options = [o for o in prop.get("anyOf", []) if o != {"type": "null"}]
+        if len(options) == 1 and len(prop["anyOf"]) == 2:  # T | None
+            del prop["anyOf"]
+            prop.update(options[0])
         if "type" in prop and any(rule in prop for rule in _RULES):
             keep = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
             schema["properties"][name] = {"anyOf": [prop], **keep}
@@ -46,7 +44,7 @@ class _Open(BaseModel):
     """A section whose common fields are typed (they render as form fields in the Prefect UI)
     while the engine's other arguments pass through, checked by the engine's own rules."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra=no_null_defaults)
+    model_config = ConfigDict(extra="allow", json_schema_extra=form_schema)
 
     def arguments(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
@@ -76,25 +74,25 @@ class EngineConfig(_Open):
     The ranges here are the engine's own rules, so a form refuses what the engine would."""
 
     model_path: str = Field(description="a local Hugging Face model folder")
-    dtype: Dtype | Unset = Field(
+    dtype: Dtype | None = Field(
         None, description="of weights and activations; default auto: the model config's"
     )
-    context_length: Annotated[int, Field(ge=1)] | Unset = Field(
-        None, description="tokens one request may hold; default: the model's maximum"
+    context_length: int | None = Field(
+        None, ge=1, description="tokens one request may hold; default: the model's maximum"
     )
-    max_running_requests: Annotated[int, Field(ge=1)] | Unset = Field(
-        None, description="requests generating at once; default: from the KV pool's size"
+    max_running_requests: int | None = Field(
+        None, ge=1, description="requests generating at once; default: from the KV pool's size"
     )
-    max_total_tokens: Annotated[int, Field(ge=1)] | Unset = Field(
-        None, description="tokens the KV cache holds; default: from mem_fraction_static"
+    max_total_tokens: int | None = Field(
+        None, ge=1, description="tokens the KV cache holds; default: from mem_fraction_static"
     )
-    mem_fraction_static: Annotated[float, Field(gt=0, lt=1)] | Unset = Field(
-        None, description="share of GPU memory for weights and KV cache (0.85)"
+    mem_fraction_static: float | None = Field(
+        None, gt=0, lt=1, description="share of GPU memory for weights and KV cache (0.85)"
     )
-    attention_backend: AttentionBackend | Unset = Field(
+    attention_backend: AttentionBackend | None = Field(
         None, description="attention kernels; default triton on a GPU, torch on the CPU"
     )
-    kv_cache_dtype: KvCacheDtype | Unset = Field(
+    kv_cache_dtype: KvCacheDtype | None = Field(
         None, description="auto (the model's dtype), or float8: half the KV bytes (a GPU)"
     )
 
@@ -104,35 +102,35 @@ class SamplingConfig(_Open):
     `sampling_seed` comes from the run's seed and the row's id, never from here. The ranges
     are the engine's (engine/sampling_params.py), so a form refuses what the engine would."""
 
-    temperature: Annotated[float, Field(ge=0)] | Unset = Field(
-        None, description="0: greedy; higher: more varied (default 1)"
+    temperature: float | None = Field(
+        None, ge=0, description="0: greedy; higher: more varied (default 1)"
     )
-    top_p: Annotated[float, Field(gt=0, le=1)] | Unset = Field(
-        None, description="sample from the smallest set of tokens this likely (1)"
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="sample from the smallest set of tokens this likely (1)"
     )
-    top_k: TopK | Unset = Field(
+    top_k: TopK | None = Field(
         None, description="sample from the k likeliest tokens; -1: all (default)"
     )
-    min_p: Annotated[float, Field(ge=0, le=1)] | Unset = Field(
-        None, description="drop tokens less likely than this times the top one (0)"
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="drop tokens less likely than this times the top one (0)"
     )
-    max_new_tokens: Annotated[int, Field(ge=0)] | Unset = Field(
-        None, description="the most tokens generated per row (default 128)"
+    max_new_tokens: int | None = Field(
+        None, ge=0, description="the most tokens generated per row (default 128)"
     )
-    min_new_tokens: Annotated[int, Field(ge=0)] | Unset = Field(
-        None, description="no stop before this many tokens (default 0)"
+    min_new_tokens: int | None = Field(
+        None, ge=0, description="no stop before this many tokens (default 0)"
     )
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | Unset = Field(
-        None, description="lowers a token's logit per time it appeared (0)"
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="lowers a token's logit per time it appeared (0)"
     )
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | Unset = Field(
-        None, description="lowers the logit of any token that appeared (0)"
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="lowers the logit of any token that appeared (0)"
     )
-    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | Unset = Field(
-        None, description="divides repeated tokens' logits; 1: none (default)"
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=2, description="divides repeated tokens' logits; 1: none (default)"
     )
-    stop: list[str] | Unset = Field(None, description="strings that end a row's text")
-    stop_token_ids: list[NonNegativeInt] | Unset = Field(
+    stop: list[str] | None = Field(None, description="strings that end a row's text")
+    stop_token_ids: list[NonNegativeInt] | None = Field(
         None, description="token ids that end a row's text (besides EOS)"
     )
-    ignore_eos: bool | Unset = Field(None, description="generate past the EOS token")
+    ignore_eos: bool | None = Field(None, description="generate past the EOS token")

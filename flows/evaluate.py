@@ -26,7 +26,6 @@ from pydantic import Field, field_validator, model_validator
 
 from flows.annotate import match_choice
 from flows.config import RunConfig, Section
-from flows.engine_sections import Unset
 from flows.pipeline import run_steps
 from flows.rows import output_column
 
@@ -38,8 +37,8 @@ class EvaluateSpec(Section):
         description="exact_match: the answer equals the reference; regex: the reference is a "
         "pattern the answer matches; choice: the choice named in the answer is the reference",
     )
-    extract: str | Unset = Field(None, description="regex; default: the whole generation")
-    choices: list[str] | Unset = Field(None, description="for metric choice; templates see them")
+    extract: str | None = Field(None, description="regex; default: the whole generation")
+    choices: list[str] | None = Field(None, description="for metric choice; templates see them")
     case_sensitive: bool = Field(False, description="compare answers with case (default: not)")
 
     @field_validator("extract")

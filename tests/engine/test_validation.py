@@ -75,7 +75,7 @@ def test_unknown_key_lists_allowed_keys():
     ("params", "fragment"),
     [
         ({"temperature": "hot"}, "'temperature' must be int or float, got 'hot'"),
-        ({"max_new_tokens": 3.5}, "'max_new_tokens' must be int, got 3.5"),
+        ({"max_new_tokens": 3.5}, "'max_new_tokens' must be int or None, got 3.5"),
         ({"top_k": True}, "'top_k' must be int, got True"),
         ({"stop_token_ids": [1, "2"]}, "'stop_token_ids' must be list or None"),
         ({"ignore_eos": 1}, "'ignore_eos' must be bool, got 1"),
