@@ -22,7 +22,24 @@ from tests.tiny_models import SHARED_ENGINE_ARGS, build_tokenizer, make_tiny_mod
 SHARD_SIZE = "20KB"
 
 
+# The files that take longest on the 2-core CI machine (30-130 s each), longest first.
+# NOTE: `-n 2 --dist loadfile` (with --no-loadscope-reorder, pyproject.toml) hands whole files
+# to the two workers in collection order, one at a time as each runs low: run first, the long
+# files overlap each other and the run ends on short files, not on one worker finishing a long
+# file while the other waits.
+LONGEST_FIRST = (
+    "tests/flows/test_parallel.py", "tests/flows/test_browser.py",
+    "tests/engine/test_process_lifecycle.py", "tests/flows/test_interrupts.py",
+    "tests/flows/test_pipeline.py", "tests/flows/test_openai_batch.py",
+    "tests/engine/test_shared_prefix_decode.py", "tests/flows/test_resident.py",
+    "tests/engine/test_prefill_graph.py", "tests/flows/test_deployments.py",
+    "tests/kernels/test_shared_prefix_attention.py", "tests/engine/test_fp8_weights.py",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
