@@ -60,6 +60,7 @@ AT_ONCE_S = 3.0  # the second Ctrl-C: at once, with room for a loaded 2-core mac
 REFUSED_S = 10.0  # a second run of a locked config: its checks, and the lock's 2 s of patience
 GONE_S = 10.0  # the helpers of a run killed outright: they go through their lifelines
 START_S = 240.0  # a run's imports, temporary server and engine, generously bounded
+WATCH_S = 0.2  # how often a run's process tree is recorded while it starts (a psutil walk)
 RESUME = "run the same command again to resume"
 
 
@@ -70,6 +71,7 @@ class Job:
     proc: subprocess.Popen
     err: Path
     family: dict[int, psutil.Process] = field(default_factory=dict)
+    watched: float = float("-inf")  # when watch() last looked (time.monotonic())
 
     @classmethod
     def start(cls, config_file: Path, env: dict[str, str], name: str) -> Job:
@@ -89,8 +91,12 @@ class Job:
     def stderr(self) -> str:
         return self.err.read_text()
 
-    def watch(self) -> None:
-        """Record every process the run has started so far."""
+    def watch(self, every: float = 0.0) -> None:
+        """Record every process the run has started so far, unless that was done less than
+        `every` seconds ago."""
+        if time.monotonic() - self.watched < every:
+            return
+        self.watched = time.monotonic()
         try:
             self.family.update((p.pid, p) for p in psutil.Process(self.proc.pid).children(True))
         except psutil.NoSuchProcess:
@@ -101,9 +107,12 @@ class Job:
 
     def wait_for_new_shard(self, shards: Path, before: int) -> None:
         def landed() -> bool:
-            self.watch()
+            new = _shard_count(shards) > before
+            # polled every 50 ms, for seconds of start-up: the tree is walked every WATCH_S, and
+            # once more when the shard has landed, just before the run is signalled
+            self.watch(every=0.0 if new else WATCH_S)
             assert self.proc.poll() is None, f"the run ended early:\n{self.stderr}"
-            return len(list(shards.glob("*/shards/*.parquet"))) > before
+            return new
 
         wait_until(landed, timeout=START_S, what="a new shard of the run")
 
@@ -238,8 +247,11 @@ def chain(tmp_path_factory, llama_dir, prefect_api, shared_llama_engine) -> dict
     # resumed to the end, in this process on the session's engine
     folder = run_folder(out)
     done_before = sum(pq.read_metadata(s).num_rows for s in (folder / "shards").glob("*.parquet"))
+    # with the reference's 64 rows in flight, not the runs' one (there to be stopped mid-run):
+    # max_in_flight changes speed, not the fingerprint, so the same folder is resumed
+    resume = load_config(config_file, ["max_in_flight=64"])
     with lent_engine(shared_llama_engine, arguments):
-        state = generate_batch(config=load_config(config_file), return_state=True)
+        state = generate_batch(config=resume, return_state=True)
     assert state.is_completed(), state.message
     seen["resumed"] = {"summary": state.result(), "done_before": done_before, "folder": folder}
     return seen

@@ -100,6 +100,13 @@ def assert_exactly_the_reference(out: Path, reference: pa.Table) -> None:
 # few of its 150 rows still to do, so the kill lands mid-part on any machine (one row at a time
 # would be as sure, at many times the cost).
 FEW_IN_FLIGHT = {"shard_size": 5, "max_in_flight": 5}
+# The environment of the 2-worker runs below: the local cluster the product makes, less Dask's
+# statistical profiler (each worker's event loop walks the stacks of its task thread every 10 ms,
+# for the dashboard's profile page). Nothing here reads it; it costs ~0.4 s of CPU per engine a
+# worker starts on an idle machine, and its ticks come by the clock, so more on a loaded one.
+# Only this environment changes: the product's defaults stay.
+NO_WORKER_PROFILER = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False"}
+LOOK_EVERY_S = 0.2  # how often the run's process tree is recorded (a psutil walk: ms of CPU)
 
 
 class KilledRun:
@@ -114,11 +121,12 @@ class KilledRun:
         self.parts = self._parts_to_do()
         self.stderr = tmp_path / "stderr.txt"
         self.family: set[int] = set()  # every process the run had, for the orphan check
+        self._looked = float("-inf")  # when the family was last recorded (time.monotonic())
         self.started = datetime.now(timezone.utc)
         with open(self.stderr, "w") as stderr:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "flows.cli", "run", str(config_file)],
-                env=flow_env(api_url, **env),
+                env=flow_env(api_url, **NO_WORKER_PROFILER, **env),
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
             )
@@ -133,7 +141,7 @@ class KilledRun:
             deadline = time.monotonic() + 300
             while self.proc.poll() is None and time.monotonic() < deadline:
                 self._look()
-                time.sleep(0.2)
+                time.sleep(LOOK_EVERY_S)
         finally:
             self.proc.kill()  # a no-op once it has ended; if it hung, the test fails below
             self.returncode = self.proc.wait(timeout=60)
@@ -154,7 +162,7 @@ class KilledRun:
     def _victim(self) -> list[int]:
         """[part, its worker's pid] for a part with a shard landed and rows still to do."""
         assert self.proc.poll() is None, "the run ended before a worker could be killed"
-        self._look()
+        self._look(every=LOOK_EVERY_S)  # this is polled every 50 ms; the processes live for seconds
         workers = {
             int(part): int(pid)
             for part, pid in re.findall(r"part (\d+): \d+ rows on .* \(pid (\d+)\)", self.log)
@@ -162,6 +170,7 @@ class KilledRun:
         landed = self._landed()
         for part, pid in workers.items():
             if landed & self.parts[part] and not self.parts[part] <= landed:
+                self._look()  # now: the victim's engine may have started since the last look
                 return [part, pid]
         return []
 
@@ -182,7 +191,11 @@ class KilledRun:
     def log(self) -> str:
         return self.stderr.read_text()
 
-    def _look(self) -> None:
+    def _look(self, every: float = 0.0) -> None:
+        """Record the run's processes, unless that was done less than `every` seconds ago."""
+        if time.monotonic() - self._looked < every:
+            return
+        self._looked = time.monotonic()
         try:
             self.family.update(p.pid for p in psutil.Process(self.proc.pid).children(True))
         except psutil.NoSuchProcess:
@@ -276,7 +289,7 @@ def test_ctrl_c_stops_a_2_worker_run_the_workers_quietly_and_a_rerun_finishes(
     with open(stderr, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "run", str(config_file)],
-            env=flow_env(prefect_api),
+            env=flow_env(prefect_api, **NO_WORKER_PROFILER),
             stdout=subprocess.DEVNULL,
             stderr=err,
             start_new_session=True,  # its own process group, as a terminal's job
