@@ -145,10 +145,20 @@ def test_quick_run_of_the_demo_evaluate_deployment_completes(ui, page):
 
     _open_run_menu(page, ui, "demo-evaluate")
     page.get_by_text("Quick run", exact=True).click()
-    # the quick run's dialog shows the deployment's parameters: run them as they are
+    # the quick run's dialog shows the deployment's parameters: run them as they are (once the
+    # dialog has them: on a loaded 2-core machine that takes seconds)
     dialog = page.get_by_role("dialog")
+    dialog.get_by_text("Results folder name").first.wait_for(timeout=60_000)
+    page.wait_for_load_state("networkidle")
+    heard: list[str] = []  # what the page did after Run, for a failure to show
+    page.on("response", lambda r: heard.append(f"{r.status} {r.request.method} {r.url}"))
     dialog.get_by_role("button", name="Run", exact=True).click()
-    _wait(lambda: len(_flow_runs(ui, "demo-evaluate")) == 1, 30, "the quick run to be created")
+    try:
+        _wait(lambda: len(_flow_runs(ui, "demo-evaluate")) == 1, 120, "the quick run")
+    except AssertionError:
+        shown = dialog.inner_text()[:3000] if dialog.count() else "(the dialog closed)"
+        raise AssertionError("no quick run was created; after Run:\n" + "\n".join(heard[-30:])
+                             + "\nthe dialog reads:\n" + shown) from None  # fmt: skip
 
     def finished() -> bool:
         (run,) = _flow_runs(ui, "demo-evaluate")
