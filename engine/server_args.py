@@ -52,6 +52,9 @@ MIN_DEFAULT_RUNNING_REQUESTS = 256
 MAX_DEFAULT_RUNNING_REQUESTS = 1024
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192
 DEFAULT_CUDA_GRAPH_MAX_BS = MAX_DEFAULT_RUNNING_REQUESTS
+# page_size left to the engine with a float8 cache on the triton backend: V is stored in groups
+# of 16 token-major slots (kernels/v_groups.py: GROUP), which a page must hold whole
+GROUPED_V_PAGE = 16
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,9 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # None: DEFAULT_CHUNKED_PREFILL_SIZE; -1: no chunks
     schedule_policy: str = "fcfs"
-    page_size: int = 1
+    # None: 16 for a float8 KV cache on the triton backend (its V is stored in groups of 16
+    # token-major slots: grouped_v), else 1
+    page_size: int | None = None
     disable_radix_cache: bool = False
     # decode reads a prefix that running requests share (radix cache) once per group, not once
     # per request (triton backend; kernels/shared_prefix_attention.py)
@@ -193,6 +198,17 @@ class ServerArgs:
         return KV_CACHE_DTYPES.get(self.kv_cache_dtype)
 
     @property
+    def grouped_v(self) -> bool:
+        """Whether the KV pool stores V token-major in groups of 16 slots (kernels/v_groups.py):
+        for a float8 cache on the triton backend, whose float8 V tiles reach the tensor cores
+        that way without a transposing copy; it needs pages of whole groups."""
+        return (
+            self.kv_cache_dtype != "auto"
+            and self.attention_backend == "triton"
+            and self.page_size % GROUPED_V_PAGE == 0
+        )
+
+    @property
     def lora_enabled(self) -> bool:
         return bool(self.enable_lora) or bool(self.lora_paths)
 
@@ -219,6 +235,9 @@ class ServerArgs:
         if self.attention_backend is None:
             gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton")
             object.__setattr__(self, "attention_backend", "triton" if gpu else "torch")
+        if self.page_size is None:
+            fp8_triton = self.kv_cache_dtype != "auto" and self.attention_backend == "triton"
+            object.__setattr__(self, "page_size", GROUPED_V_PAGE if fp8_triton else 1)
         if self.cuda_graph_max_bs is None:
             bs = min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_request_rows)
             object.__setattr__(self, "cuda_graph_max_bs", bs)

@@ -72,6 +72,7 @@ from kernels.kv_fp8 import (
     load_fp8_rows_as_fp16,
     scales_arg,
 )
+from kernels.v_groups import gather, load_vt_tile
 
 _LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 16
@@ -102,6 +103,8 @@ _NUM_WARPS = 4
 # tiles) to B=256 (L=1024: 2.10, 1.54x the bf16 cache's tokens per second); 8 warps lost 20%.
 _FP8_DOT_BLOCK_N = 128
 _FP8_DOT_NUM_STAGES = 3
+# The same with V grouped (kernels/v_groups.py): tokens per tile, stages, warps.
+_FP8_GROUPED_TILE = (64, 3, 1)
 
 
 @triton.jit
@@ -123,6 +126,7 @@ def _stage1_tile(
     l_i,
     acc,
     n0,
+    lo,
     end,
     slot_row,
     k_head,
@@ -136,13 +140,18 @@ def _stage1_tile(
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    V_GROUPED: tl.constexpr,
 ):
     """One [BLOCK_N] tile of tokens n0.. (< end) folded into the online softmax of a head group.
-    With KV_FP8 the tile holds k / k_scale and v / v_scale (the caller folds the scales in)."""
+    With KV_FP8 the tile holds k / k_scale and v / v_scale (the caller folds the scales in).
+    With V_GROUPED, V is a grouped buffer (kernels/v_groups.py; ``stride_vn`` its group stride),
+    n0 is a multiple of 16, and tokens before ``lo`` (the range's first) are masked."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     tok = n0 + offs_n
     mask_n = tok < end
+    if V_GROUPED:
+        mask_n = mask_n & (tok >= lo)
     slots = tl.load(slot_row + tok, mask=mask_n, other=0).to(tl.int64)
     kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
     # [BLOCK_N, BLOCK_D]: each row is one token's contiguous head vector (coalesced).
@@ -156,21 +165,34 @@ def _stage1_tile(
     s = s * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
     s = tl.where(mask_n[None, :], s, float("-inf"))
 
-    # Every tile has at least one valid token (n0 < end), so m_new is finite.
+    # Every tile has at least one valid token (n0 < end; a grouped first tile starts at most 15
+    # tokens before lo), so m_new is finite.
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    if USE_DOT and KV_FP8:
-        v = load_fp8_rows_as_fp16(v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D, KV_FP8)
-        v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
+    if V_GROUPED:
+        # vᵀ [BLOCK_D, BLOCK_N], tokens contiguous: into the dot as k is, no transposing copy
+        vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        if USE_DOT:
+            if KV_FP8:
+                vt = vt.to(q.dtype)  # as k
+            pv = tl.dot(p.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * tl.trans(vt)[None, :, :].to(tl.float32), axis=1)
     else:
-        v = tl.load(v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-    if USE_DOT:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    else:
-        pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+        if USE_DOT and KV_FP8:
+            v = load_fp8_rows_as_fp16(v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D, KV_FP8)
+            v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
+        else:
+            v = tl.load(
+                v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
@@ -214,6 +236,7 @@ def _attend_split(
     REQ_PER_ROW: tl.constexpr,
     USE_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    V_GROUPED: tl.constexpr,
 ):
     """Attention of ROWS query rows over tokens [start, end) (start < end) of kv head ``kvh``,
     the work of one stage-1 program (one request's GQA group) or of one shared-prefix program
@@ -247,13 +270,17 @@ def _attend_split(
     # A `for` loop, which Triton software-pipelines (num_stages): the next tile's slot/K/V
     # loads are issued before this tile's math. (kernels/interpreter.py lets the CPU
     # interpreter run its run-time bounds.)
-    for n0 in range(start, end, BLOCK_N):
+    first = start
+    if V_GROUPED:
+        first = start - start % 16  # a grouped V tile starts on a group (kernels/v_groups.py)
+    for n0 in range(first, end, BLOCK_N):
         m_i, l_i, acc = _stage1_tile(
             q,
             m_i,
             l_i,
             acc,
             n0,
+            start,
             end,
             slot_row,
             k_head,
@@ -267,6 +294,7 @@ def _attend_split(
             USE_DOT,
             DOT_PRECISION,
             KV_FP8,
+            V_GROUPED,
         )
 
     mo = (
@@ -321,6 +349,7 @@ def _decode_stage1(
     DOT_PRECISION: tl.constexpr,
     HAS_START: tl.constexpr,
     KV_FP8: tl.constexpr,
+    V_GROUPED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -347,7 +376,7 @@ def _decode_stage1(
             stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
-            ROWS=BLOCK_H, REQ_PER_ROW=False, USE_DOT=USE_DOT, KV_FP8=KV_FP8,
+            ROWS=BLOCK_H, REQ_PER_ROW=False, USE_DOT=USE_DOT, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED,
         )  # fmt: skip
 
 
@@ -469,19 +498,25 @@ class _Tiles:
     use_dot: bool
     dot_precision: str
     kv_fp8: int  # a float8 cache (module docstring): kernels/kv_fp8.py kv_fp8_mode
+    v_grouped: bool  # V in groups of 16 token-major slots (kernels/v_groups.py)
+    num_warps: int = _NUM_WARPS
 
 
-def _tiles(q: torch.Tensor, group: int, use_dot: bool, kv_dtype: torch.dtype) -> _Tiles:
+def _tiles(
+    q: torch.Tensor, group: int, use_dot: bool, kv_dtype: torch.dtype, v_grouped: bool = False
+) -> _Tiles:
     D = q.shape[-1]
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    num_stages = _SMALL_NUM_STAGES
+    num_stages, num_warps = _SMALL_NUM_STAGES, _NUM_WARPS
     kv_fp8 = kv_fp8_mode(kv_dtype, q.device)
     if use_dot:
         BLOCK_H = max(16, triton.next_power_of_2(group))
         BLOCK_N = _SMALL_BLOCK_N
         if q.element_size() <= 2 and BLOCK_D <= 128:
             BLOCK_N, num_stages = _DOT_BLOCK_N, _DOT_NUM_STAGES
-            if kv_fp8:
+            if kv_fp8 and v_grouped:
+                BLOCK_N, num_stages, num_warps = _FP8_GROUPED_TILE
+            elif kv_fp8:
                 BLOCK_N, num_stages = _FP8_DOT_BLOCK_N, _FP8_DOT_NUM_STAGES
     else:
         BLOCK_H = triton.next_power_of_2(group)
@@ -490,7 +525,9 @@ def _tiles(q: torch.Tensor, group: int, use_dot: bool, kv_dtype: torch.dtype) ->
     # fp32 inputs: exact fp32 products (the default would be TF32 on the GPU); ignored for
     # 16-bit inputs, whose products are exact in the fp32 accumulator anyway.
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    return _Tiles(BLOCK_H, BLOCK_N, BLOCK_D, num_stages, use_dot, dot_precision, kv_fp8)
+    return _Tiles(
+        BLOCK_H, BLOCK_N, BLOCK_D, num_stages, use_dot, dot_precision, kv_fp8, v_grouped, num_warps
+    )
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -511,11 +548,13 @@ def _check_and_prepare(
     with unit last-dimension strides, ``out`` allocated when not given."""
     B, Hq, D = q.shape
     num_slots, Hkv, Dk = k_buffer.shape
-    assert Dk == D and v_buffer.shape == k_buffer.shape, "k/v buffers must be [slots, Hkv, D]"
+    grouped = (num_slots // 16, Hkv, D, 16)  # kernels/v_groups.py
+    assert Dk == D and v_buffer.shape in (k_buffer.shape, grouped), "v: [slots, Hkv, D] or grouped"
     assert v_buffer.dtype == k_buffer.dtype, "k/v buffers must have one dtype"
     assert k_buffer.dtype == q.dtype or is_fp8(k_buffer.dtype), "a cache of q's dtype, or float8"
     # a float8 V tile is read as 16-bit pairs (kernels/kv_fp8.py: load_fp8_rows_as_fp16)
     assert not is_fp8(k_buffer.dtype) or q.shape[-1] % 2 == 0, "float8 cache: even head_dim"
+    assert v_buffer.dim() == 3 or v_buffer.is_contiguous(), "a grouped V buffer is contiguous"
     assert Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert req_to_token.dim() == 2 and req_pool_indices.shape == (B,) and seq_lens.shape == (B,)
     q, k_buffer, v_buffer, req_to_token = map(
@@ -601,7 +640,8 @@ def _launch_stage1(
         DOT_PRECISION=tiles.dot_precision,
         HAS_START=start_lens is not None,
         KV_FP8=tiles.kv_fp8,
-        num_warps=_NUM_WARPS,
+        V_GROUPED=tiles.v_grouped,
+        num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
 
@@ -694,7 +734,7 @@ def decode_attention(
     )
     if use_dot is None:
         use_dot = True  # measured faster for every G, G == 1 included (module docstring)
-    tiles = _tiles(q, Hq // Hkv, use_dot, k_buffer.dtype)
+    tiles = _tiles(q, Hq // Hkv, use_dot, k_buffer.dtype, v_buffer.dim() == 4)
     min_split_len = triton.cdiv(min_split_tokens or 0, tiles.BLOCK_N) * tiles.BLOCK_N
 
     mid_o = torch.empty((B, Hq, num_kv_splits, D), dtype=torch.float32, device=q.device)
@@ -732,7 +772,8 @@ def decode_attention_ref(
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same function in plain PyTorch, computed in float64 (gather, mask, softmax); q.dtype out.
-    A float8 cache is dequantized first, in float64 (``float(k8) * k_scale``).
+    A float8 cache is dequantized first, in float64 (``float(k8) * k_scale``); a grouped V
+    buffer (kernels/v_groups.py) is read through its slots as any other.
 
     ``num_kv_splits`` and ``max_seq_len`` are accepted for a matching signature and ignored
     (this reads ``seq_lens`` on the host, which is fine for a reference). A request with
@@ -749,7 +790,7 @@ def decode_attention_ref(
     valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
     slots = torch.where(valid, slots, 0)  # keep the gather in bounds
     k = k_buffer[slots].double()  # [B, L, Hkv, D]
-    v = v_buffer[slots].double()
+    v = (gather(v_buffer, slots) if v_buffer.dim() == 4 else v_buffer[slots]).double()
     if is_fp8(k_buffer.dtype) and kv_scales is not None:
         k, v = k * kv_scales[0].double(), v * kv_scales[1].double()
     qg = q.double().reshape(B, Hkv, G, D)

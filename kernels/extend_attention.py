@@ -38,6 +38,7 @@ from kernels.kv_fp8 import (
     load_fp8_rows_as_fp16,
     scales_arg,
 )
+from kernels.v_groups import gather, load_vt_tile
 
 # exp2 is the native instruction on the GPU; fold log2(e) into the score scale once per tile
 # instead of multiplying inside exp().
@@ -70,6 +71,7 @@ def _attend_tile(
     KV_FP8: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    V_GROUPED: tl.constexpr,
 ):
     """Online softmax of the query tile over keys [start, end) in BLOCK_N steps.
 
@@ -117,7 +119,14 @@ def _attend_tile(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        if KV_FP8:
+        if V_GROUPED:
+            # vᵀ [BLOCK_D, BLOCK_N] of a grouped buffer (kernels/v_groups.py; stride_vn is its
+            # group stride): every step starts on a group (start is 0 or full_end)
+            vt = load_vt_tile(
+                V + v_off, slot_row, start_n, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D
+            )
+            v = tl.trans(vt.to(q.dtype))  # as k
+        elif KV_FP8:
             # float16 pairs, widened before tl.dot's layout change (kernels/kv_fp8.py)
             v = load_fp8_rows_as_fp16(
                 V + v_off, slots, stride_vn, offs_n < end, HEAD_DIM, BLOCK_D, KV_FP8
@@ -172,6 +181,7 @@ def _extend_attention_kernel(
     BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    V_GROUPED: tl.constexpr,
 ):
     # the heads of one tile are neighbours in launch order: GQA heads share its K/V in L2
     h = tl.program_id(0)
@@ -217,12 +227,12 @@ def _extend_attention_kernel(
     acc, l_i, m_i = _attend_tile(
         acc, l_i, m_i, q, K, V, slot_row, kv_h * stride_kh, kv_h * stride_vh, stride_kn, stride_vn,
         offs_m_abs, offs_d, mask_d, 0, full_end, qk_scale,
-        BLOCK_N, False, EVEN_D, INPUT_PRECISION, KV_FP8, HEAD_DIM, BLOCK_D,
+        BLOCK_N, False, EVEN_D, INPUT_PRECISION, KV_FP8, HEAD_DIM, BLOCK_D, V_GROUPED,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tile(
         acc, l_i, m_i, q, K, V, slot_row, kv_h * stride_kh, kv_h * stride_vh, stride_kn, stride_vn,
         offs_m_abs, offs_d, mask_d, full_end, kv_end, qk_scale,
-        BLOCK_N, True, EVEN_D, INPUT_PRECISION, KV_FP8, HEAD_DIM, BLOCK_D,
+        BLOCK_N, True, EVEN_D, INPUT_PRECISION, KV_FP8, HEAD_DIM, BLOCK_D, V_GROUPED,
     )  # fmt: skip
 
     if KV_FP8:
@@ -315,7 +325,8 @@ def extend_attention(
     """Attention of the extend batch's queries over their requests' cached + new keys.
 
     q [T, Hq, D] (T = sum(extend_lens), request b at rows qo_indptr[b]:qo_indptr[b + 1]);
-    k_buffer / v_buffer [num_slots, Hkv, D]; req_to_token [max_requests, max_context] int32;
+    k_buffer / v_buffer [num_slots, Hkv, D] (v_buffer may be grouped: kernels/v_groups.py);
+    req_to_token [max_requests, max_context] int32;
     req_pool_indices, seq_lens, extend_lens [B]; qo_indptr [B + 1]. ``tiles`` [N, 2] is the tile
     table on q's device (``extend_tiles`` with this call's BLOCK_M, ``extend_block_m`` unless
     ``block_m`` is given); without it, it is planned here from the lengths (one device sync).
@@ -325,7 +336,11 @@ def extend_attention(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
-    assert k_buffer.shape[2] == head_dim and v_buffer.shape[1:] == k_buffer.shape[1:]
+    grouped = v_buffer.dim() == 4  # kernels/v_groups.py
+    group_shape = (k_buffer.shape[0] // 16, num_kv_heads, head_dim, 16)
+    assert k_buffer.shape[2] == head_dim
+    assert v_buffer.shape == (group_shape if grouped else k_buffer.shape), "v: rows or grouped"
+    assert not grouped or v_buffer.is_contiguous(), "a grouped V buffer is contiguous"
     assert num_q_heads % num_kv_heads == 0, "GQA needs Hq to be a multiple of Hkv"
     assert v_buffer.dtype == k_buffer.dtype, "k/v buffers must have one dtype"
     kv_fp8 = is_fp8(k_buffer.dtype)
@@ -334,7 +349,7 @@ def extend_attention(
     assert not kv_fp8 or q.shape[-1] % 2 == 0, "float8 cache: even head_dim"
     scales = scales_arg(kv_scales, k_buffer.dtype, q)
     # the kernel indexes the head dim with unit stride
-    assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
+    assert q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(-1) == 1
     assert req_to_token.stride(1) == 1
     if out is None:
         out = torch.empty_like(q)
@@ -344,6 +359,7 @@ def extend_attention(
 
     bm, bn, warps, stages = _default_blocks(head_dim, q.dtype, q.device)
     bm, bn = block_m or bm, block_n or bn
+    assert not grouped or bn % 16 == 0, "a grouped V buffer is read in whole groups of 16"
     warps, stages = num_warps or warps, num_stages or stages
     # float32 stays float32 (no tf32 on the tensor cores); for 16-bit inputs it is ignored
     input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -383,6 +399,7 @@ def extend_attention(
         BLOCK_N=bn,
         INPUT_PRECISION=input_precision,
         KV_FP8=kv_fp8_mode(k_buffer.dtype, q.device),
+        V_GROUPED=grouped,
         num_warps=warps,
         num_stages=stages,
     )
@@ -414,7 +431,8 @@ def extend_attention_ref(
         prefix = seq_len - n
         slots = req_to_token[row, :seq_len].long()
         k = k_buffer[slots].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = v_buffer[slots].double().repeat_interleave(group, dim=1)
+        v = gather(v_buffer, slots) if v_buffer.dim() == 4 else v_buffer[slots]
+        v = v.double().repeat_interleave(group, dim=1)
         if is_fp8(k_buffer.dtype) and kv_scales is not None:
             k, v = k * kv_scales[0].double(), v * kv_scales[1].double()
         qi = q[start : start + n].double()  # [n, Hq, D]

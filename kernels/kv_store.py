@@ -12,6 +12,10 @@ in float32 (torch's cast to float8 does not saturate); the cast rounds to neares
 torch's, so the kernel and ``store_kv_reference`` agree bit for bit.
 Other pools take a plain cast and never read ``scales``.
 
+A grouped V buffer (kernels/v_groups.py: [num_slots // 16, Hkv, D, 16], tokens contiguous
+within a group of 16 slots) takes each token's V as a column: ``v_buffer[slot // 16, h, :,
+slot % 16] = v``.
+
 Grid: (T, head blocks); a program copies BLOCK_H heads of one token for both K and V.
 """
 
@@ -22,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_fp8 import fp8_max, is_fp8, quantize, scales_arg
+from kernels.v_groups import grouped_shape, scatter
 
 
 @triton.jit
@@ -46,6 +51,7 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    V_GROUPED: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -62,7 +68,11 @@ def _store_kv_kernel(
         k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)
         v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
     k_dst = k_buf_ptr + slot * kb_slot_stride + heads[:, None] * kb_head_stride + d[None, :]
-    v_dst = v_buf_ptr + slot * vb_slot_stride + heads[:, None] * vb_head_stride + d[None, :]
+    if V_GROUPED:  # vb_slot_stride is the group stride; d steps over a group's 16 tokens
+        v_col = v_buf_ptr + (slot // 16) * vb_slot_stride + slot % 16
+        v_dst = v_col + heads[:, None] * vb_head_stride + d[None, :] * 16
+    else:
+        v_dst = v_buf_ptr + slot * vb_slot_stride + heads[:, None] * vb_head_stride + d[None, :]
     tl.store(k_dst, k.to(k_buf_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_buf_ptr.dtype.element_ty), mask=mask)
 
@@ -72,7 +82,12 @@ def _check(k_buffer, v_buffer, slots, k, v):
         raise ValueError(
             f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)}"
         )
-    if k_buffer.shape[1:] != k.shape[1:] or v_buffer.shape[1:] != k.shape[1:]:
+    v_rows = v_buffer.shape if v_buffer.dim() == 3 else (k_buffer.shape[0], *v_buffer.shape[1:3])
+    if v_buffer.dim() == 4 and v_buffer.shape != grouped_shape(*k_buffer.shape):
+        raise ValueError(
+            f"grouped V buffer {tuple(v_buffer.shape)} does not fit {tuple(k_buffer.shape)}"
+        )
+    if k_buffer.shape[1:] != k.shape[1:] or tuple(v_rows[1:]) != k.shape[1:]:
         raise ValueError(
             f"buffers {tuple(k_buffer.shape)}, {tuple(v_buffer.shape)} do not fit k {tuple(k.shape)}"
         )
@@ -94,6 +109,9 @@ def store_kv(
     _check(k_buffer, v_buffer, slots, k, v)
     if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
         raise ValueError("the K/V buffers need a unit stride in the last dim")
+    grouped = v_buffer.dim() == 4
+    if grouped and not v_buffer.is_contiguous():
+        raise ValueError("a grouped V buffer must be contiguous")
     T, num_heads, head_dim = k.shape
     if T == 0:
         return
@@ -124,6 +142,7 @@ def store_kv(
         BLOCK_D=block_d,
         FP8=fp8,
         FP8_MAX=fp8_max(k_buffer.dtype) if fp8 else 0.0,
+        V_GROUPED=grouped,
         num_warps=4,
     )
 
@@ -140,8 +159,9 @@ def store_kv_reference(
     _check(k_buffer, v_buffer, slots, k, v)
     if is_fp8(k_buffer.dtype):
         scales = scales_arg(scales, k_buffer.dtype, k)
-        k_buffer[slots] = quantize(k, scales[0], k_buffer.dtype)
-        v_buffer[slots] = quantize(v, scales[1], v_buffer.dtype)
-        return
+        k, v = quantize(k, scales[0], k_buffer.dtype), quantize(v, scales[1], v_buffer.dtype)
     k_buffer[slots] = k.to(k_buffer.dtype)
-    v_buffer[slots] = v.to(v_buffer.dtype)
+    if v_buffer.dim() == 4:
+        scatter(v_buffer, slots, v.to(v_buffer.dtype))
+    else:
+        v_buffer[slots] = v.to(v_buffer.dtype)

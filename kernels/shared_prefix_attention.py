@@ -143,6 +143,7 @@ def _prefix_stage(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    V_GROUPED: tl.constexpr,
 ):
     i = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -169,7 +170,7 @@ def _prefix_stage(
             stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
-            ROWS=BLOCK_M, REQ_PER_ROW=True, USE_DOT=True, KV_FP8=KV_FP8,
+            ROWS=BLOCK_M, REQ_PER_ROW=True, USE_DOT=True, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED,
         )  # fmt: skip
 
 
@@ -242,7 +243,7 @@ def shared_prefix_decode_attention(
         prefix_min_tokens = 0
     assert prefix_splits >= 1
 
-    tiles = _tiles(q, G, use_dot=True, kv_dtype=k_buffer.dtype)
+    tiles = _tiles(q, G, use_dot=True, kv_dtype=k_buffer.dtype, v_grouped=v_buffer.dim() == 4)
     scales = scales_arg(kv_scales, k_buffer.dtype, q)
     min_split_len = triton.cdiv(min_split_tokens or 0, tiles.BLOCK_N) * tiles.BLOCK_N
     BLOCK_M = max(16, triton.next_power_of_2(item_size * G))
@@ -307,6 +308,7 @@ def shared_prefix_decode_attention(
             BLOCK_D=tiles.BLOCK_D,
             DOT_PRECISION=tiles.dot_precision,
             KV_FP8=tiles.kv_fp8,
+            V_GROUPED=tiles.v_grouped,
             # The [BLOCK_M, BLOCK_D] float32 accumulator lives in registers.
             num_warps=_PREFIX_NUM_WARPS * (1 if BLOCK_M <= 64 else 2),
             num_stages=prefix_stages,

@@ -70,11 +70,11 @@ for step in "${@:-kernels engine w1 w2}"; do
       vl-profile) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_vision.py 2>&1 | tail -30 ;;
       vl-bench) python3 -m engine.bench_images --model-config qwen2.5-vl-3b --num-images 1000 --image-size 448 --output-len 64 \
                 --json "$OUT/vl-bench.json" 2>&1 | grep "^|\|Error" ;;
-      fp8-kernels) tests tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_quant.py ;;
+      fp8-kernels) tests tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_quant.py tests/kernels/test_v_groups.py ;;
       fp8-splits) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --splits --hq 16 2>&1 | tail -12 ;;
       fp8-accuracy) tests tests/engine/test_fp8_gpu.py -s
            grep "^|\|prompts," "$OUT/$s.log" ;;
-      fp8-decode) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py 2>&1 | tail -24 ;;
+      fp8-decode) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --hq 16 2>&1 | tail -14 ;;
       w1-fp8) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
                 --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' --json "$OUT/w1-fp8.json" 2>&1 | grep "^|" ;;
       w2-fp8) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \

@@ -10,6 +10,12 @@ to the format's largest finite value, and attention reads ``float(k8) * k_scale`
 others: each attention layer's ``k_scale`` / ``v_scale`` (engine/layers/attention.py), which the
 model runner copies here with ``set_scales`` once the pool exists.
 
+With ``grouped_v`` each layer's V is stored token-major in groups of 16 slots (kernels/
+v_groups.py: [num_slots // 16, kv_heads, head_dim, 16]), the layout in which a float8 V tile
+reaches the tensor cores without a transposing copy. It needs whole groups in each page
+(``page_size % 16 == 0``); the model runner asks for it for a float8 cache on the triton
+backend (``ModelRunner._new_pool``). K keeps its rows.
+
 NOTE: ``scales`` [num_layers, 2] (k_scale, v_scale) stays on the device at one address for the
 pool's life, and every kernel reads it by pointer, so CUDA graphs captured once stay right when
 the scales change (``set_scales`` copies in place). A pool of the model's dtype holds K/V
@@ -22,6 +28,7 @@ import torch
 
 from kernels.dispatch import use_triton
 from kernels.kv_fp8 import dequantize, is_fp8, quantize
+from kernels.v_groups import GROUP, gather, grouped_shape, scatter
 
 
 class KVPool:
@@ -34,14 +41,23 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        grouped_v: bool = False,
     ) -> None:
+        if grouped_v and page_size % GROUP:
+            raise ValueError(f"a grouped V buffer needs page_size a multiple of {GROUP}")
         self.num_pages = num_pages  # usable pages, ids 1..num_pages
         self.page_size = page_size
         self.dtype = dtype
         self.is_fp8 = is_fp8(dtype)
+        self.grouped_v = grouped_v
         shape = ((num_pages + 1) * page_size, num_kv_heads, head_dim)
+        v_shape = grouped_shape(*shape) if grouped_v else shape
+        # NOTE: zeroed, not empty: a grouped V tile reads whole groups, and the slots of a group
+        # past a request's end must hold finite values (kernels/v_groups.py)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [
+            torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
         # NOTE: rows padded to 16 bytes, so that every layer's scales[layer] starts 16-byte
         # aligned: Triton specialises a pointer argument on that alignment, and odd layers
         # would otherwise compile every kernel a second time
@@ -80,18 +96,21 @@ class KVPool:
             return
         if self.is_fp8:
             scales = self.layer_scales[layer_id]
-            self.k_buffers[layer_id][slots] = quantize(k, scales[0], self.dtype)
-            self.v_buffers[layer_id][slots] = quantize(v, scales[1], self.dtype)
-            return
+            k, v = quantize(k, scales[0], self.dtype), quantize(v, scales[1], self.dtype)
         self.k_buffers[layer_id][slots] = k.to(self.dtype)
-        self.v_buffers[layer_id][slots] = v.to(self.dtype)
+        if self.grouped_v:
+            scatter(self.v_buffers[layer_id], slots, v.to(self.dtype))
+        else:
+            self.v_buffers[layer_id][slots] = v.to(self.dtype)
 
     def read(
         self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `slots` in `dtype` ([*slots.shape, Hkv, D] each), dequantized from a float8
         pool in float32 (``float(k8) * k_scale``); the plain-PyTorch attention reads through it."""
-        k, v = self.k_buffers[layer_id][slots], self.v_buffers[layer_id][slots]
+        k = self.k_buffers[layer_id][slots]
+        v_buffer = self.v_buffers[layer_id]
+        v = gather(v_buffer, slots) if self.grouped_v else v_buffer[slots]
         if not self.is_fp8:
             return k, v
         scales = self.layer_scales[layer_id]

@@ -243,7 +243,7 @@ class ModelRunner:
         c = self.config
         return KVPool(
             num_pages, self.args.page_size, c.num_layers, self.num_kv_heads, c.head_dim,
-            self.kv_dtype, self.device,
+            self.kv_dtype, self.device, grouped_v=self.args.grouped_v,
         )  # fmt: skip
 
     def _pool_tokens(self, activation_peak: int) -> int:

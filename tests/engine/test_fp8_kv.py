@@ -157,7 +157,7 @@ SCALES = {0: (0.013, 0.0071), 1: (0.021, 0.0093)}
 def test_checkpoint_scales_reach_the_cache(llama_dir, monkeypatch, backend):
     """Scales the loader sets on the attention layers go to the pool when it is made, and
     both backends quantize and read with them (float16 model, float8_e5m2 cache; triton under
-    the interpreter here), with prefill chunks of 16 tokens and a shared stem: extends over
+    the interpreter here, its V grouped: kernels/v_groups.py), with prefill chunks of 16 tokens and a shared stem: extends over
     cached float8 prefixes. Teacher-forced: the reference scores the engine's own tokens,
     each of which must be its greedy choice up to a near tie (float16 runs differ that much)."""
     load_model = model_runner.load_model
@@ -174,6 +174,10 @@ def test_checkpoint_scales_reach_the_cache(llama_dir, monkeypatch, backend):
         max_total_tokens=1024, chunked_prefill_size=16,
     )  # fmt: skip
     pool = core.scheduler.runner.kv_pool
+    # the triton backend's float8 pool holds V in groups of 16 token-major slots (pages of 16)
+    assert pool.grouped_v == (backend == "triton") and pool.page_size == (
+        16 if pool.grouped_v else 1
+    )
     f32 = [[torch.tensor(s, dtype=torch.float32).item() for s in SCALES[i]] for i in (0, 1)]
     assert pool.scales.tolist() == f32
 

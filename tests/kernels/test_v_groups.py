@@ -1,0 +1,197 @@
+"""A grouped V buffer (kernels/v_groups.py: tokens contiguous within groups of 16 slots): its
+layout against plain indexing, the store kernel against the row store, and decode, extend and
+shared-prefix attention over it against the float64 references over the same values in rows.
+
+The batches of the existing tests scatter every token to a slot of its own; a grouped buffer
+needs each request's tokens in 16-aligned runs of slots, as pages of 16 give them, so
+``regrouped`` moves each batch onto such pages (a fresh random page for every 16 table entries)
+without changing a value any request reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention, decode_attention_ref
+from kernels.extend_attention import extend_attention, extend_attention_ref
+from kernels.kv_store import store_kv, store_kv_reference
+from kernels.shared_prefix_attention import shared_prefix_decode_attention
+from kernels.v_groups import GROUP, gather, grouped_shape, scatter, to_grouped
+from tests.kernels.conftest import DEVICE, rel_err
+from tests.kernels.test_decode_attention import make_batch as make_decode_batch
+from tests.kernels.test_extend_attention import make_batch as make_extend_batch
+from tests.kernels.test_fp8_kv import TOL_16BIT, TOL_FP32, check_against_dequantized, fp8_batch
+from tests.kernels.test_shared_prefix_attention import make_shared_batch, plain
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def regrouped(batch: dict, seed: int = 0) -> dict:
+    """The batch on a pool of 16-slot pages: table entry (row, c) moves to slot page * 16 + c % 16,
+    with a random page for each (row, c // 16), holding what its old slot held; V grouped."""
+    gen = torch.Generator().manual_seed(seed)
+    table = batch["req_to_token"].long().cpu()
+    rows, cols = table.shape
+    groups = -(-cols // GROUP)
+    pages = (torch.randperm(rows * groups, generator=gen) + 1).view(rows, groups)  # 0: scratch
+    col = torch.arange(groups * GROUP)
+    new_table = pages[:, col // GROUP] * GROUP + col % GROUP  # [rows, groups * 16]
+    num_slots = (rows * groups + 1) * GROUP
+    moved = {}
+    for name in ("k_buffer", "v_buffer"):
+        old = batch[name]
+        new = torch.zeros((num_slots, *old.shape[1:]), dtype=old.dtype, device=old.device)
+        new[new_table[:, :cols].reshape(-1).to(old.device)] = old[table.reshape(-1).to(old.device)]
+        moved[name] = new
+    device = batch["req_to_token"].device
+    return dict(
+        batch,
+        k_buffer=moved["k_buffer"],
+        v_buffer=to_grouped(moved["v_buffer"]),
+        req_to_token=new_table.to(torch.int32).to(device),
+    )
+
+
+def test_grouped_layout_reads_and_writes_the_rows_it_names():
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(5 * GROUP, 3, 8, generator=gen)
+    vg = to_grouped(rows)
+    assert vg.shape == grouped_shape(5 * GROUP, 3, 8) == (5, 3, 8, GROUP)
+    for slot in (0, 1, 15, 16, 37, 79):
+        assert torch.equal(vg[slot // GROUP, :, :, slot % GROUP], rows[slot])
+    slots = torch.randperm(5 * GROUP, generator=gen)[:23]
+    assert torch.equal(gather(vg, slots), rows[slots])
+    new = torch.randn(23, 3, 8, generator=gen)
+    scatter(vg, slots, new)
+    rows[slots] = new
+    assert torch.equal(vg, to_grouped(rows))
+    with pytest.raises(ValueError, match="whole groups of 16"):
+        grouped_shape(40, 3, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, E4M3], ids=["fp32", "e4m3"])
+def test_store_into_a_grouped_v_buffer_equals_the_row_store(dtype):
+    """The kernel's column writes, against the row store then regrouped: the same bytes."""
+    gen = torch.Generator().manual_seed(2)
+    T, H, D, S = 29, 3, 32, 6 * GROUP
+    k = (torch.randn(T, H, D, generator=gen) * 30).to(DEVICE)
+    v = (torch.randn(T, H, D, generator=gen) * 30).to(DEVICE)
+    slots = torch.randperm(S, generator=gen)[:T].to(DEVICE)
+    scales = torch.tensor([0.5, 2.0], device=DEVICE)
+    k_rows = torch.zeros(S, H, D, dtype=dtype, device=DEVICE)
+    v_rows = torch.zeros_like(k_rows)
+    store_kv_reference(k_rows, v_rows, slots, k, v, scales)
+    for store in (store_kv, store_kv_reference):
+        k_buf = torch.zeros_like(k_rows)
+        v_grouped = torch.zeros(grouped_shape(S, H, D), dtype=dtype, device=DEVICE)
+        store(k_buf, v_grouped, slots, k, v, scales)
+        assert torch.equal(k_buf.view(torch.uint8), k_rows.view(torch.uint8))
+        assert torch.equal(v_grouped.view(torch.uint8), to_grouped(v_rows).view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "dtype,use_dot,num_kv_splits",
+    [(torch.float32, True, 2), (torch.float32, False, 3), (torch.float32, True, None)],
+    ids=["dot", "broadcast", "graph"],
+)
+def test_decode_over_grouped_v(dtype, use_dot, num_kv_splits):
+    """A cache of q's dtype: exact but for the order of float32 sums. Lengths off the groups
+    and tiles, GQA group 4; None: the graph launch (fixed splits, most of them empty)."""
+    batch = make_decode_batch([37, 1, 70, 16], 8, 2, 32, dtype=dtype, seed=50)
+    got = decode_attention(**regrouped(batch), num_kv_splits=num_kv_splits, use_dot=use_dot)
+    err = rel_err(got, decode_attention_ref(**batch))
+    assert err < TOL_FP32, err
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_decode_over_grouped_fp8_v(fp8):
+    batch = make_decode_batch([37, 1, 70], 8, 2, 32, seed=51)
+    quantized, ref_args = fp8_batch(batch, fp8, k_scale=0.05, v_scale=3.0)
+    check_against_dequantized(
+        decode_attention, decode_attention_ref, regrouped(quantized), ref_args, TOL_FP32,
+        num_kv_splits=2,
+    )  # fmt: skip
+
+
+def test_decode_over_grouped_fp8_v_float16():
+    """float16 q (the tiles converted to q's dtype for tl.dot), G == 1, the graph launch."""
+    batch = make_decode_batch([1, 33, 130], 2, 2, 64, dtype=torch.float16, seed=52)
+    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.02, v_scale=0.5)
+    check_against_dequantized(
+        decode_attention, decode_attention_ref, regrouped(quantized), ref_args, TOL_16BIT
+    )
+
+
+def test_shared_prefix_over_grouped_fp8_v():
+    """A prefix of 70 (the suffix splits start mid-group, so the first tile of each masks the
+    tokens before it) read by the prefix stage and the suffixes by stage 1."""
+    batch = make_shared_batch([(70, [3, 20, 1])], [15], 4, 2, 32, item_size=2, seed=53)
+    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=4.0, v_scale=0.2)
+    check_against_dequantized(
+        shared_prefix_decode_attention, decode_attention_ref, regrouped(quantized),
+        plain(ref_args), TOL_FP32, num_kv_splits=2, prefix_splits=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8", [None, E4M3], ids=["fp32", "e4m3"])
+def test_extend_over_grouped_v(fp8):
+    """New tokens over cached prefixes off the groups, and a plain prefill, GQA group 2."""
+    batch = make_extend_batch([45, 0, 17], [20, 33, 1], 4, 2, 32, seed=54)
+    if fp8 is None:
+        quantized, ref_args = batch, batch
+    else:
+        quantized, ref_args = fp8_batch(batch, fp8, k_scale=0.3, v_scale=0.07)
+    check_against_dequantized(
+        extend_attention, extend_attention_ref, regrouped(quantized), ref_args, TOL_FP32,
+        block_m=16, block_n=16,
+    )  # fmt: skip
+
+
+def test_the_engine_pages_whole_groups():
+    """ServerArgs' default page for a grouped V (it imports no kernels) is the kernels' group."""
+    from engine.server_args import GROUPED_V_PAGE
+
+    assert GROUPED_V_PAGE == GROUP
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_kv_splits", [2, None], ids=["s2", "graph"])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gpu_decode_bf16_grouped(fp8, num_kv_splits):
+    from tests.kernels.test_decode_attention import gpu_lens
+
+    batch = make_decode_batch(
+        gpu_lens(64, 4096, seed=3), 16, 8, 128, dtype=torch.bfloat16, device="cuda"
+    )
+    quantized, ref_args = fp8_batch(batch, fp8, k_scale=0.05, v_scale=2.0)
+    check_against_dequantized(
+        decode_attention, decode_attention_ref, regrouped(quantized), ref_args, TOL_16BIT,
+        num_kv_splits=num_kv_splits,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_extend_bf16_grouped():
+    batch = make_extend_batch(
+        [0, 2048, 700, 5], [1024, 300, 1, 129], 32, 8, 128, dtype=torch.bfloat16, device="cuda"
+    )
+    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.3, v_scale=0.07)
+    check_against_dequantized(
+        extend_attention, extend_attention_ref, regrouped(quantized), ref_args, TOL_16BIT
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_shared_prefix_bf16_grouped():
+    from kernels.shared_prefix_attention import prefix_item_size
+
+    batch = make_shared_batch(
+        [(2000, [50 + i for i in range(40)])], [300, 1], 16, 8, 128,
+        item_size=prefix_item_size(2), dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.05, v_scale=0.5)
+    check_against_dequantized(
+        shared_prefix_decode_attention, decode_attention_ref, regrouped(quantized),
+        plain(ref_args), TOL_16BIT,
+    )  # fmt: skip
