@@ -103,8 +103,15 @@ _NUM_WARPS = 4
 # tiles) to B=256 (L=1024: 2.10, 1.54x the bf16 cache's tokens per second); 8 warps lost 20%.
 _FP8_DOT_BLOCK_N = 128
 _FP8_DOT_NUM_STAGES = 3
-# The same with V grouped (kernels/v_groups.py): tokens per tile, stages, warps.
+# The same with V grouped (kernels/v_groups.py): tokens per tile, stages, warps, by the number
+# of (request, kv head) pairs. scripts/bench_fp8_decode.py on an H100 (2026-11-26, Hq 16 / Hkv 8,
+# D 128, graph launch; TB/s of float8 K/V): one warp and 64-token tiles were best or within 3%
+# of best from B=64 up (B=256, lengths 200-2048: 2.32 against 2.10 with V in rows, and 1.88
+# with 4 warps and 128-token tiles), and took 0.69 TB/s for B=1, L=32768, where 2 warps and
+# 128-token tiles took 1.11 (fewer, longer programs need more warps each).
 _FP8_GROUPED_TILE = (64, 3, 1)
+_FP8_GROUPED_FEW_PAIRS = 512  # fewer (request, kv head) pairs than this: the tile below
+_FP8_GROUPED_TILE_FEW = (128, 3, 2)
 
 
 @triton.jit
@@ -515,7 +522,9 @@ def _tiles(
         if q.element_size() <= 2 and BLOCK_D <= 128:
             BLOCK_N, num_stages = _DOT_BLOCK_N, _DOT_NUM_STAGES
             if kv_fp8 and v_grouped:
-                BLOCK_N, num_stages, num_warps = _FP8_GROUPED_TILE
+                pairs = q.shape[0] * (q.shape[1] // group)
+                few = pairs < _FP8_GROUPED_FEW_PAIRS
+                BLOCK_N, num_stages, num_warps = _FP8_GROUPED_TILE_FEW if few else _FP8_GROUPED_TILE
             elif kv_fp8:
                 BLOCK_N, num_stages = _FP8_DOT_BLOCK_N, _FP8_DOT_NUM_STAGES
     else:

@@ -104,25 +104,25 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.splits:
         return sweep_split_tokens(opts.hq)
-    current = da._FP8_GROUPED_TILE
-    configs = [current] if opts.quick else SWEEP
+    current, few = da._FP8_GROUPED_TILE, da._FP8_GROUPED_TILE_FEW
+    configs = [] if opts.quick else SWEEP
     for hq in opts.hq:
         print(f"\nHq={hq} Hkv=8 D=128, TB/s of K/V read")
         row("cache, V layout (tile, stages, warps)", [f"B={b},L={n}".rjust(14) for b, n in SHAPES])
         cases = [case(b, n, hq) for b, n in SHAPES]
-        for name, which in (("bf16, rows", 0), ("fp8, rows", 1)):
+        for name, which in (("bf16, rows", 0), ("fp8, rows", 1), ("fp8, grouped (engine's)", 2)):
             row(name, [f"{tbps(c[which], c[3]):14.2f}" for c in cases])
         for tile in configs:
-            da._FP8_GROUPED_TILE = tile
+            da._FP8_GROUPED_TILE = da._FP8_GROUPED_TILE_FEW = tile
             cells = []
             for c in cases:
                 try:
                     cells.append(f"{tbps(c[2], c[3]):14.2f}")
                 except Exception as e:  # a config past the shared memory or registers
                     cells.append(type(e).__name__[:13].rjust(14))
-            mark = " *" if tile == current else ""
+            mark = " *" if tile in (current, few) else ""
             row(f"fp8, grouped {tile[0]:>3} x {tile[1]} x {tile[2]}{mark}", cells)
-        da._FP8_GROUPED_TILE = current
+        da._FP8_GROUPED_TILE, da._FP8_GROUPED_TILE_FEW = current, few
         del cases
         torch.cuda.empty_cache()
 
