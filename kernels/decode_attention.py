@@ -103,15 +103,13 @@ _NUM_WARPS = 4
 # tiles) to B=256 (L=1024: 2.10, 1.54x the bf16 cache's tokens per second); 8 warps lost 20%.
 _FP8_DOT_BLOCK_N = 128
 _FP8_DOT_NUM_STAGES = 3
-# The same with V grouped (kernels/v_groups.py): tokens per tile, stages, warps, by the number
-# of (request, kv head) pairs. scripts/bench_fp8_decode.py on an H100 (2026-11-26, Hq 16 / Hkv 8,
-# D 128, graph launch; TB/s of float8 K/V): one warp and 64-token tiles were best or within 3%
-# of best from B=64 up (B=256, lengths 200-2048: 2.32 against 2.10 with V in rows, and 1.88
-# with 4 warps and 128-token tiles), and took 0.69 TB/s for B=1, L=32768, where 2 warps and
-# 128-token tiles took 1.11 (fewer, longer programs need more warps each).
-_FP8_GROUPED_TILE = (64, 3, 1)
-_FP8_GROUPED_FEW_PAIRS = 512  # fewer (request, kv head) pairs than this: the tile below
-_FP8_GROUPED_TILE_FEW = (128, 3, 2)
+# The same with V grouped (kernels/v_groups.py): (tokens per tile, stages, warps) by the number
+# of (request, kv head) pairs: the first entry whose bound is above it. scripts/bench_fp8_decode.py
+# --mix on an H100 (2026-11-26, Hq 16 / Hkv 8, D 128, lengths 200-2048, graph launch), TB/s of
+# float8 K/V for B = 16 / 32 / 64 / 96 / 128 / 192 / 256: 1.04 1.41 1.83 1.97 2.20 2.31 2.36, each
+# within 5% of the best of 9 settings, against 0.97 1.22 1.74 1.86 1.99 2.06 2.10 with V in rows.
+# Fewer, longer programs want more warps each; at B=256 the 4-warp 64-token tile read 2.00.
+_FP8_GROUPED_TILES = ((256, (128, 3, 2)), (1024, (64, 3, 2)), (1 << 62, (32, 3, 1)))
 
 
 @triton.jit
@@ -523,8 +521,8 @@ def _tiles(
             BLOCK_N, num_stages = _DOT_BLOCK_N, _DOT_NUM_STAGES
             if kv_fp8 and v_grouped:
                 pairs = q.shape[0] * (q.shape[1] // group)
-                few = pairs < _FP8_GROUPED_FEW_PAIRS
-                BLOCK_N, num_stages, num_warps = _FP8_GROUPED_TILE_FEW if few else _FP8_GROUPED_TILE
+                tile = next(t for bound, t in _FP8_GROUPED_TILES if pairs < bound)
+                BLOCK_N, num_stages, num_warps = tile
             elif kv_fp8:
                 BLOCK_N, num_stages = _FP8_DOT_BLOCK_N, _FP8_DOT_NUM_STAGES
     else:

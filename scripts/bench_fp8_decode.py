@@ -1,5 +1,5 @@
 """Tune decode attention over a float8 KV cache on the GPU: stage 1's tokens per tile, pipeline
-depth and warps for V grouped (kernels/decode_attention.py: _FP8_GROUPED_TILE; kernels/
+depth and warps for V grouped (kernels/decode_attention.py: _FP8_GROUPED_TILES; kernels/
 v_groups.py), next to the bf16 cache and the float8 cache with V in rows (_FP8_DOT_*) at the same
 shapes. Prints effective TB/s of K/V bytes read (the float8 cache reads half the bytes, so equal
 TB/s is twice the speed), for the launch the engine's CUDA graphs replay (no lengths:
@@ -25,16 +25,27 @@ from kernels.v_groups import GROUP, to_grouped
 # (batch, tokens per request): one long request to a full batch of short ones; "mix": uniform
 # in [200, 2048], as W1's contexts mid-run
 SHAPES = [(1, 32768), (16, 4096), (64, 2048), (128, "mix"), (256, 1024), (256, "mix")]
+# --mix: W1's decode batches as its requests finish (lengths 200-2048)
+MIXES = [
+    (16, "mix"),
+    (32, "mix"),
+    (64, "mix"),
+    (96, "mix"),
+    (128, "mix"),
+    (192, "mix"),
+    (256, "mix"),
+]
 # grouped V: BLOCK_N, stages, warps
 SWEEP = [
     (64, 3, 1),
     (32, 3, 1),
-    (64, 4, 1),
+    (32, 4, 1),
+    (16, 4, 1),
+    (16, 6, 1),
     (128, 3, 2),
     (64, 3, 2),
     (32, 3, 2),
-    (128, 3, 4),
-    (64, 3, 4),
+    (32, 4, 2),
 ]
 
 
@@ -101,10 +112,14 @@ def main() -> None:
         "--splits", action="store_true", help="tokens per split of the graph launch"
     )
     parser.add_argument("--hq", type=int, nargs="+", default=[16, 32], help="query heads (Hkv 8)")
+    parser.add_argument("--mix", action="store_true", help="batches of mixed lengths, 16 to 256")
     opts = parser.parse_args()
+    global SHAPES
+    if opts.mix:
+        SHAPES = MIXES
     if opts.splits:
         return sweep_split_tokens(opts.hq)
-    current, few = da._FP8_GROUPED_TILE, da._FP8_GROUPED_TILE_FEW
+    current = da._FP8_GROUPED_TILES
     configs = [] if opts.quick else SWEEP
     for hq in opts.hq:
         print(f"\nHq={hq} Hkv=8 D=128, TB/s of K/V read")
@@ -113,16 +128,16 @@ def main() -> None:
         for name, which in (("bf16, rows", 0), ("fp8, rows", 1), ("fp8, grouped (engine's)", 2)):
             row(name, [f"{tbps(c[which], c[3]):14.2f}" for c in cases])
         for tile in configs:
-            da._FP8_GROUPED_TILE = da._FP8_GROUPED_TILE_FEW = tile
+            da._FP8_GROUPED_TILES = ((1 << 62, tile),)  # this tile at every batch size
             cells = []
             for c in cases:
                 try:
                     cells.append(f"{tbps(c[2], c[3]):14.2f}")
                 except Exception as e:  # a config past the shared memory or registers
                     cells.append(type(e).__name__[:13].rjust(14))
-            mark = " *" if tile in (current, few) else ""
+            mark = " *" if tile in [t for _, t in current] else ""
             row(f"fp8, grouped {tile[0]:>3} x {tile[1]} x {tile[2]}{mark}", cells)
-        da._FP8_GROUPED_TILE, da._FP8_GROUPED_TILE_FEW = current, few
+        da._FP8_GROUPED_TILES = current
         del cases
         torch.cuda.empty_cache()
 

@@ -75,6 +75,7 @@ for step in "${@:-kernels engine w1 w2}"; do
       fp8-accuracy) tests tests/engine/test_fp8_gpu.py -s
            grep "^|\|prompts," "$OUT/$s.log" ;;
       fp8-decode) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --hq 16 2>&1 | tail -14 ;;
+      fp8-decode-mix) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --hq 16 --mix 2>&1 | tail -14 ;;
       w1-fp8) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
                 --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' --json "$OUT/w1-fp8.json" 2>&1 | grep "^|" ;;
       w2-fp8) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \

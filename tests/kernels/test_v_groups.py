@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.decode_attention as decode_module
 from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.extend_attention import extend_attention, extend_attention_ref
 from kernels.kv_store import store_kv, store_kv_reference
@@ -114,8 +115,11 @@ def test_decode_over_grouped_fp8_v(fp8):
     )  # fmt: skip
 
 
-def test_decode_over_grouped_fp8_v_float16():
-    """float16 q (the tiles converted to q's dtype for tl.dot), G == 1, the graph launch."""
+@pytest.mark.parametrize("tile", [(16, 1, 1), (32, 2, 1), (128, 1, 2)], ids=str)
+def test_decode_over_grouped_fp8_v_float16(tile, monkeypatch):
+    """float16 q (the tiles converted to q's dtype for tl.dot), G == 1, the graph launch, at
+    each tile size the GPU's batch sizes pick (_FP8_GROUPED_TILES; a 16-bit q selects them)."""
+    monkeypatch.setattr(decode_module, "_FP8_GROUPED_TILES", ((1 << 62, tile),))
     batch = make_decode_batch([1, 33, 130], 2, 2, 64, dtype=torch.float16, seed=52)
     quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.02, v_scale=0.5)
     check_against_dequantized(
