@@ -386,17 +386,18 @@ def _decode_stage1(
 
 
 @triton.jit
-def _merge_split(m, l_sum, acc, mo, ml, col, stride_mos, mask_d):
-    """Scratch column ``col`` of a (request, head), a written split, folded into stage 2's
-    running merge: max ``m``, sum ``l_sum``, output ``acc`` (all log2 units, as stage 1)."""
-    lse = tl.load(ml + col)
-    o = tl.load(mo + col * stride_mos, mask=mask_d, other=0.0)
-    m_new = tl.maximum(m, lse)
-    alpha = tl.exp2(m - m_new)  # exp2(-inf) = 0 on the first split
-    w = tl.exp2(lse - m_new)
-    acc = acc * alpha + w * o
-    l_sum = l_sum * alpha + w
-    return m_new, l_sum, acc
+def _written_columns(mo, ml, first, written, stride_mos, offs_d, mask_d, COLS: tl.constexpr):
+    """Scratch columns ``first + [0, COLS)`` of a (request, head) where ``written`` ([COLS]):
+    their log2-sum-exps ([COLS], -inf elsewhere) and partial outputs ([COLS, BLOCK_D], 0
+    elsewhere), every load issued at once."""
+    cols = first + tl.arange(0, COLS)
+    lse = tl.load(ml + cols, mask=written, other=float("-inf"))
+    o = tl.load(
+        mo + cols[:, None] * stride_mos + offs_d[None, :],
+        mask=written[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    return lse, o
 
 
 @triton.jit
@@ -438,19 +439,19 @@ def _decode_stage2(
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    mo = MidO + b.to(tl.int64) * stride_mob + h * stride_moh + offs_d
+    mo = MidO + b.to(tl.int64) * stride_mob + h * stride_moh
     ml = MidLse + b.to(tl.int64) * stride_mlb + h * stride_mlh
 
-    m = float("-inf")
-    l_sum = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    # A compile-time trip count (one compilation for any split count up to MAX_SPLITS; also
-    # the interpreter, see stage 1); splits past num_kv_splits or past the tokens stage 1
-    # walked (seq_len, or the suffix with HAS_PREFIX) are skipped, the scratch of an empty
-    # split was never written.
-    for s in range(0, MAX_SPLITS):
-        if (s < num_kv_splits) & (s * split_len < suffix_len):
-            m, l_sum, acc = _merge_split(m, l_sum, acc, mo, ml, s, stride_mos, mask_d)
+    # NOTE: the splits stage 1 wrote are known from the lengths alone (the scratch of an empty
+    # split was never written): splits past num_kv_splits or past the tokens stage 1 walked
+    # (seq_len, or the suffix with HAS_PREFIX) are masked out. All columns load at once, as
+    # vectors of MAX_SPLITS (a compile-time size: one compilation for any split count up to it,
+    # also under the interpreter), and merge in one pass: a loop over the splits would wait on
+    # each split's loads in turn.
+    offs_s = tl.arange(0, MAX_SPLITS)
+    written = (offs_s < num_kv_splits) & (offs_s * split_len < suffix_len)
+    lse, o = _written_columns(mo, ml, 0, written, stride_mos, offs_d, mask_d, MAX_SPLITS)
+    m = tl.max(lse, axis=0)
     if HAS_PREFIX:
         # The shared-prefix stage's splits follow the suffix splits in the scratch; which ones
         # were written follows from the prefix length alone (that stage sizes its splits from
@@ -459,10 +460,20 @@ def _decode_stage2(
         prefix_split_len = _split_len(
             prefix_len, num_prefix_splits, prefix_min_split_len, PREFIX_BLOCK_N
         )
-        for p in range(0, MAX_PREFIX_SPLITS):
-            if (p < num_prefix_splits) & (p * prefix_split_len < prefix_len):
-                col = num_kv_splits + p
-                m, l_sum, acc = _merge_split(m, l_sum, acc, mo, ml, col, stride_mos, mask_d)
+        offs_p = tl.arange(0, MAX_PREFIX_SPLITS)
+        written_p = (offs_p < num_prefix_splits) & (offs_p * prefix_split_len < prefix_len)
+        lse_p, o_p = _written_columns(
+            mo, ml, num_kv_splits, written_p, stride_mos, offs_d, mask_d, MAX_PREFIX_SPLITS
+        )
+        m = tl.maximum(m, tl.max(lse_p, axis=0))
+    m = tl.where(m == float("-inf"), 0.0, m)  # no split written (seq_len 0): all weights 0
+    w = tl.exp2(lse - m)  # 0 where not written
+    l_sum = tl.sum(w, axis=0)
+    acc = tl.sum(w[:, None] * o, axis=0)
+    if HAS_PREFIX:
+        w_p = tl.exp2(lse_p - m)
+        l_sum += tl.sum(w_p, axis=0)
+        acc += tl.sum(w_p[:, None] * o_p, axis=0)
 
     # seq_len == 0 (e.g. a padding row of a fixed-size batch) gives zeros, not NaN.
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)  # acc is 0 there too
