@@ -113,12 +113,17 @@ def main() -> None:
     )
     parser.add_argument("--hq", type=int, nargs="+", default=[16, 32], help="query heads (Hkv 8)")
     parser.add_argument("--mix", action="store_true", help="batches of mixed lengths, 16 to 256")
+    parser.add_argument(
+        "--grid", action="store_true", help="16 split programs or 4 (lengths <= 2048)"
+    )
     opts = parser.parse_args()
     global SHAPES
     if opts.mix:
         SHAPES = MIXES
     if opts.splits:
         return sweep_split_tokens(opts.hq)
+    if opts.grid:
+        return compare_split_grids(opts.hq)
     current = da._FP8_GROUPED_TILES
     configs = [] if opts.quick else SWEEP
     for hq in opts.hq:
@@ -140,6 +145,20 @@ def main() -> None:
         da._FP8_GROUPED_TILES = current
         del cases
         torch.cuda.empty_cache()
+
+
+def compare_split_grids(hqs: list[int]) -> None:
+    """What the graph launch's empty split programs cost: its 16 split programs per (request,
+    kv head) against 4, which cover every request of up to 2048 tokens at 512 tokens a split."""
+    for hq in hqs:
+        print(f"\nHq={hq} Hkv=8 D=128, TB/s of K/V read, split programs per (request, kv head)")
+        row("cache, split programs", [f"B={b},L={n}".rjust(14) for b, n in MIXES])
+        cases = [case(b, n, hq) for b, n in MIXES]
+        for name, which in (("bf16", 0), ("fp8 grouped", 2)):
+            for grid in (16, 4):
+                extra = {} if grid == 16 else {"num_kv_splits": 4, "min_split_tokens": 512}
+                cells = [f"{tbps(dict(c[which], **extra), c[3]):14.2f}" for c in cases]
+                row(f"{name}, {grid}", cells)
 
 
 def sweep_split_tokens(hqs: list[int]) -> None:
