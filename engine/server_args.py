@@ -202,11 +202,11 @@ class ServerArgs:
         """Whether the KV pool stores V token-major in groups of 16 slots (kernels/v_groups.py):
         for a float8 cache on the triton backend, whose float8 V tiles reach the tensor cores
         that way without a transposing copy; it needs pages of whole groups."""
-        return (
-            self.kv_cache_dtype != "auto"
-            and self.attention_backend == "triton"
-            and self.page_size % GROUPED_V_PAGE == 0
-        )
+        return self._float8_on_triton and self.page_size % GROUPED_V_PAGE == 0
+
+    @property
+    def _float8_on_triton(self) -> bool:
+        return self.kv_cache_dtype != "auto" and self.attention_backend == "triton"
 
     @property
     def lora_enabled(self) -> bool:
@@ -236,8 +236,8 @@ class ServerArgs:
             gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton")
             object.__setattr__(self, "attention_backend", "triton" if gpu else "torch")
         if self.page_size is None:
-            fp8_triton = self.kv_cache_dtype != "auto" and self.attention_backend == "triton"
-            object.__setattr__(self, "page_size", GROUPED_V_PAGE if fp8_triton else 1)
+            page = GROUPED_V_PAGE if self._float8_on_triton else 1
+            object.__setattr__(self, "page_size", page)
         if self.cuda_graph_max_bs is None:
             bs = min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_request_rows)
             object.__setattr__(self, "cuda_graph_max_bs", bs)

@@ -72,7 +72,7 @@ from kernels.kv_fp8 import (
     load_fp8_rows_as_fp16,
     scales_arg,
 )
-from kernels.v_groups import gather, load_vt_tile
+from kernels.v_groups import gather, is_grouped, load_vt_tile
 
 _LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 16
@@ -566,13 +566,12 @@ def _check_and_prepare(
     with unit last-dimension strides, ``out`` allocated when not given."""
     B, Hq, D = q.shape
     num_slots, Hkv, Dk = k_buffer.shape
-    grouped = (num_slots // 16, Hkv, D, 16)  # kernels/v_groups.py
-    assert Dk == D and v_buffer.shape in (k_buffer.shape, grouped), "v: [slots, Hkv, D] or grouped"
+    assert Dk == D, "k buffer must be [slots, Hkv, D]"
+    is_grouped(k_buffer, v_buffer)  # rows as k, or grouped (kernels/v_groups.py)
     assert v_buffer.dtype == k_buffer.dtype, "k/v buffers must have one dtype"
     assert k_buffer.dtype == q.dtype or is_fp8(k_buffer.dtype), "a cache of q's dtype, or float8"
     # a float8 V tile is read as 16-bit pairs (kernels/kv_fp8.py: load_fp8_rows_as_fp16)
     assert not is_fp8(k_buffer.dtype) or q.shape[-1] % 2 == 0, "float8 cache: even head_dim"
-    assert v_buffer.dim() == 3 or v_buffer.is_contiguous(), "a grouped V buffer is contiguous"
     assert Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert req_to_token.dim() == 2 and req_pool_indices.shape == (B,) and seq_lens.shape == (B,)
     q, k_buffer, v_buffer, req_to_token = map(

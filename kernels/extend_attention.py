@@ -38,7 +38,7 @@ from kernels.kv_fp8 import (
     load_fp8_rows_as_fp16,
     scales_arg,
 )
-from kernels.v_groups import gather, load_vt_tile
+from kernels.v_groups import gather, is_grouped, load_vt_tile
 
 # exp2 is the native instruction on the GPU; fold log2(e) into the score scale once per tile
 # instead of multiplying inside exp().
@@ -336,11 +336,8 @@ def extend_attention(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
-    grouped = v_buffer.dim() == 4  # kernels/v_groups.py
-    group_shape = (k_buffer.shape[0] // 16, num_kv_heads, head_dim, 16)
     assert k_buffer.shape[2] == head_dim
-    assert v_buffer.shape == (group_shape if grouped else k_buffer.shape), "v: rows or grouped"
-    assert not grouped or v_buffer.is_contiguous(), "a grouped V buffer is contiguous"
+    grouped = is_grouped(k_buffer, v_buffer)  # rows as k, or grouped (kernels/v_groups.py)
     assert num_q_heads % num_kv_heads == 0, "GQA needs Hq to be a multiple of Hkv"
     assert v_buffer.dtype == k_buffer.dtype, "k/v buffers must have one dtype"
     kv_fp8 = is_fp8(k_buffer.dtype)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_fp8 import fp8_max, is_fp8, quantize, scales_arg
-from kernels.v_groups import grouped_shape, scatter
+from kernels.v_groups import is_grouped, scatter
 
 
 @triton.jit
@@ -82,12 +82,8 @@ def _check(k_buffer, v_buffer, slots, k, v):
         raise ValueError(
             f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)}"
         )
-    v_rows = v_buffer.shape if v_buffer.dim() == 3 else (k_buffer.shape[0], *v_buffer.shape[1:3])
-    if v_buffer.dim() == 4 and v_buffer.shape != grouped_shape(*k_buffer.shape):
-        raise ValueError(
-            f"grouped V buffer {tuple(v_buffer.shape)} does not fit {tuple(k_buffer.shape)}"
-        )
-    if k_buffer.shape[1:] != k.shape[1:] or tuple(v_rows[1:]) != k.shape[1:]:
+    is_grouped(k_buffer, v_buffer)  # rows as k, or grouped (kernels/v_groups.py)
+    if k_buffer.shape[1:] != k.shape[1:]:
         raise ValueError(
             f"buffers {tuple(k_buffer.shape)}, {tuple(v_buffer.shape)} do not fit k {tuple(k.shape)}"
         )
@@ -109,9 +105,7 @@ def store_kv(
     _check(k_buffer, v_buffer, slots, k, v)
     if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
         raise ValueError("the K/V buffers need a unit stride in the last dim")
-    grouped = v_buffer.dim() == 4
-    if grouped and not v_buffer.is_contiguous():
-        raise ValueError("a grouped V buffer must be contiguous")
+    grouped = is_grouped(k_buffer, v_buffer)
     T, num_heads, head_dim = k.shape
     if T == 0:
         return

@@ -37,6 +37,23 @@ def grouped_shape(num_slots: int, num_heads: int, head_dim: int) -> tuple[int, i
     return (num_slots // GROUP, num_heads, head_dim, GROUP)
 
 
+def is_grouped(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
+    """Whether ``v_buffer`` is grouped (True) or in rows as ``k_buffer`` [num_slots, H, D] is
+    (False); the kernels take their layout from this. ValueError for any other shape, or for a
+    grouped buffer that is not contiguous (the kernels step over it by its shape)."""
+    if v_buffer.shape == k_buffer.shape:
+        return False
+    if v_buffer.dim() == 4 and k_buffer.shape[0] % GROUP == 0:
+        if v_buffer.shape == grouped_shape(*k_buffer.shape):
+            if not v_buffer.is_contiguous():
+                raise ValueError("a grouped V buffer must be contiguous")
+            return True
+    raise ValueError(
+        f"V buffer {tuple(v_buffer.shape)} is neither K's rows {tuple(k_buffer.shape)} nor "
+        f"their groups of {GROUP}"
+    )
+
+
 def to_grouped(v: torch.Tensor) -> torch.Tensor:
     """[num_slots, H, D] rows -> the grouped layout [num_slots // GROUP, H, D, GROUP]."""
     S, H, D = v.shape
@@ -62,6 +79,8 @@ def load_vt_tile(
     GROUP) of a grouped buffer (``v_head``: its pointer at this kv head), one slot lookup per
     group. Groups that start at or past ``end`` load zeros; the rest load whole (module NOTE).
     Rows past HEAD_DIM are 0."""
+    # NOTE: 16 is GROUP (a Python int is no constexpr inside a kernel); so in the kernels that
+    # take a grouped buffer
     NUM_GROUPS: tl.constexpr = BLOCK_N // 16
     first = n0 + tl.arange(0, NUM_GROUPS) * 16
     live = first < end

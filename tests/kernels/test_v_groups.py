@@ -18,7 +18,7 @@ from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.extend_attention import extend_attention, extend_attention_ref
 from kernels.kv_store import store_kv, store_kv_reference
 from kernels.shared_prefix_attention import shared_prefix_decode_attention
-from kernels.v_groups import GROUP, gather, grouped_shape, scatter, to_grouped
+from kernels.v_groups import GROUP, gather, grouped_shape, is_grouped, scatter, to_grouped
 from tests.kernels.conftest import DEVICE, rel_err
 from tests.kernels.test_decode_attention import make_batch as make_decode_batch
 from tests.kernels.test_extend_attention import make_batch as make_extend_batch
@@ -69,6 +69,25 @@ def test_grouped_layout_reads_and_writes_the_rows_it_names():
     assert torch.equal(vg, to_grouped(rows))
     with pytest.raises(ValueError, match="whole groups of 16"):
         grouped_shape(40, 3, 8)
+
+
+def test_kernels_refuse_a_v_buffer_in_neither_layout():
+    """Rows as K, or K's rows in groups: anything else is named, never read as one of them."""
+    k = torch.zeros(4 * GROUP, 2, 8)
+    assert not is_grouped(k, torch.zeros_like(k))
+    assert is_grouped(k, torch.zeros(grouped_shape(*k.shape)))
+    for wrong in (torch.zeros(4 * GROUP, 2, 16), torch.zeros(4, 2, 8, 8), torch.zeros(2, 2, 8, 16)):
+        with pytest.raises(ValueError, match="neither K's rows"):
+            is_grouped(k, wrong)
+    strided = torch.zeros(2, 4, 8, GROUP).transpose(0, 1)  # [4, 2, 8, 16], not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        is_grouped(k, strided)
+    with pytest.raises(ValueError, match="neither K's rows"):
+        store_kv(k, torch.zeros(4, 2, 8, 8), torch.arange(3), k[:3], k[:3])
+    from engine.memory.kv_pool import KVPool
+
+    with pytest.raises(ValueError, match="page_size a multiple of 16"):
+        KVPool(4, 8, 1, 2, 8, torch.float8_e4m3fn, torch.device("cpu"), grouped_v=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, E4M3], ids=["fp32", "e4m3"])
