@@ -23,10 +23,10 @@ each program would walk thousands of tokens alone. So the sequence is also split
 
 Scores use ``exp2`` with ``scaling * log2(e)`` folded into one multiply (cheaper than ``exp``).
 
-q·kᵀ and p·v: ``tl.dot`` needs at least 16 rows, and a GQA group has 1 to 8 query heads for
-most models, so the dot path pads the group to ``BLOCK_H = max(16, next_pow2(G))`` rows (the
-padding rows load zeros and are never stored; the tensor cores have compute to spare in a
-memory-bound kernel). The broadcast path (multiply, then reduce over D or over the tile) needs
+q·kᵀ and p·v: the tensor cores' smallest product has 16 rows, and a GQA group has 1 to 8
+query heads for most models, so the dot path pads the group to ``BLOCK_H = max(16,
+next_pow2(G))`` rows (the padding rows load zeros and are never stored; the tensor cores have
+compute to spare in a memory-bound kernel; packed heads, below, fill them). The broadcast path (multiply, then reduce over D or over the tile) needs
 no padding but holds a ``[BLOCK_H, BLOCK_N, BLOCK_D]`` product in registers; on an H100 (bf16,
 D=128, CUDA graphs) it reached about 1.1 TB/s for G == 1 against 2.7-3.0 TB/s for the padded
 dot, and 0.5-0.7 TB/s for G == 4, so the dot path is the default for every G and the broadcast
@@ -55,6 +55,19 @@ program loads the two scales once; the dot path converts each K/V tile and q to 
 normalisation, so no element is multiplied by a scale.
 The broadcast path widens to float32 as always. A cache of q's dtype compiles without any of
 it (``KV_FP8`` is a constexpr) and never reads the scales.
+
+Packed heads (``HEADS`` > 1; a float8 cache with V grouped, kernels/v_groups.py). A group of 2
+query heads fills 2 of a dot's 16 rows, so most of each tile's softmax work (scale, max, exp2,
+sum, the accumulator's rescale: per row and token) is spent on padding, and a float8 tile,
+twice the tokens per byte of a 16-bit one, pays it twice per byte. A stage-1 program therefore
+reads HEADS consecutive kv heads at once: the K tile is ``[BLOCK_N, HEADS * D]`` (each token's
+head vectors side by side, contiguous in the pool), q is block-diagonal (row r holds its head
+in its own kv head's D columns, zeros elsewhere), so ``q · kᵀ`` gives every row the scores of
+its own head; p is spread block-diagonally over the V tiles side by side in the same way. The
+dots do the same tensor-core work as HEADS programs of padded rows; the per-row work falls by
+HEADS, and the rows need no padding to 16 (``BLOCK_H = next_pow2(G * HEADS)``). An H100 read
+W1-like batches 5-8% faster with two heads than with one (``_PACKED_HEADS``); a packed program
+walks 1/HEADS of the tokens per split (``_min_split_len``: the same bytes).
 """
 
 from __future__ import annotations
@@ -72,7 +85,7 @@ from kernels.kv_fp8 import (
     load_fp8_rows_as_fp16,
     scales_arg,
 )
-from kernels.v_groups import gather, is_grouped, load_vt_tile
+from kernels.v_groups import gather, is_grouped, load_vt_heads, load_vt_tile
 
 _LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 16
@@ -110,6 +123,15 @@ _FP8_DOT_NUM_STAGES = 3
 # within 5% of the best of 9 settings, against 0.97 1.22 1.74 1.86 1.99 2.06 2.10 with V in rows.
 # Fewer, longer programs want more warps each; at B=256 the 4-warp 64-token tile read 2.00.
 _FP8_GROUPED_TILES = ((256, (128, 3, 2)), (1024, (64, 3, 2)), (1 << 62, (32, 3, 1)))
+# The same, two kv heads a program (module docstring: packed heads), when the rows of both
+# groups fit _PACKED_MAX_ROWS: (tokens per tile, stages, warps). scripts/bench_fp8_decode.py
+# --mix on an H100 (2026-11-27, Hq 16 / Hkv 8, D 128, graph launch), TB/s of float8 K/V for
+# B = 16 / 32 / 64 / 96 / 128 / 192 / 256: 1.10 1.46 1.97 2.11 2.30 2.43 2.49, against one head
+# a program (_FP8_GROUPED_TILES) 1.04 1.42 1.82 1.96 2.19 2.30 2.35; four heads a program
+# (8 rows) read 2-8% less than two, eight (16 rows) 10-40% less.
+_PACKED_HEADS = 2
+_PACKED_MAX_ROWS = 8
+_FP8_PACKED_TILE = (64, 3, 2)
 
 
 @triton.jit
@@ -137,7 +159,10 @@ def _stage1_tile(
     k_head,
     v_head,
     stride_kn,
+    stride_kh,
     stride_vn,
+    stride_vh,
+    row_head,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -146,11 +171,15 @@ def _stage1_tile(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     V_GROUPED: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
     """One [BLOCK_N] tile of tokens n0.. (< end) folded into the online softmax of a head group.
     With KV_FP8 the tile holds k / k_scale and v / v_scale (the caller folds the scales in).
     With V_GROUPED, V is a grouped buffer (kernels/v_groups.py; ``stride_vn`` its group stride),
-    n0 is a multiple of 16, and tokens before ``lo`` (the range's first) are masked."""
+    n0 is a multiple of 16, and tokens before ``lo`` (the range's first) are masked.
+    HEADS > 1 (packed heads, module docstring): the tile holds HEADS kv heads from ``k_head`` /
+    ``v_head`` (``stride_kh`` / ``stride_vh`` apart), q is block-diagonal over them, and row r
+    belongs to head ``row_head[r]`` of them; else both are unused."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     tok = n0 + offs_n
@@ -159,8 +188,15 @@ def _stage1_tile(
         mask_n = mask_n & (tok >= lo)
     slots = tl.load(slot_row + tok, mask=mask_n, other=0).to(tl.int64)
     kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-    # [BLOCK_N, BLOCK_D]: each row is one token's contiguous head vector (coalesced).
-    k = tl.load(k_head + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    if HEADS == 1:
+        # [BLOCK_N, BLOCK_D]: each row is one token's contiguous head vector (coalesced).
+        k = tl.load(k_head + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        # [BLOCK_N, HEADS * BLOCK_D]: a token's HEADS head vectors side by side
+        offs_c = tl.arange(0, HEADS * BLOCK_D)
+        cols = (offs_c // BLOCK_D) * stride_kh + offs_c % BLOCK_D
+        k_mask = mask_n[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :]
+        k = tl.load(k_head + slots[:, None] * stride_kn + cols[None, :], mask=k_mask, other=0.0)
     if USE_DOT:
         if KV_FP8:
             k = k.to(q.dtype)  # exact; float16 (fp16_dot_operand), float32 in kernel tests
@@ -177,7 +213,18 @@ def _stage1_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    if V_GROUPED:
+    if HEADS > 1:
+        # vᵀ of the HEADS heads side by side, [BLOCK_D, HEADS * BLOCK_N], and p block-diagonal
+        # over them, [rows, HEADS * BLOCK_N]: a row's own head's tokens, zeros elsewhere
+        vt = load_vt_heads(
+            v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS
+        )
+        if KV_FP8:
+            vt = vt.to(q.dtype)  # as k
+        own = tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None]
+        pb = tl.reshape(tl.where(own, p[:, None, :], 0.0), [p.shape[0], HEADS * BLOCK_N])
+        pv = tl.dot(pb.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
+    elif V_GROUPED:
         # vᵀ [BLOCK_D, BLOCK_N], tokens contiguous: into the dot as k is, no transposing copy
         vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
         if USE_DOT:
@@ -242,8 +289,10 @@ def _attend_split(
     USE_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
     V_GROUPED: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
-    """Attention of ROWS query rows over tokens [start, end) (start < end) of kv head ``kvh``,
+    """Attention of ROWS query rows over tokens [start, end) (start < end) of kv head ``kvh``
+    (of kv heads ``kvh ..`` with HEADS > 1: row r then is head ``kvh * G + group_rows[r]``),
     the work of one stage-1 program (one request's GQA group) or of one shared-prefix program
     (the groups of an item's members): an online softmax over [BLOCK_N, BLOCK_D] K/V tiles,
     then each row's normalised partial output and log2-sum-exp to scratch column ``col``, all
@@ -257,11 +306,23 @@ def _attend_split(
     # The [ROWS, BLOCK_D] pointers take per-row requests as a column; a scalar broadcasts.
     req_col = req[:, None] if REQ_PER_ROW else req
     row_d_mask = row_mask[:, None] & mask_d[None, :]
-    q = tl.load(
-        Q + req_col * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=row_d_mask,
-        other=0.0,
-    )  # [ROWS, BLOCK_D]; absent rows are 0: finite scores, never stored
+    row_head = group_rows // G  # a row's kv head among the HEADS (0 with one)
+    if HEADS == 1:
+        q = tl.load(
+            Q + req_col * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=row_d_mask,
+            other=0.0,
+        )  # [ROWS, BLOCK_D]; absent rows are 0: finite scores, never stored
+    else:
+        # [ROWS, HEADS * BLOCK_D], block-diagonal: row r's q in its kv head's columns, so its
+        # scores against the tile's side-by-side heads are those with its own head
+        offs_c = tl.arange(0, HEADS * BLOCK_D)
+        own = (offs_c // BLOCK_D)[None, :] == row_head[:, None]
+        q = tl.load(
+            Q + req_col * stride_qb + heads[:, None] * stride_qh + (offs_c % BLOCK_D)[None, :],
+            mask=own & row_mask[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :],
+            other=0.0,
+        )
     if KV_FP8 and USE_DOT:
         q = fp16_dot_operand(q)  # the K/V tiles convert to float16 (kernels/kv_fp8.py)
 
@@ -291,7 +352,10 @@ def _attend_split(
             k_head,
             v_head,
             stride_kn,
+            stride_kh,
             stride_vn,
+            stride_vh,
+            row_head,
             qk_scale,
             HEAD_DIM,
             BLOCK_N,
@@ -300,6 +364,7 @@ def _attend_split(
             DOT_PRECISION,
             KV_FP8,
             V_GROUPED,
+            HEADS,
         )
 
     mo = (
@@ -355,9 +420,10 @@ def _decode_stage1(
     HAS_START: tl.constexpr,
     KV_FP8: tl.constexpr,
     V_GROUPED: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) * HEADS  # the first of the program's kv heads
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -373,15 +439,17 @@ def _decode_stage1(
 
     if start < end:  # empty splits (short requests) write nothing; stage 2 skips them
         row = tl.load(ReqPoolIdx + b).to(tl.int64)
-        # Rows past the group only pad the tile to tl.dot's 16 rows (module docstring).
+        # Rows past the HEADS groups only pad the tile to a power of 2, or to 16 rows for tl.dot
+        # with one head (module docstring).
         offs_g = tl.arange(0, BLOCK_H)
         _attend_split(
             Q, K, V, KVScales, ReqToToken, MidO, MidLse, qk_scale,
-            b.to(tl.int64), offs_g, offs_g < G, row, kvh, split, start, end,
+            b.to(tl.int64), offs_g, offs_g < G * HEADS, row, kvh, split, start, end,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
             ROWS=BLOCK_H, REQ_PER_ROW=False, USE_DOT=USE_DOT, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED,
+            HEADS=HEADS,
         )  # fmt: skip
 
 
@@ -516,6 +584,7 @@ class _Tiles:
     kv_fp8: int  # a float8 cache (module docstring): kernels/kv_fp8.py kv_fp8_mode
     v_grouped: bool  # V in groups of 16 token-major slots (kernels/v_groups.py)
     num_warps: int = _NUM_WARPS
+    heads: int = 1  # kv heads a stage-1 program reads side by side (packed heads)
 
 
 def _tiles(
@@ -525,12 +594,23 @@ def _tiles(
     BLOCK_D = max(16, triton.next_power_of_2(D))
     num_stages, num_warps = _SMALL_NUM_STAGES, _NUM_WARPS
     kv_fp8 = kv_fp8_mode(kv_dtype, q.device)
+    heads = 1
     if use_dot:
         BLOCK_H = max(16, triton.next_power_of_2(group))
         BLOCK_N = _SMALL_BLOCK_N
         if q.element_size() <= 2 and BLOCK_D <= 128:
             BLOCK_N, num_stages = _DOT_BLOCK_N, _DOT_NUM_STAGES
-            if kv_fp8 and v_grouped:
+            packable = (
+                _PACKED_HEADS > 1
+                and (q.shape[1] // group) % _PACKED_HEADS == 0
+                and group * _PACKED_HEADS <= _PACKED_MAX_ROWS
+                and BLOCK_D == D  # the heads' columns side by side, no gaps
+            )
+            if kv_fp8 and v_grouped and packable:
+                heads = _PACKED_HEADS
+                BLOCK_H = triton.next_power_of_2(group * heads)
+                BLOCK_N, num_stages, num_warps = _FP8_PACKED_TILE
+            elif kv_fp8 and v_grouped:
                 pairs = q.shape[0] * (q.shape[1] // group)
                 tile = next(t for bound, t in _FP8_GROUPED_TILES if pairs < bound)
                 BLOCK_N, num_stages, num_warps = tile
@@ -544,8 +624,25 @@ def _tiles(
     # 16-bit inputs, whose products are exact in the fp32 accumulator anyway.
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     return _Tiles(
-        BLOCK_H, BLOCK_N, BLOCK_D, num_stages, use_dot, dot_precision, kv_fp8, v_grouped, num_warps
+        BLOCK_H,
+        BLOCK_N,
+        BLOCK_D,
+        num_stages,
+        use_dot,
+        dot_precision,
+        kv_fp8,
+        v_grouped,
+        num_warps,
+        heads,
     )
+
+
+def _min_split_len(min_split_tokens: int | None, tiles: _Tiles) -> int:
+    """Stage 1's least tokens per split, in whole tiles: ``min_split_tokens`` tokens of one kv
+    head, so a program that reads ``tiles.heads`` heads walks that many times fewer tokens
+    (the same bytes)."""
+    tokens = triton.cdiv(min_split_tokens or 0, tiles.heads)
+    return triton.cdiv(tokens, tiles.BLOCK_N) * tiles.BLOCK_N
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -622,7 +719,7 @@ def _launch_stage1(
     each request walks only ``[start_lens[b], seq_lens[b])``."""
     B, Hq, D = q.shape
     Hkv = k_buffer.shape[1]
-    _decode_stage1[(B, Hkv, num_kv_splits)](
+    _decode_stage1[(B, Hkv // tiles.heads, num_kv_splits)](
         q,
         k_buffer,
         v_buffer,
@@ -658,6 +755,7 @@ def _launch_stage1(
         HAS_START=start_lens is not None,
         KV_FP8=tiles.kv_fp8,
         V_GROUPED=tiles.v_grouped,
+        HEADS=tiles.heads,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -752,7 +850,7 @@ def decode_attention(
     if use_dot is None:
         use_dot = True  # measured faster for every G, G == 1 included (module docstring)
     tiles = _tiles(q, Hq // Hkv, use_dot, k_buffer.dtype, v_buffer.dim() == 4)
-    min_split_len = triton.cdiv(min_split_tokens or 0, tiles.BLOCK_N) * tiles.BLOCK_N
+    min_split_len = _min_split_len(min_split_tokens, tiles)
 
     mid_o = torch.empty((B, Hq, num_kv_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B, Hq, num_kv_splits), dtype=torch.float32, device=q.device)

@@ -81,6 +81,7 @@ from kernels.decode_attention import (
     _kv_split_plan,
     _launch_stage1,
     _launch_stage2,
+    _min_split_len,
     _split_len,
     _tiles,
 )
@@ -171,6 +172,7 @@ def _prefix_stage(
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
             ROWS=BLOCK_M, REQ_PER_ROW=True, USE_DOT=True, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED,
+            HEADS=1,
         )  # fmt: skip
 
 
@@ -245,7 +247,7 @@ def shared_prefix_decode_attention(
 
     tiles = _tiles(q, G, use_dot=True, kv_dtype=k_buffer.dtype, v_grouped=v_buffer.dim() == 4)
     scales = scales_arg(kv_scales, k_buffer.dtype, q)
-    min_split_len = triton.cdiv(min_split_tokens or 0, tiles.BLOCK_N) * tiles.BLOCK_N
+    min_split_len = _min_split_len(min_split_tokens, tiles)
     BLOCK_M = max(16, triton.next_power_of_2(item_size * G))
     PREFIX_BLOCK_N, prefix_stages = tiles.BLOCK_N, tiles.num_stages
     if q.element_size() <= 2 and tiles.BLOCK_D <= 128:

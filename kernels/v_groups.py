@@ -92,3 +92,29 @@ def load_vt_tile(
     # 16-byte vector (a per-token mask would cost a load instruction per byte)
     mask = live[None, :, None] & (offs_d < HEAD_DIM)[:, None, None]
     return tl.reshape(tl.load(ptrs, mask=mask, other=0.0), [BLOCK_D, BLOCK_N])
+
+
+@triton.jit
+def load_vt_heads(
+    v_head, slot_row, n0, end, stride_vg, stride_vh, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr,
+):  # fmt: skip
+    """load_vt_tile for HEADS consecutive kv heads from ``v_head`` (``stride_vh`` apart), side by
+    side: [BLOCK_D, HEADS * BLOCK_N], column ``h * BLOCK_N + n`` token ``n0 + n`` of head h.
+    (load_vt_tile's NOTEs hold here too.)"""
+    NUM_GROUPS: tl.constexpr = BLOCK_N // 16
+    first = n0 + tl.arange(0, NUM_GROUPS) * 16
+    live = first < end
+    group = tl.load(slot_row + first, mask=live, other=0).to(tl.int64) // 16
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_h = tl.arange(0, HEADS)
+    offs_j = tl.arange(0, 16)
+    ptrs = (
+        v_head
+        + offs_d[:, None, None, None] * 16
+        + offs_h[None, :, None, None] * stride_vh
+        + group[None, None, :, None] * stride_vg
+        + offs_j[None, None, None, :]
+    )
+    mask = live[None, None, :, None] & (offs_d < HEAD_DIM)[:, None, None, None]
+    return tl.reshape(tl.load(ptrs, mask=mask, other=0.0), [BLOCK_D, HEADS * BLOCK_N])

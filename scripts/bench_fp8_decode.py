@@ -1,6 +1,6 @@
 """Tune decode attention over a float8 KV cache on the GPU: stage 1's tokens per tile, pipeline
-depth and warps for V grouped (kernels/decode_attention.py: _FP8_GROUPED_TILES; kernels/
-v_groups.py), next to the bf16 cache and the float8 cache with V in rows (_FP8_DOT_*) at the same
+depth and warps for V grouped (kernels/decode_attention.py: _FP8_PACKED_TILE with two kv heads a
+program, _FP8_GROUPED_TILES with one; kernels/v_groups.py), next to the bf16 cache and the float8 cache with V in rows (_FP8_DOT_*) at the same
 shapes. Prints effective TB/s of K/V bytes read (the float8 cache reads half the bytes, so equal
 TB/s is twice the speed), for the launch the engine's CUDA graphs replay (no lengths:
 MAX_KV_SPLITS splits of at least _GRAPH_SPLIT_TOKENS tokens). The pool is paged as the engine's
@@ -35,7 +35,9 @@ MIXES = [
     (192, "mix"),
     (256, "mix"),
 ]
-# grouped V: BLOCK_N, stages, warps
+# grouped V, two kv heads a program: BLOCK_N, stages, warps
+PACKED_SWEEP = [(64, 3, 2), (32, 3, 1), (64, 3, 1), (128, 3, 2), (32, 3, 2)]
+# grouped V, one kv head a program: BLOCK_N, stages, warps
 SWEEP = [
     (64, 3, 1),
     (32, 3, 1),
@@ -124,27 +126,49 @@ def main() -> None:
         return sweep_split_tokens(opts.hq)
     if opts.grid:
         return compare_split_grids(opts.hq)
-    current = da._FP8_GROUPED_TILES
-    configs = [] if opts.quick else SWEEP
+    current, packed_tile, packed_heads = (
+        da._FP8_GROUPED_TILES,
+        da._FP8_PACKED_TILE,
+        da._PACKED_HEADS,
+    )
     for hq in opts.hq:
         print(f"\nHq={hq} Hkv=8 D=128, TB/s of K/V read")
         row("cache, V layout (tile, stages, warps)", [f"B={b},L={n}".rjust(14) for b, n in SHAPES])
         cases = [case(b, n, hq) for b, n in SHAPES]
         for name, which in (("bf16, rows", 0), ("fp8, rows", 1), ("fp8, grouped (engine's)", 2)):
             row(name, [f"{tbps(c[which], c[3]):14.2f}" for c in cases])
-        for tile in configs:
-            da._FP8_GROUPED_TILES = ((1 << 62, tile),)  # this tile at every batch size
-            cells = []
-            for c in cases:
-                try:
-                    cells.append(f"{tbps(c[2], c[3]):14.2f}")
-                except Exception as e:  # a config past the shared memory or registers
-                    cells.append(type(e).__name__[:13].rjust(14))
-            mark = " *" if tile in [t for _, t in current] else ""
-            row(f"fp8, grouped {tile[0]:>3} x {tile[1]} x {tile[2]}{mark}", cells)
-        da._FP8_GROUPED_TILES = current
+        da._PACKED_HEADS = 1
+        row("fp8, grouped, 1 head a program", [f"{tbps(c[2], c[3]):14.2f}" for c in cases])
+        if not opts.quick:
+            for heads in (2, 4):
+                for tile in PACKED_SWEEP:
+                    da._PACKED_HEADS, da._FP8_PACKED_TILE = heads, tile
+                    mark = " *" if (heads, tile) == (packed_heads, packed_tile) else ""
+                    row(f"fp8, {heads} heads {tile[0]:>3} x {tile[1]} x {tile[2]}{mark}",
+                        sweep_cells(cases))  # fmt: skip
+            da._PACKED_HEADS = 1
+            for tile in SWEEP:
+                da._FP8_GROUPED_TILES = ((1 << 62, tile),)  # this tile at every batch size
+                mark = " *" if tile in [t for _, t in current] else ""
+                row(f"fp8, 1 head {tile[0]:>3} x {tile[1]} x {tile[2]}{mark}", sweep_cells(cases))
+        da._FP8_GROUPED_TILES, da._FP8_PACKED_TILE, da._PACKED_HEADS = (
+            current,
+            packed_tile,
+            packed_heads,
+        )
         del cases
         torch.cuda.empty_cache()
+
+
+def sweep_cells(cases: list) -> list[str]:
+    """The grouped float8 case's TB/s at each shape, with the tiles as they are set now."""
+    cells = []
+    for c in cases:
+        try:
+            cells.append(f"{tbps(c[2], c[3]):14.2f}")
+        except Exception as e:  # a config past the shared memory or registers
+            cells.append(type(e).__name__[:13].rjust(14))
+    return cells
 
 
 def compare_split_grids(hqs: list[int]) -> None:

@@ -137,13 +137,60 @@ def test_decode_over_grouped_fp8_v(fp8):
 @pytest.mark.parametrize("tile", [(16, 1, 1), (32, 2, 1), (128, 1, 2)], ids=str)
 def test_decode_over_grouped_fp8_v_float16(tile, monkeypatch):
     """float16 q (the tiles converted to q's dtype for tl.dot), G == 1, the graph launch, at
-    each tile size the GPU's batch sizes pick (_FP8_GROUPED_TILES; a 16-bit q selects them)."""
+    each tile size the GPU's batch sizes pick for one kv head a program (_FP8_GROUPED_TILES; a
+    16-bit q selects them; packing off)."""
     monkeypatch.setattr(decode_module, "_FP8_GROUPED_TILES", ((1 << 62, tile),))
+    monkeypatch.setattr(decode_module, "_PACKED_HEADS", 1)
+    assert tiles_of(2, 2, 64).heads == 1
     batch = make_decode_batch([1, 33, 130], 2, 2, 64, dtype=torch.float16, seed=52)
     quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.02, v_scale=0.5)
     check_against_dequantized(
         decode_attention, decode_attention_ref, regrouped(quantized), ref_args, TOL_16BIT
     )
+
+
+def tiles_of(hq: int, hkv: int, d: int, kv_dtype=E4M3):
+    """The stage-1 launch shape decode picks for float16 q over a grouped float8 cache."""
+    q = torch.zeros(1, hq, d, dtype=torch.float16)
+    return decode_module._tiles(q, hq // hkv, True, kv_dtype, v_grouped=True)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,heads",
+    [(2, 2, 2), (8, 4, 2), (16, 4, 2), (8, 4, 4), (8, 8, 4)],
+    ids=["G1x2", "G2x2", "G4x2", "G2x4", "G1x4"],
+)
+@pytest.mark.parametrize("num_kv_splits", [3, None], ids=["s3", "graph"])
+def test_decode_packs_kv_heads(hq, hkv, heads, num_kv_splits, monkeypatch):
+    """Several kv heads a stage-1 program (packed heads: q block-diagonal over the heads' K
+    side by side, p over their V): each query head still reads only its own kv head. Rows of
+    2, 4 and 8; lengths off the groups and tiles; fixed splits and the graph launch."""
+    monkeypatch.setattr(decode_module, "_PACKED_HEADS", heads)
+    tiles = tiles_of(hq, hkv, 32)
+    assert (tiles.heads, tiles.BLOCK_H) == (heads, hq // hkv * heads)
+    batch = make_decode_batch([1, 33, 130, 17], hq, hkv, 32, dtype=torch.float16, seed=55)
+    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.02, v_scale=0.5)
+    check_against_dequantized(
+        decode_attention, decode_attention_ref, regrouped(quantized), ref_args, TOL_16BIT,
+        num_kv_splits=num_kv_splits,
+    )  # fmt: skip
+
+
+def test_packing_needs_whole_head_pairs_and_few_rows():
+    """Two heads a program only where the kv heads pair up, the rows fit, and the grouped
+    float8 path runs; a packed program walks half the tokens per split (the same bytes)."""
+    assert tiles_of(16, 8, 128).heads == 2
+    assert tiles_of(32, 8, 128).heads == 2  # G 4: 8 rows
+    assert tiles_of(64, 8, 128).heads == 1  # G 8: 16 rows
+    assert tiles_of(3, 3, 128).heads == 1  # an odd number of kv heads
+    assert tiles_of(16, 8, 96).heads == 1  # columns padded past head_dim
+    q = torch.zeros(1, 16, 128, dtype=torch.float16)
+    assert decode_module._tiles(q, 2, True, E4M3, v_grouped=False).heads == 1
+    assert decode_module._tiles(q, 2, True, torch.float16, v_grouped=True).heads == 1
+    packed = tiles_of(16, 8, 128)
+    one = decode_module._tiles(q, 2, True, E4M3, v_grouped=False)
+    assert decode_module._min_split_len(512, packed) == 256
+    assert decode_module._min_split_len(512, one) == 512
 
 
 def test_shared_prefix_over_grouped_fp8_v():
@@ -154,6 +201,20 @@ def test_shared_prefix_over_grouped_fp8_v():
     check_against_dequantized(
         shared_prefix_decode_attention, decode_attention_ref, regrouped(quantized),
         plain(ref_args), TOL_FP32, num_kv_splits=2, prefix_splits=2,
+    )  # fmt: skip
+
+
+def test_shared_prefix_suffixes_in_packed_programs():
+    """float16 q, GQA group 2 over 4 kv heads: stage 1 walks each suffix two heads a program
+    from its own first token (mid-group), the prefix stage one head a program."""
+    assert tiles_of(8, 4, 32).heads == 2
+    batch = make_shared_batch(
+        [(70, [3, 20, 1])], [15], 8, 4, 32, item_size=2, dtype=torch.float16, seed=56
+    )
+    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=4.0, v_scale=0.2)
+    check_against_dequantized(
+        shared_prefix_decode_attention, decode_attention_ref, regrouped(quantized),
+        plain(ref_args), TOL_16BIT, num_kv_splits=2, prefix_splits=2,
     )  # fmt: skip
 
 
