@@ -66,7 +66,7 @@ in its own kv head's D columns, zeros elsewhere), so ``q · kᵀ`` gives every r
 its own head; p is spread block-diagonally over the V tiles side by side in the same way. The
 dots do the same tensor-core work as HEADS programs of padded rows; the per-row work falls by
 HEADS, and the rows need no padding to 16 (``BLOCK_H = next_pow2(G * HEADS)``). An H100 read
-W1-like batches 5-8% faster with two heads than with one (``_PACKED_HEADS``); a packed program
+W1-like batches 2-8% faster with two heads than with one (``_PACKED_HEADS``); a packed program
 walks 1/HEADS of the tokens per split (``_min_split_len``: the same bytes).
 """
 
@@ -126,9 +126,9 @@ _FP8_GROUPED_TILES = ((256, (128, 3, 2)), (1024, (64, 3, 2)), (1 << 62, (32, 3, 
 # The same, two kv heads a program (module docstring: packed heads), when the rows of both
 # groups fit _PACKED_MAX_ROWS: (tokens per tile, stages, warps). scripts/bench_fp8_decode.py
 # --mix on an H100 (2026-11-27, Hq 16 / Hkv 8, D 128, graph launch), TB/s of float8 K/V for
-# B = 16 / 32 / 64 / 96 / 128 / 192 / 256: 1.10 1.46 1.97 2.11 2.30 2.43 2.49, against one head
-# a program (_FP8_GROUPED_TILES) 1.04 1.42 1.82 1.96 2.19 2.30 2.35; four heads a program
-# (8 rows) read 2-8% less than two, eight (16 rows) 10-40% less.
+# B = 16 / 32 / 64 / 96 / 128 / 192 / 256: 1.09 1.45 1.96 2.11 2.29 2.43 2.49, against one head
+# a program (_FP8_GROUPED_TILES) 1.04 1.41 1.82 1.96 2.19 2.30 2.35 (Hq 32: +3-8% likewise); four
+# heads a program (8 rows) read 5-8% less than two, eight (16 rows) 10-40% less than one.
 _PACKED_HEADS = 2
 _PACKED_MAX_ROWS = 8
 _FP8_PACKED_TILE = (64, 3, 2)
@@ -686,15 +686,16 @@ def _kv_split_plan(
     max_seq_len: int | None,
     min_split_tokens: int | None,
     batch_size: int,
-    num_kv_heads: int,
+    head_programs: int,
     device: torch.device,
 ) -> tuple[int, int | None]:
-    """(split count, min tokens per split) of stage 1 from the caller's arguments."""
+    """(split count, min tokens per split) of stage 1 from the caller's arguments;
+    ``head_programs``: stage-1 programs a (request, split) takes (kv heads / packed heads)."""
     if num_kv_splits is None and max_seq_len is None:
         num_kv_splits = MAX_KV_SPLITS
         min_split_tokens = _GRAPH_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens
     elif num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(batch_size, num_kv_heads, max_seq_len, device)
+        num_kv_splits = choose_num_kv_splits(batch_size, head_programs, max_seq_len, device)
     assert num_kv_splits >= 1
     return num_kv_splits, min_split_tokens
 
@@ -844,12 +845,12 @@ def decode_attention(
     Hkv = k_buffer.shape[1]
     if B == 0:
         return out
-    num_kv_splits, min_split_tokens = _kv_split_plan(
-        num_kv_splits, max_seq_len, min_split_tokens, B, Hkv, q.device
-    )
     if use_dot is None:
         use_dot = True  # measured faster for every G, G == 1 included (module docstring)
     tiles = _tiles(q, Hq // Hkv, use_dot, k_buffer.dtype, v_buffer.dim() == 4)
+    num_kv_splits, min_split_tokens = _kv_split_plan(
+        num_kv_splits, max_seq_len, min_split_tokens, B, Hkv // tiles.heads, q.device
+    )
     min_split_len = _min_split_len(min_split_tokens, tiles)
 
     mid_o = torch.empty((B, Hq, num_kv_splits, D), dtype=torch.float32, device=q.device)

@@ -236,8 +236,9 @@ def shared_prefix_decode_attention(
     if B == 0:
         return out
 
+    tiles = _tiles(q, G, use_dot=True, kv_dtype=k_buffer.dtype, v_grouped=v_buffer.dim() == 4)
     num_kv_splits, min_split_tokens = _kv_split_plan(
-        num_kv_splits, max_seq_len, None, B, Hkv, q.device
+        num_kv_splits, max_seq_len, None, B, Hkv // tiles.heads, q.device
     )
     if prefix_splits is None:
         prefix_splits, prefix_min_tokens = _PREFIX_SPLITS, _PREFIX_MIN_SPLIT_TOKENS
@@ -245,7 +246,6 @@ def shared_prefix_decode_attention(
         prefix_min_tokens = 0
     assert prefix_splits >= 1
 
-    tiles = _tiles(q, G, use_dot=True, kv_dtype=k_buffer.dtype, v_grouped=v_buffer.dim() == 4)
     scales = scales_arg(kv_scales, k_buffer.dtype, q)
     min_split_len = _min_split_len(min_split_tokens, tiles)
     BLOCK_M = max(16, triton.next_power_of_2(item_size * G))
