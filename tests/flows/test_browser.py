@@ -152,13 +152,29 @@ def test_quick_run_of_the_demo_evaluate_deployment_completes(ui, page):
     page.wait_for_load_state("networkidle")
     heard: list[str] = []  # what the page did after Run, for a failure to show
     page.on("response", lambda r: heard.append(f"{r.status} {r.request.method} {r.url}"))
-    dialog.get_by_role("button", name="Run", exact=True).click()
-    try:
-        _wait(lambda: len(_flow_runs(ui, "demo-evaluate")) == 1, 120, "the quick run")
-    except AssertionError:
+
+    def created() -> bool:
+        return len(_flow_runs(ui, "demo-evaluate")) == 1
+
+    def refused() -> int:
+        return sum(h.startswith("503 POST") and h.endswith("/create_flow_run") for h in heard)
+
+    # NOTE: Prefect's server answers 503 when SQLite is busy (server.py:
+    # is_client_retryable_exception), as it can be on a loaded 2-core machine; its Python
+    # client retries those, the UI shows the error and keeps the dialog open, and a user
+    # clicks Run again. So does this test, up to three times; any other answer fails it.
+    for attempt in range(3):
+        dialog.get_by_role("button", name="Run", exact=True).click()
+        try:
+            _wait(lambda a=attempt: created() or refused() > a, 120, "the quick run")
+        except AssertionError:
+            break
+        if created() or not dialog.count():
+            break
+    if not created():
         shown = dialog.inner_text()[:3000] if dialog.count() else "(the dialog closed)"
         raise AssertionError("no quick run was created; after Run:\n" + "\n".join(heard[-30:])
-                             + "\nthe dialog reads:\n" + shown) from None  # fmt: skip
+                             + "\nthe dialog reads:\n" + shown)  # fmt: skip
 
     def finished() -> bool:
         (run,) = _flow_runs(ui, "demo-evaluate")
