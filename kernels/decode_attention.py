@@ -23,12 +23,13 @@ each program would walk thousands of tokens alone. So the sequence is also split
 
 Scores use ``exp2`` with ``scaling * log2(e)`` folded into one multiply (cheaper than ``exp``).
 
-q·kᵀ and p·v: the tensor cores' smallest product has 16 rows, and a GQA group has 1 to 8
-query heads for most models, so the dot path pads the group to ``BLOCK_H = max(16,
-next_pow2(G))`` rows (the padding rows load zeros and are never stored; the tensor cores have
-compute to spare in a memory-bound kernel; packed heads, below, fill them). The broadcast path (multiply, then reduce over D or over the tile) needs
-no padding but holds a ``[BLOCK_H, BLOCK_N, BLOCK_D]`` product in registers; on an H100 (bf16,
-D=128, CUDA graphs) it reached about 1.1 TB/s for G == 1 against 2.7-3.0 TB/s for the padded
+q·kᵀ and p·v: the tensor cores' smallest product has 16 rows (Triton pads a smaller tile to
+it), and a GQA group has 1 to 8 query heads for most models, so the dot path pads the group to
+``BLOCK_H = max(16, next_pow2(G))`` rows (the padding rows load zeros and are never stored; the
+tensor cores have compute to spare in a memory-bound kernel; packed heads, below, fill them).
+The broadcast path (multiply, then reduce over D or over the tile) needs no padding but holds
+a ``[BLOCK_H, BLOCK_N, BLOCK_D]`` product in registers; on an H100 (bf16, D=128, CUDA graphs)
+it reached about 1.1 TB/s for G == 1 against 2.7-3.0 TB/s for the padded
 dot, and 0.5-0.7 TB/s for G == 4, so the dot path is the default for every G and the broadcast
 path is kept as an option (``use_dot=False``) that the tests also cover.
 
