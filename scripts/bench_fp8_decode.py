@@ -1,10 +1,11 @@
-"""Tune decode attention over a float8 KV cache on the GPU: stage 1's tokens per tile, pipeline depth
-and warps for V grouped (kernels/decode_attention.py: _FP8_PACKED_TILE with two kv heads a program,
-_FP8_GROUPED_TILES with one; kernels/v_groups.py), next to the bf16 cache and the float8 cache with
-V in rows (_FP8_DOT_*) at the same shapes. Prints effective TB/s of K/V bytes read (the float8
-cache reads half the bytes, so equal TB/s is twice the speed), for the launch the engine's CUDA
-graphs replay (no lengths: MAX_KV_SPLITS splits of at least _GRAPH_SPLIT_TOKENS tokens). The pool
-is paged as the engine's (pages of 16 slots in random order), which a grouped V needs.
+"""Tune decode attention over a float8 KV cache on the GPU: stage 1's tokens per tile, pipeline
+depth and warps for V grouped (kernels/decode_attention.py: _FP8_PACKED_TILE with two kv heads a
+program, _FP8_GROUPED_TILES with one; kernels/v_groups.py), next to the bf16 cache and the float8
+cache with V in rows (_FP8_DOT_*) at the same shapes. Prints effective TB/s of K/V bytes read
+(the float8 cache reads half the bytes, so equal TB/s is twice the speed), for the launch the
+engine's CUDA graphs replay (no lengths: MAX_KV_SPLITS splits of at least _GRAPH_SPLIT_TOKENS
+tokens). The pool is paged as the engine's (pages of 16 slots in random order), which a grouped V
+needs.
 
     PYTHONPATH=. python scripts/bench_fp8_decode.py          # the sweep
     PYTHONPATH=. python scripts/bench_fp8_decode.py --quick  # current settings only
