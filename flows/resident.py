@@ -33,7 +33,11 @@ def engine_labels(engine: EngineConfig) -> dict[str, Any]:
         "gristmill": {
             "model": model_identity(args["model_path"], tokenizer_path),
             "adapters": adapters_identity(args),
-            "numerics": {k: v for k, v in args.items() if k not in PERFORMANCE_ARGS},
+            # NOTE: the adapters by name and content, not by where they are: a run's paths are
+            # made absolute (flows/paths.py), a resident engine's as its config wrote them
+            "numerics": {
+                k: v for k, v in args.items() if k not in PERFORMANCE_ARGS and k != "lora_paths"
+            },
         }
     }
 

@@ -15,6 +15,10 @@ Both are taken in the `gristmill` command, before Prefect starts, and in the flo
 step, for flows started any other way (a deployment, the UI, Python). When the command has taken
 them, configure finds the same plan held in this process and uses it: one check, one hash of
 the input.
+
+The plan's config is the checked one with every path made absolute (flows/paths.py), here in
+the process that starts the run: the Dask workers that get the plan may run in other folders.
+The fingerprint is the config's as written, so the run's folder is the one it always was.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 from flows.catalog import FLOWS
 from flows.config import RunConfig
 from flows.identity import run_identity
+from flows.paths import absolute_paths
 from flows.plan import RunPlan
 from flows.preflight import preflight
 from flows.store import CheckpointStore
@@ -60,23 +65,27 @@ def lock_run(config: RunConfig) -> RunPlan:
         early = _ConfigLock(config, key)
         early.acquire()
         try:
+            # NOTE: checked and fingerprinted as written; checked in this folder, which is
+            # where the absolute paths below point
             checked, identity = check_config(config)
-            store = CheckpointStore(config.output_dir, config.run_name, identity)
+            resolved = absolute_paths(config)
+            store = CheckpointStore(resolved.output_dir, config.run_name, identity)
             store.lock()
         except BaseException:
             early.release()
             raise
-        plan = RunPlan(config, checked, store)
+        plan = RunPlan(resolved, checked, store)
         _held[key] = _Held(plan, 1, early)
         return plan
 
 
 def unlock_run(plan: RunPlan) -> None:
-    key = _key(plan.config)
     with _guard:
-        held = _held.get(key)
-        if held is None or held.plan is not plan:
+        # by the plan itself: its config (paths made absolute) is not the key's (as written)
+        key = next((k for k, held in _held.items() if held.plan is plan), None)
+        if key is None:
             return  # NOTE: never let go of a lock this call did not take
+        held = _held[key]
         held.holders -= 1
         if held.holders == 0:
             del _held[key]

@@ -124,9 +124,11 @@ def run_config_with(
 
     from flows.cli import main
     from flows.config import load_config
+    from flows.paths import absolute_paths
 
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
-    with lent_engine(engine, load_config(config).engine.arguments()):
+    # the flow asks for the config's engine with its paths made absolute (flows/paths.py)
+    with lent_engine(engine, absolute_paths(load_config(config)).engine.arguments()):
         code = main(["run", str(config), "--set", f"output_dir={tmp_path}"])
     printed = capsys.readouterr()
     assert code == 0, printed.err[-3000:]
