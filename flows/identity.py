@@ -4,9 +4,13 @@ Everything that can change an output row is in: the model (its config and tokeni
 and a sampled hash of each weight file), the LoRA adapters' files, the engine arguments that
 change numerics, the input's content, the prompt, the flow's prompt variables, the sampling parameters, the seed.
 What only changes speed or memory (max_running_requests, max_in_flight, shard_size, ...), how
-many engines share the work (the `parallel` section, base_gpu_id) and where results go
-(output_dir, run_name) are out, so tuning them resumes the same run, whatever the worker count
-was before. tp_size is in: a tensor-parallel engine sums its partial products in another order.
+many engines share the work (the `parallel` section; an engine's data-parallel copies: dp_size,
+load_balance_method; which GPUs: base_gpu_id, gpu_id_step) and where results go (output_dir,
+run_name) are out, so tuning them resumes the same run, whatever the worker count was before.
+tp_size is in: a tensor-parallel engine sums its partial products in another order.
+
+NOTE: the identity is of the config as written (flows/run_lock.py), never of its copy whose
+paths were made absolute (flows/paths.py): the text of engine.lora_paths is in it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ PERFORMANCE_ARGS = frozenset({
     "cuda_graph_max_bs", "prefill_cuda_graph_max_tokens", "disable_cuda_graph",
     "disable_overlap_schedule", "log_level",
     "stream_interval", "base_gpu_id", "random_seed", "model_path", "tokenizer_path",
+    "dp_size", "load_balance_method", "gpu_id_step",
 })  # fmt: skip
 
 _SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json",

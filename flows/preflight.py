@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flows.config import ConfigError, EngineConfig, RunConfig
+from flows.gpus import engine_gpus
 from flows.images import images_digest
 from flows.prompts import chat_messages, has_chat_template, template_names
 from flows.sources import TEXT_FORMATS, Input, id_problems, load_input
@@ -92,7 +93,7 @@ def check_engine(engine: EngineConfig, problems: list[tuple[str, str]]) -> str:
 
 
 def _check_gpus(config: RunConfig, problems: list[tuple[str, str]]) -> None:
-    """A local cluster's engines take consecutive GPUs (flows/parallel.py): they must exist."""
+    """A local cluster's engines take GPUs of their own (flows/gpus.py): they must exist."""
     parallel, args = config.parallel, config.engine.arguments()
     if not parallel.on_dask or parallel.address is not None or args.get("device") == "cpu":
         return
@@ -106,13 +107,13 @@ def _check_gpus(config: RunConfig, problems: list[tuple[str, str]]) -> None:
 
     if not torch.cuda.is_available():
         return  # the engines run on the CPU
-    first = args.get("base_gpu_id", 0)
-    last = first + parallel.workers * config.gpus_per_worker - 1
-    if last >= torch.cuda.device_count():
+    gpus = [gpu for part in range(parallel.workers) for gpu in engine_gpus(config, part)]
+    if max(gpus) >= torch.cuda.device_count():
+        step = args.get("gpu_id_step", 1)
         problems.append(
             ("parallel.workers", f"{parallel.workers} workers of {config.gpus_per_worker} GPU(s) "
-             f"from base_gpu_id {first} need GPUs {first}..{last}, but "
-             f"{torch.cuda.device_count()} are visible")
+             f"from base_gpu_id {min(gpus)}{f' (gpu_id_step {step})' if step != 1 else ''} "
+             f"need GPUs {min(gpus)}..{max(gpus)}, but {torch.cuda.device_count()} are visible")
         )  # fmt: skip
 
 
