@@ -99,7 +99,7 @@ async def request(engine: Any, row: dict[str, Any], options: RequestOptions) -> 
 
 async def generate_rows(
     engine: Any,
-    work: pa.Table,
+    work: pa.Table | Iterable[dict[str, Any]],
     options: RequestOptions,
     *,
     max_in_flight: int,
@@ -107,9 +107,12 @@ async def generate_rows(
     write_shard: Callable[[list[dict[str, Any]]], Any],
     progress: Progress,
 ) -> Generated:
-    """Every work row through the engine (request), written in shards as they finish."""
+    """Every work row through the engine (request), written in shards as they finish. The rows
+    are a table, or an iterator that is asked for the next row only when there is room in
+    flight for it (a Dask part takes its batches so: flows/parts.py)."""
+    rows = _rows(work) if isinstance(work, pa.Table) else work
     return await answer_rows(
-        lambda row: request(engine, row, options), _rows(work),
+        lambda row: request(engine, row, options), rows,
         max_in_flight=max_in_flight, shard_size=shard_size, write_shard=write_shard,
         progress=progress,
     )  # fmt: skip

@@ -1,24 +1,37 @@
-"""Data-parallel generation: the rows still to do, split over `parallel.workers` engines, each
-resident in one Dask worker, all writing shards into the run's one checkpoint store.
+"""Generation on Dask workers: engines on many hosts (or a local cluster of several), each
+resident in one Dask worker, taking batches of the run's rows as they free up, all writing
+shards into the run's one checkpoint store.
 
     prepare_prompts ─► generate-on-workers (a nested flow on a DaskTaskRunner) ─► collect
-    (flow process)       ├─ generate-part-0: its own engine ─┐
-                         ├─ generate-part-1: its own engine ─┼─► <run folder>/shards/
-                         └─ ...                             ─┘
+    (flow process)       │ writes the hand-out: the rows still to do, in batches (handout.py)
+                         ├─ generate-part-0: its engine takes batch 0, then 2, 3, 5, ... ─┐
+                         ├─ generate-part-1: its engine takes batch 1, then 4, ...       ─┼─► shards/
+                         └─ ...                                                           ─┘
 
 The task runner is built at run time from the config (a local cluster of `workers` processes,
 or the scheduler at `parallel.address`), so the flows, deployments and the CLI are the same
 for one engine or many. Meanwhile the flow process watches the shards land and shows one
-progress for the whole run.
+progress for the whole run. Every path in the plan the parts get is absolute (made so in this
+process, flows/paths.py): a worker runs in a folder of its own, maybe on another host.
 
-Exactly once: the flow process alone holds the store's lock; the parts hold disjoint rows and
-write shards (atomic, uuid-named) without it. A part starts by skipping the ids already in
-shards, so when Dask runs it again after its worker died (it retries a task whose worker was
-lost, `distributed.scheduler.allowed-failures` times, then gives up with KilledWorker), the
-rows the lost attempt wrote are not redone. The engine of a killed worker dies with it (its
-lifeline), and a local cluster's workers die with the flow process. Every part is waited for,
-failed or not, before the flow moves on, so no part writes after the lock is let go; a part
-stranded on a remote cluster by a dead flow process is stopped by the store's writer check.
+Why a few long-lived parts that pull batches (flows/parts.py), not a Dask task per batch: an
+engine takes seconds to minutes to start, so it must outlive a batch; a part holds its engine
+for the whole run and stops it in its own `finally`, on a local or a remote cluster alike,
+where an engine cached in a worker between tasks would need a release on every worker (and
+would stay up, holding its GPUs, if the flow process died). A part takes its next batch while
+the last rows of the current one still generate, so its engine never drains between batches;
+a task per batch would drain it at every batch's end. And Prefect records one task run per
+engine, not thousands.
+
+Exactly once: the flow process alone holds the store's lock; a batch is generated only by the
+part that claimed it (flows/handout.py), and shards are atomic and uuid-named. When a worker
+dies, Dask runs its part again (`distributed.scheduler.allowed-failures` times, then gives up
+with KilledWorker); the new attempt first finishes the batches its lost attempt claimed,
+skipping the ids already in shards, while the other parts go on taking batches. The engine of
+a killed worker dies with it (its lifeline), and a local cluster's workers die with the flow
+process. Every part is waited for, failed or not, before the flow moves on, so no part writes
+after the lock is let go; a part stranded on a remote cluster by a dead flow process is
+stopped by the store's writer check once a rerun writes.
 
 NOTE: Dask starts a local cluster's workers with multiprocessing's spawn, which imports the
 calling script again: a script that calls a flow with several local workers must do so under
@@ -29,22 +42,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow, get_run_logger
 
 from flows.config import RunConfig
-from flows.generation import Generated, RequestOptions, generate_rows
+from flows.generation import Generated
+from flows.handout import Handout
 from flows.interrupts import Interrupted, interrupted, stop_softly
+from flows.parts import STOP_POLL_SECONDS, generate_part
 from flows.plan import RunPlan, Work
 from flows.progress import Progress
 from flows.store import CheckpointStore
@@ -53,7 +64,6 @@ if TYPE_CHECKING:
     from prefect_dask import DaskTaskRunner
 
 POLL_SECONDS = 1.0  # how often the flow process looks for new shards while the parts run
-STOP_POLL_SECONDS = 0.2  # how often a part looks for the run's request to stop
 STOP_GRACE_SECONDS = 5.0  # how long a stopping run waits for its parts to write and end
 
 
@@ -90,7 +100,7 @@ def task_runner(config: RunConfig) -> DaskTaskRunner:
 
 @flow(name="generate-on-workers", validate_parameters=False)
 def generate_on_workers(plan: RunPlan, work: Work) -> Generated:
-    """Generate the work's rows on `parallel.workers` engines.
+    """Generate the work's rows on `parallel.workers` engines, which take them in batches.
 
     Returns what the run's new shards hold, whichever attempt of a part wrote them (a part's
     own count misses the rows of an attempt Dask lost), over the whole step's wall time,
@@ -98,13 +108,15 @@ def generate_on_workers(plan: RunPlan, work: Work) -> Generated:
     """
     logger = get_run_logger()
     config, store = plan.config, plan.store
-    parts = split_rows(work.todo, config.parallel.workers)
+    handout = Handout.write(store, work.todo, config.batch_rows)
+    parts = min(config.parallel.workers, handout.batches)
     local = config.parallel.address is None
     logger.info(
-        "%d rows in %d parts of about %d, on %s",
+        "%d rows in %d batches of up to %d, taken by %d engines as they free up, on %s",
         work.todo.num_rows,
-        len(parts),
-        parts[0].num_rows,
+        handout.batches,
+        config.batch_rows,
+        parts,
         f"a local Dask cluster of {config.parallel.workers} workers"
         if local
         else f"the Dask cluster at {config.parallel.address}",
@@ -112,112 +124,38 @@ def generate_on_workers(plan: RunPlan, work: Work) -> Generated:
     shards = NewShards(store)
     started = time.perf_counter()
     futures = [
-        generate_part.submit(plan, part, index, work.schema, local)
-        for index, part in enumerate(parts)
+        generate_part.submit(plan, handout, index, work.schema, local) for index in range(parts)
     ]
     progress = Progress(work.total, work.done_before, config.run_name, logger)
     asyncio.run(_watch(futures, shards, progress, store))
+    if all(f.wrapped_future.done() for f in futures):
+        handout.remove()  # (else a part still reads it: the next run removes it)
     if interrupted():  # the parts were asked to stop and have written what they finished
         raise Interrupted("stopped by Ctrl-C; the rows finished by then are written")
     failures = []
     for index, future in enumerate(futures):
         try:
-            future.result()
+            report = future.result()
         except Exception as e:  # every part is asked, failed or not
             logger.error("part %d failed: %s: %s", index, type(e).__name__, e)
             failures.append((index, e))
+            continue
+        logger.info(
+            "part %d: %d batches taken (%d of a lost attempt finished), %d rows, on %s (pid %d)",
+            index, report.batches, report.redone, report.rows, report.host, report.pid,
+        )  # fmt: skip
     generated = shards.generated(seconds=time.perf_counter() - started)
     if failures:
         index, first = failures[0]
         raise RuntimeError(
-            f"{len(failures)} of {len(parts)} parts failed (part {index}: "
+            f"{len(failures)} of {parts} parts failed (part {index}: "
             f"{type(first).__name__}: {first}); the rows they finished are in shards: "
             "rerun to do the rest"
         ) from first
     return generated
 
 
-@task(cache_policy=NO_CACHE, task_run_name="generate-part-{index}")
-def generate_part(
-    plan: RunPlan, part: pa.Table, index: int, schema: pa.Schema, local: bool
-) -> Generated:
-    """One part's rows through an engine started for it in this Dask worker."""
-    from engine import Engine
-
-    logger = get_run_logger()
-    config, store = plan.config, plan.store
-    # NOTE: repair=False: the dot-named files there are other workers' shards being written
-    done = store.scan(repair=False).done_ids
-    todo = part.filter(pc.invert(pc.is_in(part.column("id"), pa.array(list(done), pa.string()))))
-    if todo.num_rows < part.num_rows:
-        logger.info(
-            "part %d: %d of its %d rows are in shards already (written by an earlier attempt)",
-            index,
-            part.num_rows - todo.num_rows,
-            part.num_rows,
-        )
-    if todo.num_rows == 0:
-        return Generated()
-    arguments = engine_arguments(config, index, local)
-    engine = Engine(**arguments)
-    try:
-        logger.info(
-            "part %d: %d rows on %s of %s (pid %d), engine ready in %.1fs",
-            index,
-            todo.num_rows,
-            engine.get_server_info()["device"],
-            socket.gethostname(),
-            os.getpid(),
-            engine.startup_seconds,
-        )
-        options = RequestOptions.of(config)
-        progress = Progress(todo.num_rows, 0, config.run_name, logger, bar=False)
-        generated = asyncio.run(
-            _until_stopped(
-                generate_rows(
-                    engine,
-                    todo,
-                    options,
-                    max_in_flight=config.max_in_flight,
-                    shard_size=config.shard_size,
-                    write_shard=lambda rows: store.write_shard(rows, schema, store.check_writer),
-                    progress=progress,
-                ),
-                store,
-            )
-        )
-    finally:
-        engine.shutdown()
-    if store.stop_requested():
-        logger.info("part %d: stopped by the run's Ctrl-C, its finished rows written", index)
-    else:
-        logger.info("part %d: generated %s", index, progress.line())
-    return generated
-
-
 # ---------------------------------------------------------------------- helpers
-def split_rows(todo: pa.Table, parts: int) -> list[pa.Table]:
-    """Contiguous slices of near-equal size (never an empty one), in input order."""
-    parts = max(1, min(parts, todo.num_rows))
-    size, extra = divmod(todo.num_rows, parts)
-    slices, start = [], 0
-    for i in range(parts):
-        length = size + (i < extra)
-        slices.append(todo.slice(start, length))
-        start += length
-    return slices
-
-
-def engine_arguments(config: RunConfig, index: int, local: bool) -> dict[str, Any]:
-    """Part `index`'s engine: on a local cluster, the next gpus_per_worker GPUs after the
-    previous part's; on a remote one each worker sees only its own GPUs, so as configured."""
-    arguments = config.engine.arguments()
-    if local:
-        base = arguments.get("base_gpu_id", 0)
-        arguments["base_gpu_id"] = base + index * config.gpus_per_worker
-    return arguments
-
-
 class NewShards:
     """The rows of shards that appeared since the run began, whichever worker wrote them."""
 
@@ -283,21 +221,6 @@ async def _watch(
                         await asyncio.wait_for(stopping.wait(), POLL_SECONDS)
     finally:
         await progress.close()
-
-
-async def _until_stopped(rows: Coroutine[Any, Any, Generated], store: CheckpointStore) -> Generated:
-    """A part's rows, until done or until the run asks its parts to stop (a Ctrl-C): then the
-    rows in flight are dropped (redone on resume), the finished ones written (generate_rows)."""
-    task = asyncio.ensure_future(rows)
-    while not task.done():
-        await asyncio.wait({task}, timeout=STOP_POLL_SECONDS)
-        if not task.done() and store.stop_requested():
-            task.cancel()
-    try:
-        return await task
-    except asyncio.CancelledError:
-        # NOTE: an ending, not a failure: the run reports the stop (its rows count from shards)
-        return Generated()
 
 
 def _api_for_workers() -> AbstractContextManager[Any]:

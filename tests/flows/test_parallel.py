@@ -1,6 +1,9 @@
-"""Data-parallel flows on a local Dask cluster (CPU): two engine workers write exactly the rows a
-one-engine run writes; a worker killed mid-run is retried by Dask, or, when Dask gives up, the
-run fails and a rerun finishes it; a run resumes whatever its worker count was before."""
+"""Dask flows on a local cluster (CPU): two engine workers, which take the rows in batches as
+they free up, write exactly the rows a one-engine run writes; a worker killed mid-batch is
+retried by Dask and its batch finished without a row twice, or, when Dask gives up, the run
+fails and a rerun finishes it; a run resumes whatever its worker count was before. Each
+engine's GPUs on a local cluster, and the one engine over many GPUs (dp_size) of one host.
+(An external cluster, started in another folder, is tests/flows/test_dask_cluster.py's.)"""
 
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ from prefect.client.schemas.filters import (
 )
 
 from flows.config import ConfigError, load_config
+from flows.gpus import engine_arguments, engine_gpus
+from flows.handout import Handout
 from flows.identity import run_identity
-from flows.parallel import engine_arguments, split_rows
 from flows.pipeline import generate_batch
 from flows.preflight import preflight
 from flows.store import CheckpointStore
@@ -40,7 +44,6 @@ from tests.flows.fixtures import (
     fail_the_120th_request,
     flow_env,
     leftover_temp_files,
-    question_rows,
     run_folder,
     settled_task_runs,
     wait_until,
@@ -57,8 +60,9 @@ def config_for(llama_dir, questions):
     """The module's one config (one fingerprint: greedy_run's), with its speed settings and
     workers varied."""
 
-    def make(out: Path, workers: int = 1, **fields) -> dict:
-        return base_config(llama_dir, questions, out, **fields) | {"parallel": {"workers": workers}}
+    def make(out: Path, workers: int = 1, batch_rows: int | None = None, **fields) -> dict:
+        parallel = {"workers": workers} | ({"batch_rows": batch_rows} if batch_rows else {})
+        return base_config(llama_dir, questions, out, **fields) | {"parallel": parallel}
 
     return make
 
@@ -96,10 +100,10 @@ def assert_exactly_the_reference(out: Path, reference: pa.Table) -> None:
 
 
 # ---------------------------------------------------------------------- a worker killed mid-run
-# A few rows in flight per engine and a shard as small: a part's first shard lands with all but a
-# few of its 150 rows still to do, so the kill lands mid-part on any machine (one row at a time
-# would be as sure, at many times the cost).
-FEW_IN_FLIGHT = {"shard_size": 5, "max_in_flight": 5}
+# A few rows in flight per engine and a shard as small, in batches of 25: a batch's first shard
+# lands with most of its rows still to do, so the kill lands mid-batch on any machine (one row
+# at a time would be as sure, at many times the cost).
+FEW_IN_FLIGHT = {"shard_size": 5, "max_in_flight": 5, "batch_rows": 25}
 # The environment of the 2-worker runs below: the local cluster the product makes, less Dask's
 # statistical profiler (each worker's event loop walks the stacks of its task thread every 10 ms,
 # for the dashboard's profile page). Nothing here reads it; it costs ~0.4 s of CPU per engine a
@@ -111,14 +115,17 @@ LOOK_EVERY_S = 0.2  # how often the run's process tree is recorded (a psutil wal
 
 class KilledRun:
     """A 2-worker run in a subprocess (`gristmill run`) whose Dask worker of one part is
-    SIGKILLed mid-part: after the part's first shard landed, before its last."""
+    SIGKILLed mid-batch: after some rows of a batch it took landed in shards, before the last.
+
+    The batches and who took them are read from the run's hand-out (flows/handout.py), as the
+    parts see it: the work's row groups, and the claims' links."""
 
     def __init__(self, config: dict, tmp_path: Path, api_url: str, **env: str) -> None:
         config_file = tmp_path / "config.yaml"
         config_file.write_text(yaml.safe_dump(config))
         self.shards = Path(config["output_dir"]) / "questions"
         self._read: dict[Path, list[str]] = {}  # the ids of each shard seen so far
-        self.parts = self._parts_to_do()
+        self._batches: list[set[str]] = []  # the ids of each batch of the hand-out
         self.stderr = tmp_path / "stderr.txt"
         self.family: set[int] = set()  # every process the run had, for the orphan check
         self._looked = float("-inf")  # when the family was last recorded (time.monotonic())
@@ -132,10 +139,12 @@ class KilledRun:
             )
         try:
             victim: list[int] = []
-            wait_until(lambda: victim.extend(self._victim()) or victim, 240, "a part mid-way")
-            part, pid = victim
+            wait_until(lambda: victim.extend(self._victim()) or victim, 240, "a batch mid-way")
+            self.part, pid, self.batch = victim
             os.kill(pid, signal.SIGSTOP)  # freeze it, so the check below cannot race its end
-            assert not self.parts[part] <= self._landed(), "the part ended before the kill"
+            # NOTE: what the batch has in shards once its part is frozen is what it will have
+            self.landed_of_batch = len(self._batches[self.batch] & self._landed())
+            assert 0 < self.landed_of_batch < len(self._batches[self.batch]), "not mid-batch"
             self.victim_engine = engine_children_of(pid)
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 300
@@ -146,32 +155,42 @@ class KilledRun:
             self.proc.kill()  # a no-op once it has ended; if it hung, the test fails below
             self.returncode = self.proc.wait(timeout=60)
 
-    def _parts_to_do(self) -> list[set[str]]:
-        """The ids of the two parts: the rows not yet in shards, halved in input order."""
-        done = self._landed()
-        todo = [r["qid"] for r in question_rows(ROWS) if r["qid"] not in done]
-        half = (len(todo) + 1) // 2
-        return [set(todo[:half]), set(todo[half:])]
-
     def _landed(self) -> set[str]:
         for shard in self.shards.glob("*/shards/*.parquet"):
             if shard not in self._read:
                 self._read[shard] = pq.read_table(shard, columns=["id"]).column("id").to_pylist()
         return {i for ids in self._read.values() for i in ids}
 
+    def _claims(self) -> dict[int, int]:
+        """{batch: part} of the run's hand-out, once it is written (its batches read then)."""
+        folders = list(self.shards.glob("*/handout/*"))
+        if not folders or not (folders[0] / "todo.parquet").exists():  # (written whole)
+            return {}
+        (folder,) = folders
+        if not self._batches:
+            work = pq.ParquetFile(folder / "todo.parquet")
+            self._batches = [
+                set(work.read_row_group(i, columns=["id"]).column("id").to_pylist())
+                for i in range(work.num_row_groups)
+            ]
+        return {
+            int(p.name): int(os.readlink(p).removeprefix("part-")) for p in folder.glob("claims/*")
+        }
+
     def _victim(self) -> list[int]:
-        """[part, its worker's pid] for a part with a shard landed and rows still to do."""
+        """[part, its worker's pid, batch] for a part with a batch it took partly in shards."""
         assert self.proc.poll() is None, "the run ended before a worker could be killed"
         self._look(every=LOOK_EVERY_S)  # this is polled every 50 ms; the processes live for seconds
         workers = {
             int(part): int(pid)
-            for part, pid in re.findall(r"part (\d+): \d+ rows on .* \(pid (\d+)\)", self.log)
+            for part, pid in re.findall(r"part (\d+): on .* \(pid (\d+)\)", self.log)
         }
-        landed = self._landed()
-        for part, pid in workers.items():
-            if landed & self.parts[part] and not self.parts[part] <= landed:
+        claims, landed = self._claims(), self._landed()
+        for batch, part in sorted(claims.items()):
+            ids = self._batches[batch]
+            if part in workers and ids & landed and not ids <= landed:
                 self._look()  # now: the victim's engine may have started since the last look
-                return [part, pid]
+                return [part, workers[part], batch]
         return []
 
     def flow_run(self) -> Any:
@@ -211,7 +230,7 @@ class KilledRun:
         )
 
 
-def test_resumed_on_2_workers_one_killed_dask_reruns_its_part_and_every_row_is_written_once(
+def test_resumed_on_2_workers_one_killed_mid_batch_its_part_finishes_the_batch_rows_once(
     prefect_api, config_for, reference, tmp_path, monkeypatch, resident_engine
 ):
     out = tmp_path / "runs"
@@ -228,7 +247,14 @@ def test_resumed_on_2_workers_one_killed_dask_reruns_its_part_and_every_row_is_w
     log = killed.log
     assert killed.returncode == 0, log[-3000:]
     assert "Restarting worker" in log, "Dask saw the worker die"
-    assert "written by an earlier attempt" in log, "the rerun part skipped its landed rows"
+    # the part's next attempt finished the batch, skipping exactly the rows that had landed
+    batch_rows = FEW_IN_FLIGHT["batch_rows"]
+    skipped = re.findall(
+        rf"part {killed.part}: batch {killed.batch}, taken by an earlier attempt: (\d+) of its "
+        rf"(\d+) rows are in shards already",
+        log,
+    )
+    assert skipped == [(str(killed.landed_of_batch), str(batch_rows))], log[-3000:]
     killed.assert_no_orphans()
     assert_exactly_the_reference(out, reference)
 
@@ -352,24 +378,98 @@ def test_a_worker_says_its_scheduler_closed_in_one_line(caplog):
     assert other.exc_info is not None, "other errors keep their traceback"
 
 
-def test_parts_are_near_equal_contiguous_slices_never_empty():
-    table = pa.table({"id": [f"r{i}" for i in range(11)]})
-    for parts in range(1, 14):
-        sliced = split_rows(table, parts)
-        sizes = [p.num_rows for p in sliced]
-        assert len(sliced) == min(parts, 11) and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
-        assert pa.concat_tables(sliced).equals(table)
+def test_the_hand_out_gives_each_batch_to_one_part_in_order_and_says_whose(tmp_path):
+    """Parts claim batches at once: each batch goes to exactly one, and a part's next attempt
+    (a copy of the hand-out, as Dask sends it) finds what it took."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = CheckpointStore(tmp_path, "run", {"a": 1})
+    store.lock()
+    todo = pa.table({"id": [f"r{i:03d}" for i in range(103)], "prompt": ["p"] * 103})
+    handout = Handout.write(store, todo, batch_rows=10)
+    assert (handout.batches, handout.rows, handout.left()) == (11, 103, 11)
+    with ThreadPoolExecutor(3) as pool:
+        taken = list(pool.map(_claim_all, [pickle.dumps(handout)] * 3, range(3)))
+    assert sorted(b for batches in taken for b in batches) == list(range(11))
+    for part, batches in enumerate(taken):
+        assert batches == sorted(batches), "a part takes the first free batch"
+        assert pickle.loads(pickle.dumps(handout)).claimed_by(part) == batches
+    assert handout.claims() == {b: part for part, batches in enumerate(taken) for b in batches}
+    assert handout.left() == 0 and handout.claim(0) is None
+    rows = pa.concat_tables(handout.read(b) for b in range(handout.batches))
+    assert rows.equals(todo) and handout.read(10).num_rows == 3
+    handout.remove()
+    assert not handout.folder.exists()
+    store.unlock()
 
 
-def test_on_a_local_cluster_each_part_takes_the_next_gpus(config_for, tmp_path):
-    config = load_config(
-        config_for(tmp_path, workers=3) | {"parallel": {"workers": 3, "gpus_per_worker": 2}}
-    )
-    config.engine.base_gpu_id = 1
-    local = [engine_arguments(config, i, local=True) for i in range(3)]
-    assert [(a["base_gpu_id"], a["tp_size"]) for a in local] == [(1, 2), (3, 2), (5, 2)]
-    # a remote worker sees only its own GPUs: base_gpu_id as configured
-    assert engine_arguments(config, 2, local=False)["base_gpu_id"] == 1
+def _claim_all(handout: bytes, part: int) -> list[int]:
+    copy = pickle.loads(handout)
+    taken = []
+    while (batch := copy.claim(part)) is not None:
+        taken.append(batch)
+        time.sleep(0.001)  # the others get a turn
+    return taken
+
+
+def _rank_gpus(base: int, step: int, ranks: int) -> list[int]:
+    """The engine's rule (engine/server_args.py): rank i on GPU base_gpu_id + i * gpu_id_step."""
+    return [base + i * step for i in range(ranks)]
+
+
+@pytest.mark.parametrize(
+    "engine,parallel",
+    [
+        ({"base_gpu_id": 1}, {"gpus_per_worker": 2}),  # tp_size 2, set from gpus_per_worker
+        ({"tp_size": 2, "dp_size": 2}, {}),  # 4 GPUs an engine
+        ({"dp_size": 2, "gpu_id_step": 2}, {}),  # interleaved
+        ({"tp_size": 2, "gpu_id_step": 3, "base_gpu_id": 2}, {}),
+    ],
+)
+def test_on_a_local_cluster_each_engine_takes_gpus_of_its_own(
+    config_for, tmp_path, engine, parallel
+):
+    data = config_for(tmp_path, workers=5)
+    data["engine"] = {**data["engine"], **engine}
+    data["parallel"] = {**data["parallel"], **parallel}
+    config = load_config(data)
+    ranks = engine.get("tp_size", parallel.get("gpus_per_worker", 1)) * engine.get("dp_size", 1)
+    assert config.gpus_per_worker == ranks
+    seen: list[int] = []
+    for part in range(5):
+        arguments = engine_arguments(config, part, local=True)
+        gpus = _rank_gpus(arguments["base_gpu_id"], arguments.get("gpu_id_step", 1), ranks)
+        assert engine_gpus(config, part) == gpus
+        seen += gpus
+    assert len(set(seen)) == len(seen), "no two engines share a GPU"
+    step = engine.get("gpu_id_step", 1)
+    if step == 1:
+        assert sorted(seen) == list(range(min(seen), min(seen) + 5 * ranks))
+    # packed: 5 engines of `ranks` GPUs leave no gap but a last group's unused interleave slots
+    assert max(seen) - min(seen) + 1 <= -(-5 // step) * step * ranks
+    assert min(seen) == engine.get("base_gpu_id", 0)
+    # a remote worker sees only its own GPUs: the engine section as configured
+    assert engine_arguments(config, 2, local=False) == config.engine.arguments()
+
+
+def test_dp_size_in_the_engine_section_reaches_the_engine_as_written(config_for, tmp_path):
+    """Many GPUs of one host: one engine (no parallel section) with the engine's own dp_size,
+    load_balance_method and gpu_id_step; not in the fingerprint (they change no row)."""
+    from flows.resident import open_engine
+
+    data = config_for(tmp_path)
+    settings = {"dp_size": 2, "load_balance_method": "round_robin", "gpu_id_step": 2}
+    data["engine"] = {**data["engine"], **settings}
+    config = load_config(data)
+    checked = preflight(config)  # by the engine's own rules
+    assert not config.parallel.on_dask and config.gpus_per_worker == 2
+    asked: list[dict] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("engine.Engine", lambda **kwargs: asked.append(kwargs) or "an engine")
+        assert open_engine(config.engine) == ("an engine", "started")
+    assert asked == [data["engine"]]
+    one_copy = load_config(config_for(tmp_path))
+    assert run_identity(config, checked) == run_identity(one_copy, preflight(one_copy))
 
 
 def test_workers_and_address_are_not_in_the_fingerprint(config_for, tmp_path):
@@ -381,6 +481,7 @@ def test_workers_and_address_are_not_in_the_fingerprint(config_for, tmp_path):
     one = identity()
     assert identity(workers=4) == one
     assert identity(workers=2, address="tcp://10.0.0.5:8786") == one
+    assert identity(workers=2, batch_rows=7) == one
     assert identity(gpus_per_worker=1) == one, "an explicit 1 is the engine's default tp_size"
     two_gpus = identity(gpus_per_worker=2)
     assert two_gpus != one and two_gpus["engine"]["tp_size"] == 2
