@@ -38,6 +38,8 @@ KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # "fp8": a bf16/fp16 checkpoint quantized at load time; "compressed-tensors": an FP8 checkpoint
 # as llm-compressor writes it (None reads config.json's quantization_config, if any)
 QUANTIZATIONS = ("fp8", "compressed-tensors")
+# how a data-parallel engine picks the scheduler group of a request (engine/frontend/dp_balance.py)
+LOAD_BALANCE_METHODS = ("prefix_aware", "shortest_queue", "round_robin")
 
 DEFAULT_MEM_FRACTION_STATIC = 0.85  # of GPU memory for weights + KV pool
 # max_running_requests left to the engine: a request row per TOKENS_PER_REQUEST_ROW tokens of
@@ -94,10 +96,13 @@ class ServerArgs:
     # SGLang's piecewise_cuda_graph_max_tokens, on by default); None: max_prefill_tokens; 0: none
     prefill_cuda_graph_max_tokens: int | None = None
     disable_overlap_schedule: bool = False
-    # parallelism
+    # parallelism: dp_size groups of tp_size GPUs each; rank (dp, tp) runs on GPU
+    # base_gpu_id + (dp * tp_size + tp) * gpu_id_step (rank_device)
     tp_size: int = 1
     dp_size: int = 1
+    load_balance_method: str = "prefix_aware"
     base_gpu_id: int = 0
+    gpu_id_step: int = 1
     # misc
     random_seed: int | None = None  # None: drawn at random (seeds requests that give none)
     log_level: str = "error"
@@ -143,14 +148,10 @@ class ServerArgs:
             raise ValueError(
                 "revision is not supported: model_path is a local folder, not a hub repository."
             )
-        if self.tp_size > 1 and self.device not in (None, "cpu", "cuda"):
+        if self.num_ranks > 1 and self.device not in (None, "cpu", "cuda"):
             raise ValueError(
-                f"device={self.device!r} names one device; with tp_size={self.tp_size} use "
-                "device='cuda' and base_gpu_id"
-            )
-        if self.dp_size != 1:
-            raise ValueError(
-                f"dp_size must be 1 (scale out with the data-parallel flows instead), got {self.dp_size}."
+                f"device={self.device!r} names one device; with tp_size={self.tp_size} and "
+                f"dp_size={self.dp_size} use device='cuda' and base_gpu_id"
             )
         if self.is_embedding and self.tp_size != 1:
             raise ValueError(
@@ -276,22 +277,33 @@ class ServerArgs:
         """The most prompt tokens of one request a prefill step computes (inf: no chunking)."""
         return math.inf if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
-    def rank_device(self, rank: int) -> torch.device:
-        """The device of tensor-parallel rank `rank`: GPU base_gpu_id + rank, the one named
-        device (tp_size 1), or the CPU."""
+    @property
+    def num_ranks(self) -> int:
+        """Scheduler processes: dp_size groups of tp_size ranks."""
+        return self.dp_size * self.tp_size
+
+    def gpu_ids(self) -> list[int]:
+        """The GPU of each scheduler rank, dp-major: rank (dp, tp) at index dp * tp_size + tp."""
+        return [self.base_gpu_id + i * self.gpu_id_step for i in range(self.num_ranks)]
+
+    def rank_device(self, dp_rank: int, tp_rank: int) -> torch.device:
+        """The device of scheduler rank (dp_rank, tp_rank): its GPU of gpu_ids(), the one named
+        device (a single rank), or the CPU."""
         import torch  # NOTE: here, not at the top: checking arguments needs no torch
 
         if self.device == "cpu":
             return torch.device("cpu")
-        if self.device != "cuda":  # one explicit device (only with tp_size 1, checked above)
+        if self.device != "cuda":  # one explicit device (only with one rank, checked above)
             return torch.device(self.device)
         count = torch.cuda.device_count()
-        if self.base_gpu_id + self.tp_size > count:
+        ids = self.gpu_ids()
+        if ids[-1] >= count:
             raise ValueError(
-                f"tp_size={self.tp_size} from base_gpu_id={self.base_gpu_id} needs GPUs "
-                f"{self.base_gpu_id}..{self.base_gpu_id + self.tp_size - 1}, but {count} are visible."
+                f"dp_size={self.dp_size} x tp_size={self.tp_size} from base_gpu_id="
+                f"{self.base_gpu_id} (gpu_id_step={self.gpu_id_step}) needs GPUs "
+                f"{', '.join(map(str, ids))}, but {count} are visible."
             )
-        return torch.device("cuda", self.base_gpu_id + rank)
+        return torch.device("cuda", ids[dp_rank * self.tp_size + tp_rank])
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -305,6 +317,7 @@ class ServerArgs:
             "load_format": LOAD_FORMATS,
             "schedule_policy": SCHEDULE_POLICIES,
             "quantization": QUANTIZATIONS,
+            "load_balance_method": LOAD_BALANCE_METHODS,
         }
 
     @classmethod
@@ -379,7 +392,10 @@ _RULES: dict[str, _Rule] = {
         ("0 (no prefill graphs)", "a positive integer"), lambda v: v >= 0
     ),
     "tp_size": _POSITIVE,
+    "dp_size": _POSITIVE,
+    "load_balance_method": _one_of(LOAD_BALANCE_METHODS),
     "base_gpu_id": _Rule(("a non-negative integer",), lambda v: v >= 0),
+    "gpu_id_step": _POSITIVE,
     "log_level": _one_of(LOG_LEVELS, fold_case=True),
     "stream_interval": _POSITIVE,
 }

@@ -14,12 +14,17 @@ import logging
 import pickle
 import threading
 import traceback
+from pathlib import Path
 from typing import Protocol
 
 import zmq
 
 from engine.runtime.ipc import ChildConfig, ForwardingLogHandler, push_socket, watch_lifeline
 from engine.runtime.messages import ChildError
+
+_ENGINE = (
+    Path(__file__).resolve().parents[1]
+)  # the engine package (this is engine/runtime/child.py)
 
 
 class ChildProcess(Protocol):
@@ -48,13 +53,29 @@ def run_child(role: str, config_path: str, process: type[ChildProcess]) -> int:
     root.setLevel(config.args.log_level.upper())
     # (what it cost to get here, mostly imports: scripts/startup_phases.py shows it)
     logging.getLogger(__name__).info("%s process up, its imports done", role)
+    started = False
     try:
-        process(config, ctx, to_tokenizer, send_lock).run()
+        work = process(config, ctx, to_tokenizer, send_lock)
+        started = True
+        work.run()
     except BaseException as e:  # report anything, then exit non-zero
+        caller_error = not started and _raised_by_engine(e, ValueError)
         with send_lock:
             to_tokenizer.send_pyobj(
-                ChildError(role, type(e).__name__, str(e), traceback.format_exc())
+                ChildError(role, type(e).__name__, str(e), traceback.format_exc(), caller_error)
             )
         to_tokenizer.close()  # lingers until the report has left
         return 1
     return 0
+
+
+def _raised_by_engine(error: BaseException, kind: type) -> bool:
+    """Whether `error` is a `kind` raised by the engine package's own code.
+
+    NOTE: engine/ raises ValueError only to name an input that is wrong (DESIGN.md's rule):
+    at start-up, an argument or the model folder. The same type raised in a kernel, Triton,
+    torch or any other library is the engine failing, not the caller."""
+    if not isinstance(error, kind) or error.__traceback__ is None:
+        return False
+    frames = traceback.extract_tb(error.__traceback__)
+    return Path(frames[-1].filename).resolve().is_relative_to(_ENGINE)

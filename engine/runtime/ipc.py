@@ -1,8 +1,9 @@
 """Sockets, the lifeline that ties children to their parent, and log forwarding.
 
 All sockets live in one private folder (mode 0700) as ipc:// endpoints. The tokenizer manager
-binds one PULL socket that both children PUSH to; the scheduler and the detokenizer each bind
-a PULL socket for their input.
+binds one PULL socket that every child PUSHes to; the leader (tp rank 0) of each data-parallel
+scheduler group and the detokenizer each bind a PULL socket for their input, and so does every
+other tensor-parallel rank, for what its leader shares (engine/scheduler/tp_group.py).
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ from engine.server_args import ServerArgs
 class Endpoints:
     folder: str
 
-    @property
-    def scheduler(self) -> str:
-        return f"ipc://{self.folder}/scheduler"
+    def scheduler(self, dp_rank: int = 0) -> str:
+        """The input of data-parallel group `dp_rank`'s leader."""
+        return f"ipc://{self.folder}/scheduler-dp{dp_rank}"
+
+    def tp_follower(self, dp_rank: int, tp_rank: int) -> str:
+        """The input of a tensor-parallel rank other than its group's leader."""
+        return f"ipc://{self.folder}/scheduler-dp{dp_rank}-tp{tp_rank}"
+
+    def rendezvous(self, dp_rank: int) -> str:
+        """torch.distributed's file rendezvous of group `dp_rank`'s tensor-parallel ranks."""
+        return f"file://{os.path.join(self.folder, f'tp-dp{dp_rank}.rendezvous')}"
 
     @property
     def detokenizer(self) -> str:
@@ -48,7 +57,8 @@ class ChildConfig:
     endpoints: Endpoints
     lifeline_fd: int
     parent_pid: int
-    tp_rank: int = 0  # scheduler processes: the tensor-parallel rank
+    tp_rank: int = 0  # scheduler processes: the tensor-parallel rank in its group
+    dp_rank: int = 0  # scheduler processes: the data-parallel group
 
 
 def pull_socket(ctx: zmq.Context, address: str) -> zmq.Socket:

@@ -149,6 +149,7 @@ class SessionTimeout:
 class ControlReply:
     id: int
     value: Any
+    dp_rank: int = 0  # the data-parallel group that answers (each group answers its own)
 
 
 @dataclass
@@ -161,12 +162,18 @@ class Ready:
 
 @dataclass
 class ChildError:
-    """A child failed: at start-up (bad weights, say) or in its loop. It exits after sending this."""
+    """A child failed: at start-up (bad weights, say) or in its loop. It exits after sending this.
+
+    `caller_error`: the engine's own code found the caller's arguments or model folder wrong at
+    start-up (a ValueError raised in engine/), which the caller raises as its ValueError; any
+    other failure (a kernel's, a library's, anything in the loop) is the engine's own, raised
+    as a RuntimeError naming the process."""
 
     role: str
     exc_type: str
     message: str
     traceback: str
+    caller_error: bool = False
 
 
 @dataclass

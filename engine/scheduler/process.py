@@ -2,7 +2,9 @@
 
 The loop blocks on its input socket only while there is nothing to run, so a busy engine
 never waits on I/O between forwards. With tensor parallelism every rank runs this loop on
-the same messages (engine/scheduler/tp_group.py); only rank 0 has sockets.
+the same messages (engine/scheduler/tp_group.py); only the group's leader (tp rank 0) has
+sockets to the other processes. With data parallelism each group runs a loop of its own on
+the requests the caller routes to it (engine/frontend/dp_ranks.py).
 """
 
 from __future__ import annotations
@@ -57,12 +59,14 @@ class SchedulerProcess:
     ) -> None:
         args = config.args
         model_config = ModelConfig.from_folder(args.model_path, args.dtype, args.context_length)
-        device = args.rank_device(config.tp_rank)
-        self.tp = TPGroup.start(config, device)
-        # NOTE: only rank 0 talks to the other processes (see engine/scheduler/tp_group.py)
+        device = args.rank_device(config.dp_rank, config.tp_rank)
+        self.dp_rank = config.dp_rank
+        self.tp = TPGroup.start(config, ctx, device)
+        # NOTE: only a group's leader talks to the other processes (engine/scheduler/tp_group.py)
         leader = self.tp.is_leader
-        self.inbox = pull_socket(ctx, config.endpoints.scheduler) if leader else None
-        self.to_detokenizer = push_socket(ctx, config.endpoints.detokenizer) if leader else None
+        endpoints = config.endpoints
+        self.inbox = pull_socket(ctx, endpoints.scheduler(config.dp_rank)) if leader else None
+        self.to_detokenizer = push_socket(ctx, endpoints.detokenizer) if leader else None
         self.to_tokenizer = to_tokenizer
         self.send_lock = send_lock
         self.stream_interval = args.stream_interval
@@ -74,11 +78,15 @@ class SchedulerProcess:
         self.tp.barrier()  # every rank loaded before the engine is ready
         self._reply(
             Ready(
-                "scheduler",
+                config.role,
                 {
                     "max_total_tokens": self.scheduler.max_total_tokens,
                     "max_running_requests": self.scheduler.max_running_requests,
                     "device": str(device),
+                    "devices": [
+                        str(args.rank_device(config.dp_rank, t)) for t in range(args.tp_size)
+                    ],
+                    "dp_rank": config.dp_rank,
                 },
             )
         )
@@ -149,7 +157,7 @@ class SchedulerProcess:
                 value = self._control(msg.kind, msg.args)
             except (ValueError, RuntimeError, TypeError) as e:  # the caller's to raise, not ours
                 value = e
-            self._reply(ControlReply(msg.id, value))
+            self._reply(ControlReply(msg.id, value, self.dp_rank))
         else:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
 
@@ -159,7 +167,7 @@ class SchedulerProcess:
         if kind == "get_info":
             return self.scheduler.state()
         if kind == "start_profile":
-            return self.trace.start(rank=self.tp.rank, **args)
+            return self.trace.start(self.tp.rank, self.dp_rank, **args)
         if kind == "stop_profile":
             return self.trace.stop()
         raise ValueError(f"unknown control request {kind!r}")

@@ -43,6 +43,7 @@ class TorchTrace:
     def start(
         self,
         rank: int = 0,
+        dp_rank: int = 0,
         output_dir: str | None = None,
         num_steps: int | None = None,
         activities: list[str] | None = None,
@@ -65,7 +66,8 @@ class TorchTrace:
         folder = Path(output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR") or "/tmp")
         folder.mkdir(parents=True, exist_ok=True)
         name = profile_id or f"{time.time():.0f}"
-        self.path = folder / f"{name}-TP-{rank}.trace.json.gz"
+        dp = f"-DP-{dp_rank}" if dp_rank else ""  # (the caller names every rank's alike)
+        self.path = folder / f"{name}{dp}-TP-{rank}.trace.json.gz"
         self.profiler = torch.profiler.profile(
             activities=[_KINDS[a] for a in wanted],
             with_stack=bool(with_stack),
