@@ -20,10 +20,12 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from engine.frontend.dp_ranks import check_dp_rank
 from engine.frontend.encode import make_encode_call
 from engine.frontend.results import Channel
 from engine.frontend.score import ScoreResult, make_score_call, score_result
@@ -39,7 +41,7 @@ logger = logging.getLogger(__name__)
 _UNSUPPORTED_GENERATE_ARGS = (
     "audio_data", "video_data", "custom_logit_processor",
     "token_ids_logprob", "return_hidden_states", "bootstrap_host", "bootstrap_port",
-    "bootstrap_room", "data_parallel_rank",
+    "bootstrap_room",
 )  # fmt: skip
 
 
@@ -83,6 +85,8 @@ class Engine:
         session_params: dict | list[dict] | None = None,
         lora_path: str | list[str | None] | None = None,
         image_data: Any = None,
+        routed_dp_rank: int | None = None,
+        data_parallel_rank: int | None = None,
         **unsupported: Any,
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> a dict; a list -> a list of dicts in input order; stream=True -> an iterator of chunks.
@@ -94,11 +98,17 @@ class Engine:
 
         Streamed chunks carry the text and token ids new since the previous chunk; the last
         one of each request carries its finish_reason and complete meta_info.
-        """
+
+        routed_dp_rank (dp_size > 1; data_parallel_rank, SGLang's older name): the group every
+        request of the call goes to, instead of the one load_balance_method picks."""
         tm = self.tokenizer_manager
         call = self._make_call(locals(), unsupported)
         channel = Channel()
-        states = tm.submit(call, channel)
+        states = tm.submit(
+            call,
+            channel,
+            check_dp_rank(routed_dp_rank, data_parallel_rank, self.server_args.dp_size),
+        )
         if stream:
             return tm.stream(states, channel, with_index=call.is_batch)
         results = tm.wait_all(states, channel)
@@ -118,6 +128,8 @@ class Engine:
         session_params: dict | list[dict] | None = None,
         lora_path: str | list[str | None] | None = None,
         image_data: Any = None,
+        routed_dp_rank: int | None = None,
+        data_parallel_rank: int | None = None,
         **unsupported: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As generate(), awaited on the caller's event loop; stream=True gives an async iterator.
@@ -127,7 +139,11 @@ class Engine:
         tm = self.tokenizer_manager
         call = self._make_call(locals(), unsupported)
         channel = Channel(asyncio.get_running_loop())
-        states = tm.submit(call, channel)
+        states = tm.submit(
+            call,
+            channel,
+            check_dp_rank(routed_dp_rank, data_parallel_rank, self.server_args.dp_size),
+        )
         if stream:
             return tm.async_stream(states, channel, with_index=call.is_batch)
         results = await tm.async_wait_all(states, channel)
@@ -135,6 +151,9 @@ class Engine:
 
     def _make_call(self, arguments: dict[str, Any], unsupported: dict[str, Any]):
         _refuse(unsupported)
+        check_dp_rank(
+            arguments["routed_dp_rank"], arguments["data_parallel_rank"], self.server_args.dp_size
+        )
         if self.server_args.is_embedding:
             raise ValueError(
                 "generate() is not available: this engine was started with is_embedding=True "
@@ -257,7 +276,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests run."""
-        return bool(self.tokenizer_manager.control("flush_cache"))
+        return all(self.tokenizer_manager.control("flush_cache"))
 
     # ------------------------------------------------------------------ LoRA adapters
     def load_lora_adapter(
@@ -270,14 +289,14 @@ class Engine:
         if not isinstance(lora_name, str) or not lora_name:
             raise ValueError(f"lora_name must be a non-empty string, got {lora_name!r}")
         args = {"lora_name": lora_name, "lora_path": str(lora_path), "pinned": bool(pinned)}
-        loaded = self.tokenizer_manager.control("load_lora_adapter", args)
+        loaded = self.tokenizer_manager.control("load_lora_adapter", args)[0]  # (every group's)
         self.tokenizer_manager.inputs.lora_adapters = dict(loaded)
         return LoraAdapterResult(True, "", loaded)
 
     def unload_lora_adapter(self, lora_name: str) -> LoraAdapterResult:
         """Unload an adapter; refused (ValueError) while requests that use it are queued or
         running. Its cached prefixes are freed."""
-        loaded = self.tokenizer_manager.control("unload_lora_adapter", {"lora_name": lora_name})
+        loaded = self.tokenizer_manager.control("unload_lora_adapter", {"lora_name": lora_name})[0]
         self.tokenizer_manager.inputs.lora_adapters = dict(loaded)
         return LoraAdapterResult(True, "", loaded)
 
@@ -304,15 +323,28 @@ class Engine:
             )
         if session_id is not None and not isinstance(session_id, str):
             raise ValueError(f"session_id must be a str or None, got {session_id!r}")
+        # NOTE: the id is drawn here, not by a scheduler: every tensor-parallel rank must hold
+        # the session under the same id, and the caller routes its turns by it
+        session_id = session_id if session_id is not None else uuid.uuid4().hex
         args = {
             "capacity_of_str_len": capacity_of_str_len, "session_id": session_id,
             "streaming": bool(streaming), "timeout": timeout,
         }  # fmt: skip
-        return self.tokenizer_manager.control("open_session", args)
+        groups = self.tokenizer_manager.groups
+        rank, new = groups.session_group(session_id)  # (an id open there is refused, by name)
+        try:
+            return self.tokenizer_manager.control("open_session", args, ranks=[rank])[0]
+        except BaseException:
+            if new:
+                groups.session_closed(session_id)
+            raise
 
     def close_session(self, session_id: str) -> None:
         """Close a session: its turns' KV is no longer kept for it (the cache may evict it)."""
-        self.tokenizer_manager.control("close_session", {"session_id": session_id})
+        tm = self.tokenizer_manager
+        rank = tm.groups.group_of_session(session_id)
+        tm.control("close_session", {"session_id": session_id}, ranks=[rank or 0])
+        tm.groups.session_closed(session_id)
 
     # ------------------------------------------------------------------ weights and profiles
     def update_weights_from_disk(
@@ -330,9 +362,9 @@ class Engine:
                 f"load_format must be one of {', '.join(LOAD_FORMATS)} or None, got {load_format!r}"
             )
         args = {"model_path": str(model_path), "load_format": load_format}
-        success, message = self.tokenizer_manager.control(
-            "update_weights_from_disk", args, timeout=None
-        )
+        answers = self.tokenizer_manager.control("update_weights_from_disk", args, timeout=None)
+        # NOTE: every group loads the same folder, so they fail alike (the first refusal says why)
+        success, message = next((a for a in answers if not a[0]), answers[0])
         if success:  # get_server_info names the weights in service, as SGLang's does
             self.server_args = dataclasses.replace(self.server_args, model_path=str(model_path))
         return success, message
@@ -344,7 +376,8 @@ class Engine:
         if not isinstance(truncate_size, int) or truncate_size < 1:
             raise ValueError(f"truncate_size must be a positive integer, got {truncate_size!r}")
         args = {"name": name, "truncate_size": truncate_size}
-        return self.tokenizer_manager.control("get_weights_by_name", args)
+        tm = self.tokenizer_manager
+        return tm.control("get_weights_by_name", args, ranks=tm.groups.live[:1])[0]
 
     def start_profile(
         self,
@@ -362,16 +395,26 @@ class Engine:
         (engine/scheduler/trace.py)."""
         args = {
             "output_dir": output_dir, "num_steps": num_steps, "activities": activities,
-            "with_stack": with_stack, "record_shapes": record_shapes, "profile_id": profile_id,
+            "with_stack": with_stack, "record_shapes": record_shapes,
+            # (one name for every rank's file: each rank's clock would give its own)
+            "profile_id": profile_id or f"{time.time():.0f}",
         }  # fmt: skip
         self.tokenizer_manager.control("start_profile", args)
 
     def stop_profile(self) -> str:
-        """Stop the trace that start_profile() began and write it; the path of rank 0's file."""
-        return self.tokenizer_manager.control("stop_profile", timeout=None)
+        """Stop the trace that start_profile() began and write it; the path of rank 0's file
+        (dp rank k's, for k > 0, ends -DP-k-TP-0.trace.json.gz)."""
+        return self.tokenizer_manager.control("stop_profile", timeout=None)[0]
 
     def get_server_info(self) -> dict[str, Any]:
+        """The settled arguments and the model's config, with what the schedulers report:
+        `internal_states` holds each live data-parallel group's counters and queues (one entry
+        with dp_size 1), `dp_ranks` each group's devices, pool and whether it is in service;
+        the top-level device and sizes are dp rank 0's."""
         tm = self.tokenizer_manager
+        states = tm.control("get_info")
+        for rank, state in zip(tm.groups.live, states):
+            state["dp_rank"] = rank
         return {
             **self.server_args.to_dict(),
             "model_config": self.model_config.hf,
@@ -380,7 +423,8 @@ class Engine:
             "max_running_requests": tm.scheduler_info["max_running_requests"],
             "startup_seconds": self.startup_seconds,
             "pids": tm.children.pids,
-            "internal_states": [tm.control("get_info")],
+            "dp_ranks": tm.groups.describe(tm.rank_info),
+            "internal_states": states,
         }
 
     def shutdown(self) -> None:

@@ -19,6 +19,8 @@ from engine.runtime.messages import ReqOutput, TokenizedRequest
 if TYPE_CHECKING:  # transformers loads in ~1 s; only the annotations need it here
     from transformers import PreTrainedTokenizerBase
 
+    from engine.frontend.dp_balance import Route
+
 
 class Channel:
     """Where a call's results arrive: (index, kind, payload) items, kind in 'chunk', 'final', 'error'."""
@@ -66,6 +68,7 @@ class ReqState:
         self.output_top_logprobs: list = []
         self.created = time.perf_counter()
         self.finished_at: float | None = None
+        self.route: Route | None = None  # the data-parallel group it went to, set when sent
 
     @property
     def rid(self) -> str:

@@ -1,10 +1,14 @@
 """The caller's side of the engine: start the children, submit requests, hand results back.
 
 A receiver thread owns the one inbound socket. It routes every output to its request's
-state (engine/frontend/results.py), which puts it on the caller's Channel, answers control calls, replays the children's log records through the caller's
-logging, and watches the children: if one dies, every waiting caller gets a RuntimeError at
-once. Channels are thread-safe and work for blocking callers and for asyncio callers on any
-event loop, so no caller ever needs nest_asyncio.
+state (engine/frontend/results.py), which puts it on the caller's Channel, answers control
+calls, replays the children's log records through the caller's logging, and watches the
+children: if one dies, every caller waiting on it gets a RuntimeError at once, naming the
+process and its rank. Channels are thread-safe and work for blocking callers and for asyncio
+callers on any event loop, so no caller ever needs nest_asyncio.
+
+With dp_size > 1 each request goes to one data-parallel scheduler group and management calls
+go to all of them (engine/frontend/dp_ranks.py); a group that dies fails its own requests only.
 """
 
 from __future__ import annotations
@@ -14,16 +18,18 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import zmq
 
+from engine.frontend.dp_ranks import PendingControl, SchedulerGroups
 from engine.frontend.input_processor import GenerateCall, InputProcessor
 from engine.frontend.results import Channel, ReqState, chunk, take
 from engine.model_config import ModelConfig
-from engine.runtime.children import ChildProcesses
-from engine.runtime.ipc import Endpoints, pull_socket, push_socket, recv_all
+from engine.runtime.children import ChildProcesses, Role
+from engine.runtime.ipc import Endpoints, pull_socket, recv_all
 from engine.runtime.messages import (
     AbortReq,
     BatchOut,
@@ -41,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _CONTROL_TIMEOUT_S = 60.0
+_PEER_DEATH_GRACE_S = 0.5
 
 
 class TokenizerManager:
@@ -52,12 +59,13 @@ class TokenizerManager:
         endpoints = Endpoints(self._folder)
         self._ctx = zmq.Context()
         self._inbox = pull_socket(self._ctx, endpoints.tokenizer)
-        self._to_scheduler = push_socket(self._ctx, endpoints.scheduler)
+        self.groups = SchedulerGroups(self._ctx, endpoints, args)
         self._send_lock = threading.Lock()
         self._states: dict[str, ReqState] = {}
-        self._controls: dict[int, tuple[threading.Event, list]] = {}
+        self._controls: dict[int, PendingControl] = {}
         self._control_ids = itertools.count()
         self._error: Exception | None = None
+        self._gone: set[str] = set()  # children whose end was handled
         self._closed = False
         self.children: ChildProcesses | None = None
         try:
@@ -66,40 +74,51 @@ class TokenizerManager:
             # tokenizer_path still fails the start, and shutdown() below stops the children
             if not args.skip_tokenizer_init:
                 self.tokenizer = load_tokenizer(args)
-            info = self._wait_ready()
+            infos = self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
-        self.scheduler_info = info
-        self.inputs = InputProcessor(args, config, self.tokenizer, info["max_total_tokens"])
+        self.rank_info = infos  # each data-parallel group's, by dp rank
+        self.scheduler_info = infos[0]
+        pools = [info["max_total_tokens"] for info in infos]
+        self.groups.ready(pools)
+        self.inputs = InputProcessor(args, config, self.tokenizer, min(pools))
         self._receiver = threading.Thread(
             target=self._receive_loop, name="gristmill-receiver", daemon=True
         )
         self._receiver.start()
 
     # ------------------------------------------------------------------ start-up
-    def _wait_ready(self) -> dict[str, Any]:
+    def _wait_ready(self) -> list[dict[str, Any]]:
+        """Each data-parallel group's start-up report (its leader's), once every group and the
+        detokenizer are up; a child's failure is raised here (start-up is all or nothing)."""
+        roles = self.children.roles
+        expected = {r.name for r in roles.values() if r.tp_rank == 0}
         ready: dict[str, dict] = {}
-        while len(ready) < 2:
+        while len(ready) < len(expected):
             for msg in recv_all(self._inbox, _POLL_MS):
                 if isinstance(msg, Ready):
                     ready[msg.role] = msg.info
                 elif isinstance(msg, ChildError):
-                    raise _child_exception(msg)
+                    raise _child_exception(msg, roles.get(msg.role))
                 elif isinstance(msg, LogMsg):
                     _replay(msg)
-            if len(ready) < 2 and (gone := self.children.exited()):
+            if len(ready) < len(expected) and (gone := self.children.exited()):
                 # a report sent just before dying may still be in flight
                 for msg in recv_all(self._inbox, 500):
                     if isinstance(msg, ChildError):
-                        raise _child_exception(msg)
+                        raise _child_exception(msg, roles.get(msg.role))
+                name, code = next(iter(gone.items()))
                 raise RuntimeError(
-                    f"the {gone[0]} process exited with code {gone[1]} while starting"
+                    f"{roles[name].describe()} exited with code {code} while starting"
                 )
-        return ready["scheduler"]
+        infos = [info for name, info in ready.items() if roles[name].kind == "scheduler"]
+        return sorted(infos, key=lambda info: info["dp_rank"])
 
     # ------------------------------------------------------------------ submitting
-    def submit(self, call: GenerateCall, channel: Channel) -> list[ReqState]:
+    def submit(
+        self, call: GenerateCall, channel: Channel, routed_dp_rank: int | None = None
+    ) -> list[ReqState]:
         states = [
             ReqState(request, i, channel, call.return_text_in_logprobs)
             for i, request in enumerate(call.requests)
@@ -111,9 +130,12 @@ class TokenizerManager:
             busy = [s.rid for s in states if s.rid in self._states]
             if busy:
                 raise ValueError(f"rid {busy[0]!r} is already in flight")
+            if routed_dp_rank is not None:
+                self.groups.check_alive(routed_dp_rank)
             for state in states:
+                state.route = self.groups.route(state.request, routed_dp_rank)
                 self._states[state.rid] = state
-                self._to_scheduler.send_pyobj(state.request)
+                self.groups.send(state.route.rank, state.request)
         return states
 
     def abort(self, states: list[ReqState]) -> None:
@@ -121,7 +143,9 @@ class TokenizerManager:
         with self._send_lock:
             for state in states:
                 if self._states.pop(state.rid, None) is not None and not self._closed:
-                    self._to_scheduler.send_pyobj(AbortReq(state.rid))
+                    self.groups.ended(state.route)
+                    if self.groups.alive[state.route.rank]:
+                        self.groups.send(state.route.rank, AbortReq(state.rid))
 
     def wait_all(self, states: list[ReqState], channel: Channel) -> list[dict]:
         results: dict[int, dict] = {}
@@ -171,59 +195,66 @@ class TokenizerManager:
         kind: str,
         args: dict[str, Any] | None = None,
         timeout: float | None = _CONTROL_TIMEOUT_S,
-    ) -> Any:
-        """The scheduler's answer to a control request (engine/scheduler/process.py). A timeout
-        of None waits as long as the scheduler works on it (an engine failure still ends the
-        wait: _fail answers every pending control with the error)."""
-        event, box = threading.Event(), []
+        ranks: list[int] | None = None,
+    ) -> list[Any]:
+        """Each data-parallel group's answer to a control request (engine/scheduler/process.py),
+        in rank order: the groups `ranks`, or every live one. Raises the first error among them.
+        A timeout of None waits as long as the schedulers work on it (a failure still ends the
+        wait: _fail and _group_failed answer the pending controls with the error)."""
         with self._send_lock:
             self.check_usable()  # under the lock, as in submit()
+            for rank in ranks or []:
+                self.groups.check_alive(rank)
+            pending = PendingControl(ranks or self.groups.live)
             cid = next(self._control_ids)
-            self._controls[cid] = (event, box)
-            self._to_scheduler.send_pyobj(ControlReq(kind, cid, args or {}))
-        if not event.wait(timeout):
+            self._controls[cid] = pending
+            for rank in pending.ranks:
+                self.groups.send(rank, ControlReq(kind, cid, args or {}))
+        if not pending.done.wait(timeout):
             self._controls.pop(cid, None)
             raise RuntimeError(f"the scheduler did not answer {kind!r} within {timeout:.0f}s")
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
+        return pending.values()
 
     # ------------------------------------------------------------------ receiving
     def _receive_loop(self) -> None:
         try:
-            while not self._closed:
+            while not self._closed and self._error is None:
                 for msg in recv_all(self._inbox, _POLL_MS):
                     self._dispatch(msg)
-                if not self._closed and (gone := self.children.exited()):
-                    for msg in recv_all(self._inbox, 200):  # a last report may be in flight
-                        self._dispatch(msg)
-                    if self._error is None:
-                        self._fail(
-                            RuntimeError(
-                                f"the {gone[0]} process died (exit code {gone[1]}); the engine must be restarted"
-                            )
-                        )
-                    return
+                if not self._closed:
+                    self._watch_children()
         except Exception as e:  # a bug here must not leave callers hanging
             logger.exception("receiver thread failed")
             self._fail(RuntimeError(f"the engine's receiver failed: {e!r}"))
+
+    def _watch_children(self) -> None:
+        gone = {n: c for n, c in self.children.exited().items() if n not in self._gone}
+        if not gone:
+            return
+        for msg in recv_all(self._inbox, 200):  # a last report may be in flight
+            self._dispatch(msg)
+        for name, code in gone.items():
+            if name in self._gone or self._error is not None:  # (reported, or its group's)
+                continue
+            role = self.children.roles[name]
+            self._child_failed(role, RuntimeError(f"{role.describe()} died (exit code {code})"))
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, BatchOut):
             for out in msg.outputs:
                 self._deliver(out)
         elif isinstance(msg, ControlReply):
-            event, box = self._controls.pop(msg.id, (None, None))
-            if event is not None:
-                box.append(msg.value)
-                event.set()
+            pending = self._controls.get(msg.id)
+            if pending is not None:
+                pending.answer(msg.dp_rank, msg.value)
+                if pending.done.is_set():
+                    self._controls.pop(msg.id, None)
         elif isinstance(msg, LogMsg):
             _replay(msg)
         elif isinstance(msg, ChildError):
-            logger.error("%s process failed:\n%s", msg.role, msg.traceback)
-            self._fail(
-                RuntimeError(f"the {msg.role} process failed: {msg.exc_type}: {msg.message}")
-            )
+            role = self.children.roles.get(msg.role)
+            if msg.role not in self._gone:
+                self._child_failed(role, _child_exception(msg, role))
 
     def _deliver(self, out: ReqOutput) -> None:
         state = self._states.get(out.rid)
@@ -231,18 +262,66 @@ class TokenizerManager:
             return
         if out.finish_reason is not None:
             self._states.pop(out.rid, None)
+            self.groups.ended(state.route)
         state.deliver(out, self.tokenizer)
 
-    def _fail(self, error: Exception) -> None:
+    def _child_failed(self, role: Role | None, error: Exception) -> None:
+        """A child failed or died: its data-parallel group goes out of service when others are
+        left to serve, else the engine does."""
+        if role is None or role.kind != "scheduler" or self.groups.live == [role.dp_rank]:
+            self._gone.update(self.children.procs)
+            self._fail(RuntimeError(f"{error}; the engine must be restarted"), error)
+            return
+        rank = role.dp_rank
+        group = self.children.group(rank)
+        error = self._first_death(group, role) or error
+        self._gone.update(group)
+        self.children.kill(group)  # its other ranks would wait on the dead one's collectives
+        self.groups.died(rank)
+        message = f"{error}; dp rank {rank} is out of service, the engine goes on with dp ranks {self.groups.live}"
+        logger.error(message)
+        self._group_failed(rank, RuntimeError(message), error)
+
+    def _first_death(self, group: list[str], reporter: Role) -> Exception | None:
+        """A peer of `reporter` that died, if one did: then the reporter's error (a collective
+        that lost its peer) is only the consequence. NOTE: a killed peer closes its sockets
+        before the kernel reports its exit, so the report can come first: wait a moment."""
+        peers = [name for name in group if name != reporter.name]
+        deadline = time.monotonic() + (_PEER_DEATH_GRACE_S if peers else 0)
+        while True:
+            dead = {n: c for n, c in self.children.exited().items() if n in peers}
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        for name, code in dead.items():
+            return RuntimeError(f"{self.children.roles[name].describe()} died (exit code {code})")
+        return None
+
+    def _group_failed(self, rank: int, error: Exception, cause: Exception) -> None:
+        """Fail the requests and control calls waiting on data-parallel group `rank`."""
+        error.__cause__ = cause
+        with self._send_lock:
+            states = [s for s in self._states.values() if s.route.rank == rank]
+            for state in states:
+                del self._states[state.rid]
+            controls = [c for c in self._controls.values() if rank in c.ranks]
+        for state in states:
+            state.channel.put((state.index, "error", error))
+        for pending in controls:
+            pending.answer(rank, error)
+
+    def _fail(self, error: Exception, cause: Exception | None = None) -> None:
+        if cause is not None:
+            error.__cause__ = cause
         self._error = error
         with self._send_lock:
             states, self._states = list(self._states.values()), {}
             controls, self._controls = list(self._controls.values()), {}
         for state in states:
             state.channel.put((state.index, "error", error))
-        for event, box in controls:
-            box.append(error)
-            event.set()
+        for pending in controls:
+            for rank in pending.ranks:
+                pending.answer(rank, error)
 
     # ------------------------------------------------------------------ lifetime
     def check_usable(self) -> None:
@@ -265,19 +344,24 @@ class TokenizerManager:
         if receiver is not None and receiver is not threading.current_thread():
             receiver.join(timeout=5)
         self._inbox.close()
-        self._to_scheduler.close(linger=0)
+        self.groups.close()
         self._ctx.term()
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
-def _child_exception(msg: ChildError) -> Exception:
-    """A start-up failure of a child, raised in the caller as the same kind of error."""
-    text = (
-        f"{msg.message}"
-        if msg.exc_type == "ValueError"
-        else f"the {msg.role} process failed: {msg.exc_type}: {msg.message}"
-    )
-    return ValueError(text) if msg.exc_type == "ValueError" else RuntimeError(text)
+def _child_exception(msg: ChildError, role: Role | None) -> Exception:
+    """A child's failure as the caller raises it: the caller's own ValueError, word for word,
+    where the child found the engine's arguments or model folder wrong at start-up; else a
+    RuntimeError naming the process and its rank, the child's traceback in its notes (and in
+    the log)."""
+    if msg.caller_error:
+        return ValueError(msg.message)
+    where = role.describe() if role is not None else f"the {msg.role} process"
+    logger.error("%s failed:\n%s", where, msg.traceback)
+    error = RuntimeError(f"{where} failed: {msg.exc_type}: {msg.message}")
+    if hasattr(error, "add_note"):  # (Python 3.11+)
+        error.add_note(f"traceback in {msg.role}:\n{msg.traceback.rstrip()}")
+    return error
 
 
 def _replay(msg: LogMsg) -> None:
