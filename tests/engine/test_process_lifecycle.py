@@ -378,7 +378,7 @@ def test_context_manager_exit_shuts_down_children_folder_and_logs(llama_dir, cap
         folder = _private_folder(pids["scheduler"])
         assert _private_folder(pids["detokenizer"]) == folder
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-        assert {"scheduler", "detokenizer", "tokenizer"} <= {p.name for p in folder.iterdir()}
+        assert {"scheduler-dp0", "detokenizer", "tokenizer"} <= {p.name for p in folder.iterdir()}
         assert engine.generate(PROMPT, GREEDY)["output_ids"]
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:

@@ -31,8 +31,8 @@ BOOL_ARGS = (
 )  # fmt: skip
 POSITIVE_INT_ARGS = (
     "context_length", "max_total_tokens", "max_running_requests", "max_prefill_tokens",
-    "page_size", "cuda_graph_max_bs", "tp_size", "stream_interval", "max_loras_per_batch",
-    "max_lora_rank",
+    "page_size", "cuda_graph_max_bs", "tp_size", "dp_size", "gpu_id_step", "stream_interval",
+    "max_loras_per_batch", "max_lora_rank",
 )  # fmt: skip
 
 
@@ -83,7 +83,13 @@ def refusal(**kwargs) -> str:
             "attention_backend must be one of 'torch', 'triton', 'flashinfer' or None, "
             "got 'trition' (str); did you mean 'triton'?",
         ),
-        ({"dp_size": "1"}, "dp_size must be an integer, got '1' (str)."),
+        ({"dp_size": "1"}, "dp_size must be a positive integer, got '1' (str)."),
+        ({"dp_size": 0}, "dp_size must be a positive integer, got 0 (int)."),
+        (
+            {"load_balance_method": "round-robin"},
+            "load_balance_method must be one of 'prefix_aware', 'shortest_queue', "
+            "'round_robin', got 'round-robin' (str); did you mean 'round_robin'?",
+        ),
         ({"revision": 3}, "revision must be a string or None, got 3 (int)."),
         (
             {"model_path": ""},
