@@ -26,6 +26,7 @@ from engine.bench_floor import (
     floor_seconds,
     make_workload,
     measure_ceilings,
+    split_workload,
     weight_bytes,
 )
 from engine.model_config import ModelConfig
@@ -50,13 +51,16 @@ def run_engine(
     engine = Engine(model_path=model_path, skip_tokenizer_init=True, **engine_args)
     startup = time.perf_counter() - t0
     try:
-        engine.generate(
-            input_ids=work.input_ids[:4], sampling_params={"max_new_tokens": 4, "ignore_eos": True}
-        )
+        for rank in range(engine.server_args.dp_size):  # every data-parallel group compiles
+            engine.generate(
+                input_ids=work.input_ids[:4],
+                sampling_params={"max_new_tokens": 4, "ignore_eos": True},
+                routed_dp_rank=rank if engine.server_args.dp_size > 1 else None,
+            )
         engine.flush_cache()
         # NOTE: the counters are the engine's since start-up; the table reports the measured
         # run alone, so the warm-up's (its kernel compilation, on a fresh machine) is taken off
-        before = engine.get_server_info()["internal_states"][0]
+        before = engine.get_server_info()["internal_states"]
         params = [
             {"temperature": 0.0, "max_new_tokens": o, "ignore_eos": True} for o in work.output_lens
         ]
@@ -65,7 +69,9 @@ def run_engine(
         outs = engine.generate(input_ids=work.input_ids, sampling_params=params, lora_path=lora)
         wall = time.perf_counter() - t0
         info = engine.get_server_info()
-        info["internal_states"][0] = _counters_since(before, info["internal_states"][0])
+        info["internal_states"] = [
+            _counters_since(b, a) for b, a in zip(before, info["internal_states"])
+        ]
     finally:
         engine.shutdown()
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -218,27 +224,42 @@ def main(argv: list[str] | None = None) -> None:
         lora_names = list(adapters)
     result = run_engine(model_path, work, engine_args, lora_names)
     max_running = result["info"]["max_running_requests"]
-    state = result["info"]["internal_states"][0]
+    states = result["info"]["internal_states"]
+    state = states[0]
     # NOTE: tp ranks each read 1/tp of the weights and KV and do 1/tp of the FLOPs, so the
     # floor of a tensor-parallel group is the one-device floor over tp (all-reduces cost extra)
     tp = int(engine_args.get("tp_size", 1))
+    dp = int(engine_args.get("dp_size", 1))
     # a float8 cache's floor reads half the K/V bytes; FP8 weights' half the weight bytes, and
     # their matmuls run at the measured FP8 rate
     kv_name = KV_CACHE_DTYPES.get(engine_args.get("kv_cache_dtype", "auto"))
     kv_dtype = getattr(torch, kv_name) if kv_name else None
     fp8_weights = result["info"]["quantization"] is not None or "quantization_config" in cfg.hf
-    decode_floor, prefill_floor = floor_seconds(
-        cfg, work, max_running, tp * bandwidth, tp * flops, state["kv_total_tokens"],
-        kv_dtype, tp * fp8_flops if fp8_weights and fp8_flops else None,
-    )  # fmt: skip
+    # data parallel: each group does its share of the requests (each computing a shared prefix
+    # once) on its own GPUs, so the floor is the slowest share's
+    floors = [
+        floor_seconds(
+            cfg,
+            part,
+            max_running,
+            tp * bandwidth,
+            tp * flops,
+            state["kv_total_tokens"],
+            kv_dtype,
+            tp * fp8_flops if fp8_weights and fp8_flops else None,
+        )  # fmt: skip
+        for part in split_workload(work, dp)
+    ]
+    decode_floor, prefill_floor = max(floors, key=sum)
     precision = ", ".join(
         [f"{cfg.dtype_name} activations"]
         + (["FP8 weights"] if fp8_weights else [])
         + ([f"{kv_name} KV cache"] if kv_name else [])
     )
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    layout = ", ".join(f"{k}={v}" for k, v in (("dp_size", dp), ("tp_size", tp)) if v > 1)
     rows = [
-        ("device", device_name if tp == 1 else f"{tp} x {device_name} (tp_size={tp})"),
+        ("device", device_name if dp * tp == 1 else f"{dp * tp} x {device_name} ({layout})"),
         (
             "model",
             f"{args.model_config or args.model} ({precision}, "
@@ -272,9 +293,18 @@ def main(argv: list[str] | None = None) -> None:
             f"{decode_floor:.2f} + {prefill_floor:.2f} = {decode_floor + prefill_floor:.2f}",
         ),
         ("fraction of floor", f"{(decode_floor + prefill_floor) / result['wall']:.2f}"),
-        (
-            "prefill tokens cached",
-            f"{result['info']['internal_states'][0]['prefill_tokens_cached']}",
+        ("prefill tokens cached", f"{sum(s['prefill_tokens_cached'] for s in states)}"),
+        *(
+            [
+                (
+                    "per dp rank: requests | busy (s) (rows below: dp rank 0)",
+                    ", ".join(
+                        f"{s['requests_finished']} | {s['busy_seconds']:.2f}" for s in states
+                    ),
+                )
+            ]
+            if dp > 1
+            else []
         ),
         (
             "steps: prefill | decode (shared-prefix)",

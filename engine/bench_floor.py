@@ -58,6 +58,22 @@ def make_workload(
     return Workload(ids, [draw(output_len) for _ in range(n)], prefix_len, num_prefixes)
 
 
+def split_workload(work: Workload, parts: int) -> list[Workload]:
+    """The requests dealt round-robin into `parts` workloads (data-parallel groups' shares)."""
+    if parts == 1:
+        return [work]
+    n, prefixes = len(work.input_ids), work.num_prefixes
+    return [
+        Workload(
+            work.input_ids[k::parts],
+            work.output_lens[k::parts],
+            work.prefix_len,
+            len({i % prefixes for i in range(k, n, parts)}),
+        )  # fmt: skip
+        for k in range(parts)
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # the floor
 # ---------------------------------------------------------------------------------------------

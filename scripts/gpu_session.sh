@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the README's benchmark workloads. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [kernels|extend|gpu|engine|issue7|tp|splits|w1|w1-steps|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+# Usage there: bash scripts/gpu_session.sh [regress|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|splits|w1|w1-steps|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -21,10 +22,40 @@ if [ -f .fi/flashinfer-slim.tgz ]; then  # optional: FlashInfer unpacked beside 
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .fi/*.whl 2>&1 | grep -v WARNING
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# Triton's compiled kernels: kept in the tree's ignored .triton-cache, which a call can carry
+# in and (KEEP_TRITON_CACHE=1) bring back as $OUT/triton-cache.tgz (same image, same sm_90)
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 # A pytest step keeps its whole log in $OUT/<step>.log and prints its failures and its count.
 tests() {
   python3 -m pytest "$@" -q -p no:cacheprovider -W ignore >"$OUT/$s.log" 2>&1
   grep -E "^(ERROR|FAILED)|^E  |passed|failed|error" "$OUT/$s.log" | tail -25
+}
+# A benchmark step: engine.bench's table, also as $OUT/<step>.json (which `regress` sums up).
+bench() {
+  python3 -m engine.bench "$@" --json "$OUT/$s.json" 2>&1 | grep "^|\|Error\|error"
+}
+W1="--model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024"
+W2="--model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256"
+PREFIX="--model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64"
+L70="--model-config llama-3.1-70b --num-prompts 256 --input-len 1024 --output-len 256"
+GPUS=$(nvidia-smi -L | wc -l)
+# The regression run's table: each pytest step's count and each benchmark's time and floor.
+summary() {
+  python3 - "$OUT" "$@" <<'PY'
+import json, re, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print("| step | result | wall (s) | output tok/s | fraction of floor |\n| --- | --- | --- | --- | --- |")
+for step in sys.argv[2:]:
+    if (out / f"{step}.json").is_file():
+        r = json.loads((out / f"{step}.json").read_text())
+        print(f"| {step} | {r['device']} | {r['wall time (s)']} | {r['output tok/s']} | {r['fraction of floor']} |")
+    elif (out / f"{step}.log").is_file():
+        tail = (out / f"{step}.log").read_text().strip().splitlines()[-1:] or ["(empty log)"]
+        print(f"| {step} | {re.sub(r'=+', '', tail[0]).strip()} | | | |")
+    else:
+        print(f"| {step} | not run | | | |")
+PY
 }
 # The scheduler's profile: by own time, then by cumulative time within engine/ (where a step goes).
 profile() {
@@ -32,8 +63,8 @@ profile() {
     | grep -v "^$" | sed 's|/.*/engine/|engine/|' | tail -80
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-for step in "${@:-kernels engine w1 w2}"; do
-  for s in $step; do
+run_step() {
+    local s=$1
     echo "=== $s ($(date -u +%H:%M:%S))"
     case $s in
       kernels) tests tests/kernels ;;
@@ -43,9 +74,20 @@ for step in "${@:-kernels engine w1 w2}"; do
                 tests/engine/test_prefix_cache_scheduling.py -n 8 ;;
       issue7) tests tests/engine/test_structured_output.py::test_engine_masks_on_the_gpu tests/engine/test_score.py \
                 "tests/engine/test_gpu_path.py::test_bert_embeddings_on_the_gpu_match_sentence_transformers" ;;
-      tp) tests tests/engine/test_tensor_parallel.py -s ;;
-      w2-tp2) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \
-                --engine-args '{"tp_size": 2}' --json "$OUT/w2-tp2.json" 2>&1 | grep "^|\|Error\|error" ;;
+      tp) tests tests/engine/test_tensor_parallel.py tests/engine/test_data_parallel.py -m gpu -s ;;
+      # the regression run before resolving anything that touches engine/ or kernels/: the GPU
+      # tests, the parallel ones where there are 2+ GPUs, W1, W2 and the shared-prefix pair
+      regress) local steps="gpu w1 w2 prefix-on prefix-off" step
+               [ "$GPUS" -ge 2 ] && steps="gpu tp w1 w2 prefix-on prefix-off"
+               for step in $steps; do run_step "$step" >/dev/null; done
+               summary $steps ;;
+      w2-tp[0-9]*) bench $W2 --engine-args "{\"tp_size\": ${s#w2-tp}}" ;;
+      w1-dp[0-9]*) bench $W1 --engine-args "{\"dp_size\": ${s#w1-dp}}" ;;
+      prefix-dp[0-9]*) bench $PREFIX --engine-args "{\"dp_size\": ${s#prefix-dp}}" ;;
+      prefix-rr-dp[0-9]*) bench $PREFIX --engine-args "{\"dp_size\": ${s#prefix-rr-dp}, \"load_balance_method\": \"round_robin\"}" ;;
+      l70-tp[0-9]*) bench $L70 --engine-args "{\"tp_size\": ${s#l70-tp}}" ;;
+      l70-fp8-tp[0-9]*) bench $L70 --engine-args "{\"tp_size\": ${s#l70-fp8-tp}, \"quantization\": \"fp8\"}" ;;
+      flow-dp) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_flow_dp.py --rows 20000 --dp 1 "$GPUS" 2>&1 | tail -8 ;;
       w1-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -60 ;;
       w1-fp8-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' \
                 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tee "$OUT/$s.log" | tail -45 ;;
@@ -82,11 +124,10 @@ for step in "${@:-kernels engine w1 w2}"; do
                 --engine-args '{"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}' --json "$OUT/w2-fp8.json" 2>&1 | grep "^|" ;;
       w2-fp8kv) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \
                 --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' --json "$OUT/w2-fp8kv.json" 2>&1 | grep "^|" ;;
-      w1) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --json "$OUT/w1.json" 2>&1 | grep "^|" ;;
+      w1) bench $W1 ;;
       w1-peer) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --peer transformers --json "$OUT/w1-peer.json" 2>&1 | grep "^|" ;;
-      w2) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 --json "$OUT/w2.json" 2>&1 | grep "^|" ;;
-      prefix-off) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
-                --engine-args '{"disable_radix_cache": true}' --json "$OUT/prefix-true.json" 2>&1 | grep "^|" ;;
+      w2) bench $W2 ;;
+      prefix-off) bench $PREFIX --engine-args '{"disable_radix_cache": true}' ;;
       queue) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 2000 --input-len 100:1024 --output-len 256 \
                 --json "$OUT/queue.json" 2>&1 | grep "^|" ;;
       fewshot) for flag in false true; do python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 \
@@ -100,12 +141,16 @@ for step in "${@:-kernels engine w1 w2}"; do
       queue-profile) GRISTMILL_PROFILE=$OUT/queue.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 2000 --input-len 100:1024 \
                 --output-len 256 2>&1 | grep "^|"
                   profile "$OUT/queue.prof" ;;
-      prefix-on) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
-                --json "$OUT/prefix-on.json" 2>&1 | grep "^|" ;;
+      prefix-on) bench $PREFIX ;;
       fewshot-on) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --num-prefixes 8 \
                 --input-len 50 --output-len 64 --json "$OUT/fewshot-on.json" 2>&1 | grep "^|" ;;
       prefix) for flag in false true; do python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
                 --engine-args "{\"disable_radix_cache\": $flag}" --json "$OUT/prefix-$flag.json" 2>&1 | grep "^|"; done ;;
     esac
-  done
+}
+for step in "${@:-kernels engine w1 w2}"; do
+  for s in $step; do run_step "$s"; done
 done
+if [ -n "${KEEP_TRITON_CACHE:-}" ]; then
+  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && echo "triton cache: $(du -h "$OUT/triton-cache.tgz" | cut -f1)"
+fi
