@@ -142,7 +142,8 @@ def test_tp2_on_two_gpus_is_as_accurate_as_tp1_in_bf16(qwen3_bf16_dir):
             runs.append(engine.generate(input_ids=prompts, sampling_params=params,
                                         return_logprob=True, logprob_start_len=0))  # fmt: skip
             if layout.get("dp_size", 1) > 1:  # both groups served
-                assert all(s["requests_finished"] > 0 for s in info["internal_states"])
+                states = engine.get_server_info()["internal_states"]
+                assert all(s["requests_finished"] > 0 for s in states), states
     model = AutoModelForCausalLM.from_pretrained(qwen3_bf16_dir, dtype=torch.float32)
     model = model.cuda().eval()
     errors: list[list[float]] = [[] for _ in runs]
