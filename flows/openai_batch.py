@@ -45,6 +45,7 @@ from flows.batch_requests import BatchRequest, read_batch
 from flows.config import ConfigError, EngineConfig, RunBase
 from flows.generation import Generated, answer_rows
 from flows.identity import PERFORMANCE_ARGS, model_identity
+from flows.paths import absolute_paths
 from flows.pipeline import configure, init_engine, shutdown
 from flows.plan import RunPlan
 from flows.preflight import check_engine
@@ -142,7 +143,9 @@ def check_batch(config: OpenAIBatchConfig) -> tuple[BatchChecked, dict[str, Any]
         "input": hashlib.sha256(data).hexdigest(),
         "seed": config.seed,
     }
-    return BatchChecked(requests, engine, tokenizer_path, kinds), identity
+    # NOTE: the identity is of the engine section as written; the run's engine has its paths
+    # made absolute, as every run's plan has (flows/paths.py, flows/run_lock.py)
+    return BatchChecked(requests, absolute_paths(engine), tokenizer_path, kinds), identity
 
 
 def _embeds(engine: EngineConfig, kinds: set[str]) -> bool:

@@ -41,8 +41,9 @@ def gristmill(prefect_api, demo_engine, tmp_path, capsys, monkeypatch) -> Callab
     monkeypatch.chdir(ROOT)
 
     def run(*args: str) -> str:
-        # with no config, the demo's model is found in the package (from any folder)
-        asked = DEMO_ENGINE if args else {**DEMO_ENGINE, "model_path": str(ROOT / "demo/model")}
+        # the configs' demo/model, made absolute from the run's folder (flows/paths.py); with
+        # no config, the demo's model is found in the package (from any folder)
+        asked = {**DEMO_ENGINE, "model_path": str(ROOT / "demo/model")}
         with lent_engine(demo_engine, asked):
             code = main(["run", *args, "--set", f"output_dir={tmp_path}"])
         printed = capsys.readouterr()
