@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flows.store import CheckpointStore, write_file
+from flows.store import CheckpointStore
 
 _PART = "part-"  # a claim's target: the part that took the batch
 
@@ -50,11 +50,11 @@ class Handout:
                 shutil.rmtree(old, ignore_errors=True)
         folder = root / store.writer_token
         (folder / "claims").mkdir(parents=True)
-        buffer = pa.BufferOutputStream()
-        pq.write_table(todo, buffer, row_group_size=batch_rows)
-        write_file(folder / "todo.parquet", buffer.getvalue().to_pybytes())
-        batches = pq.read_metadata(folder / "todo.parquet").num_row_groups
-        return cls(folder, batches, todo.num_rows)
+        # straight from the table to the disk (no second copy in memory), then into place whole
+        path, partial = folder / "todo.parquet", folder / ".todo.parquet.tmp"
+        pq.write_table(todo, partial, row_group_size=batch_rows)
+        os.replace(partial, path)
+        return cls(folder, pq.read_metadata(path).num_row_groups, todo.num_rows)
 
     def remove(self) -> None:
         """Once every part has ended: the batches are in shards, or redone by a rerun."""

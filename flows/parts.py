@@ -58,8 +58,8 @@ def generate_part(
     config, store = plan.config, plan.store
     report = PartReport(index, socket.gethostname(), os.getpid())
     earlier = handout.claimed_by(index)
-    if not earlier and handout.left() == 0:
-        logger.info("part %d: every batch was taken by other parts; no engine started", index)
+    if not earlier and (handout.left() == 0 or store.stop_requested()):
+        logger.info("part %d: no batch left, or the run is stopping: no engine started", index)
         return report
     engine = Engine(**engine_arguments(config, index, local))
     try:
