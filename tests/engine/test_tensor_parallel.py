@@ -166,3 +166,25 @@ def test_tp2_on_two_gpus_is_as_accurate_as_tp1_in_bf16(qwen3_bf16_dir):
 
 def _gpus(layout: dict) -> int:
     return layout.get("dp_size", 1) * layout.get("tp_size", 1)
+
+
+def test_tp2_with_a_float8_cache_and_grammars_equals_tp1(llama_dir):
+    """What each rank must agree on beyond the weights: a float8 KV cache (each rank stores
+    its own heads, scaled per layer) and grammar masks (each rank's own matchers, fed the same
+    tokens). Text prompts through the tokenizer; the regexes' outputs must match them."""
+    import re
+
+    regexes = [r"\(\d{3}\) \d{3}-\d{4}", r"(yes|no|maybe)", r"-?[1-9][0-9]{0,3}"]
+    prompts = ["Call me at", "Is it so?", "The number is", "Free text follows"]
+    params = [
+        {**GREEDY, "regex": regexes[i]} if i < len(regexes) else GREEDY
+        for i in range(len(prompts))
+    ]
+    args = {"dtype": "float16", "kv_cache_dtype": "fp8_e4m3", "attention_backend": "torch"}
+    core = InProcessCore(llama_dir, **args)
+    ref = [r.output_ids for r in core.generate(core.inputs.tokenizer(prompts)["input_ids"], params)]
+    with Engine(model_path=str(llama_dir), tp_size=2, device="cpu", **args) as engine:
+        outs = engine.generate(prompts, params)
+    assert [o["output_ids"] for o in outs] == ref
+    for out, regex in zip(outs, regexes):
+        assert re.fullmatch(regex, out["text"]), (regex, out["text"])
