@@ -177,8 +177,7 @@ def test_tp2_with_a_float8_cache_and_grammars_equals_tp1(llama_dir):
     regexes = [r"\(\d{3}\) \d{3}-\d{4}", r"(yes|no|maybe)", r"-?[1-9][0-9]{0,3}"]
     prompts = ["Call me at", "Is it so?", "The number is", "Free text follows"]
     params = [
-        {**GREEDY, "regex": regexes[i]} if i < len(regexes) else GREEDY
-        for i in range(len(prompts))
+        {**GREEDY, "regex": regexes[i]} if i < len(regexes) else GREEDY for i in range(len(prompts))
     ]
     args = {"dtype": "float16", "kv_cache_dtype": "fp8_e4m3", "attention_backend": "torch"}
     core = InProcessCore(llama_dir, **args)
