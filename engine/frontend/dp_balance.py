@@ -49,7 +49,9 @@ class LoadBalancer:
 
     def route(self, request: TokenizedRequest, alive: list[bool], pinned: int | None) -> Route:
         """Pick a live group for `request` (the `pinned` one if given) and count it there."""
-        keys = block_keys(request.input_ids) if self.method == "prefix_aware" else []
+        # NOTE: one group has nothing to choose: no prefix is hashed (O(prompt) per request)
+        aware = self.method == "prefix_aware" and self.size > 1
+        keys = block_keys(request.input_ids) if aware else []
         # (no max_new_tokens: the output runs to the context's end, counted as long as the prompt)
         new_tokens = request.sampling.max_new_tokens
         new_tokens = request.prompt_len if new_tokens is None else new_tokens

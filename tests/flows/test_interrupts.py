@@ -9,7 +9,7 @@ one row in flight: slow enough to be stopped mid-run on any machine) serves ever
 
     run 1 (its own temporary Prefect server): a second run of the config is refused; Ctrl-C
     run 2 (the session's Prefect server):     Ctrl-C, then Ctrl-C again
-    run 3 (its own temporary Prefect server): SIGKILL of its main process alone
+    run 3 (its own temporary Prefect server, engine.dp_size 2): SIGKILL of its main process
     resumed in this process, on the session's engine: equal to an uninterrupted run
 
 The tests below each check one finding on what its run left. What a message says when a run
@@ -74,11 +74,12 @@ class Job:
     watched: float = float("-inf")  # when watch() last looked (time.monotonic())
 
     @classmethod
-    def start(cls, config_file: Path, env: dict[str, str], name: str) -> Job:
+    def start(cls, config_file: Path, env: dict[str, str], name: str, *sets: str) -> Job:
         err = config_file.parent / f"{name}.stderr"
+        overrides = [a for s in sets for a in ("--set", s)]
         with open(err, "w") as stderr:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", "run", str(config_file)],
+                [sys.executable, "-m", "flows.cli", "run", str(config_file), *overrides],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -104,6 +105,9 @@ class Job:
 
     def roles(self) -> set[str]:
         return {_role(p) for p in self.family.values() if _running(p)}
+
+    def count(self, role: str) -> int:
+        return sum(_role(p) == role for p in self.family.values() if _running(p))
 
     def wait_for_new_shard(self, shards: Path, before: int) -> None:
         def landed() -> bool:
@@ -233,11 +237,13 @@ def chain(tmp_path_factory, llama_dir, prefect_api, shared_llama_engine) -> dict
     finally:
         again.kill_all()
 
-    # run 3: SIGKILL of the main process alone
-    killed = Job.start(config_file, on_own_server, "run3")
+    # run 3: SIGKILL of the main process alone, its engine of two data-parallel groups
+    # (dp_size changes where a row runs, not the row: the same folder and fingerprint)
+    killed = Job.start(config_file, on_own_server, "run3", "engine.dp_size=2")
     try:
         killed.wait_for_new_shard(shards, _shard_count(shards))
         seen["killed_roles"] = killed.roles()
+        seen["killed_schedulers"] = killed.count("engine.scheduler")
         os.kill(killed.proc.pid, signal.SIGKILL)
         code, seconds = killed.wait(30)
         seen["killed"] = _ended(killed, code, seconds, shards)
@@ -347,6 +353,7 @@ def test_a_second_ctrl_c_stops_at_once_and_the_lifelines_take_the_rest(chain):
 def test_sigkill_of_the_main_process_takes_the_engine_and_the_prefect_server(chain):
     killed = chain["killed"]
     assert chain["killed_roles"] >= {"engine.scheduler", "engine.detokenizer", "prefect server"}
+    assert chain["killed_schedulers"] == 2, "run 3's engine has two data-parallel groups"
     assert killed["code"] == -signal.SIGKILL
     assert killed["left"] == [], f"still running {GONE_S:.0f} s after the SIGKILL"
     assert "Traceback" not in killed["stderr"], killed["stderr"]
