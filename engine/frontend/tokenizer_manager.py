@@ -277,8 +277,12 @@ class TokenizerManager:
         error = self._first_death(group, role) or error
         self._gone.update(group)
         self.children.kill(group)  # its other ranks would wait on the dead one's collectives
-        self.groups.died(rank)
-        message = f"{error}; dp rank {rank} is out of service, the engine goes on with dp ranks {self.groups.live}"
+        with self._send_lock:  # (submit() routes under it)
+            self.groups.died(rank)
+        live = self.groups.live
+        message = (
+            f"{error}; dp rank {rank} is out of service, the engine goes on with dp ranks {live}"
+        )
         logger.error(message)
         self._group_failed(rank, RuntimeError(message), error)
 
