@@ -21,6 +21,11 @@ from tests.tiny_models import (
 
 N = 6
 GREEDY = {"temperature": 0.0, "max_new_tokens": N, "ignore_eos": True}
+# NOTE: every engine here takes token ids and is checked on ids (ignore_eos: the tokenizer's
+# EOS never stops a row): without a tokenizer (skip_tokenizer_init) its detokenizer skips an
+# import of transformers, about 5 of the 8 CPU-seconds of a start; the adapters it applies do
+# not depend on it
+IDS_ONLY = {"skip_tokenizer_init": True}
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -43,7 +48,7 @@ def engine(llama_dir, adapters):
     paths = {"all8": str(adapters["all8"]), "qv4": str(adapters["qv4"])}
     with Engine(
         model_path=str(llama_dir), dtype="float32", max_total_tokens=4096,
-        lora_paths=paths, max_loras_per_batch=2,
+        lora_paths=paths, max_loras_per_batch=2, **IDS_ONLY,
     ) as engine:  # fmt: skip
         yield engine
 
@@ -155,7 +160,7 @@ def test_bad_adapters_are_refused_by_name(engine, llama_dir, adapters, tmp_path)
 def test_an_engine_of_some_targets_refuses_an_adapter_of_others(llama_dir, adapters):
     with Engine(
         model_path=str(llama_dir), dtype="float32", max_total_tokens=2048, enable_lora=True,
-        lora_target_modules=["q_proj", "v_proj"], max_lora_rank=8,
+        lora_target_modules=["q_proj", "v_proj"], max_lora_rank=8, **IDS_ONLY,
     ) as engine:  # fmt: skip
         with pytest.raises(
             ValueError, match="adapter 'mlp' targets \\['gate_proj', 'up_proj', 'down_proj'\\]"
@@ -175,7 +180,7 @@ def test_tensor_parallel_adapters_match_peft(llama_dir, adapters):
     names = ["all8", "mlp8", None, "all8"]
     with Engine(
         model_path=str(llama_dir), dtype="float32", max_total_tokens=2048, tp_size=2,
-        device="cpu", lora_paths=paths,
+        device="cpu", lora_paths=paths, **IDS_ONLY,
     ) as engine:  # fmt: skip
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=names)
     for ids, name, out in zip(prompts, names, outs):

@@ -22,12 +22,18 @@ from tests.tiny_models import hf_greedy, random_prompts, special_token_ids
 
 N = 8
 GREEDY = {"temperature": 0.0, "max_new_tokens": N, "ignore_eos": True}
+# NOTE: turns are token ids and are checked on ids and cached_tokens: without a tokenizer
+# (skip_tokenizer_init) the engine's detokenizer skips an import of transformers, about 5 of the
+# 8 CPU-seconds of a start; what a session keeps does not depend on it
+IDS_ONLY = {"skip_tokenizer_init": True}
 
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
     """A small pool, so that other requests can push an unheld prefix out of the cache."""
-    with Engine(model_path=str(llama_dir), max_total_tokens=640, dtype="float32") as engine:
+    with Engine(
+        model_path=str(llama_dir), max_total_tokens=640, dtype="float32", **IDS_ONLY
+    ) as engine:
         yield engine
 
 

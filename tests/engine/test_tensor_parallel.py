@@ -20,6 +20,11 @@ from tests.tiny_models import load_hf_model, make_tiny_model, random_prompts, sp
 
 LENGTHS = [1, 5, 17, 40, 90]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+# NOTE: test_tp2_equals_tp1's engines take token ids and are checked on ids, logprobs and
+# weights: without a tokenizer (skip_tokenizer_init) their detokenizer skips an import of
+# transformers, about 5 of the 8 CPU-seconds of a start. The float8 test's prompts are text,
+# its outputs matched by regexes: its engine keeps the tokenizer.
+IDS_ONLY = {"skip_tokenizer_init": True}
 # one of each way a weight is split: vocabulary rows (tied to the LM head in Qwen3), fused q/k/v
 # heads (its one KV head replicated on both ranks), fused gate/up rows, input columns, none
 WEIGHT_NAMES = [
@@ -59,7 +64,9 @@ def test_tp2_equals_tp1(model, request, tmp_path):
     ]
     while core.scheduler.has_work():
         core.scheduler.step()
-    with Engine(model_path=str(model_dir), dtype="float32", tp_size=2, device="cpu") as engine:
+    with Engine(
+        model_path=str(model_dir), dtype="float32", tp_size=2, device="cpu", **IDS_ONLY
+    ) as engine:
         info = engine.get_server_info()
         assert set(info["pids"]) >= {"scheduler", "scheduler-tp1", "detokenizer"}
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)

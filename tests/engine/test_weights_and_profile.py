@@ -28,12 +28,16 @@ from tests.tiny_models import (
 )
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+# NOTE: the engine takes token ids and is checked on tokens, logprobs, weights and traces:
+# without a tokenizer (skip_tokenizer_init) its detokenizer skips an import of transformers,
+# about 5 of the 8 CPU-seconds of a start; the weights it swaps do not depend on it
+IDS_ONLY = {"skip_tokenizer_init": True}
 
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
     """An engine of this module's own: its weights change under the tests."""
-    with Engine(model_path=str(llama_dir), **SHARED_ENGINE_ARGS) as engine:
+    with Engine(model_path=str(llama_dir), **SHARED_ENGINE_ARGS, **IDS_ONLY) as engine:
         yield engine
 
 
