@@ -11,6 +11,8 @@ incomplete character, and decodes each step with a few tokens of context before 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,6 +45,78 @@ def load_tokenizer(args: ServerArgs) -> PreTrainedTokenizerBase:
     # with truncation or max-length padding, the only other readers of the limit.
     tokenizer.model_max_length = VERY_LARGE_INTEGER
     return tokenizer
+
+
+# the tokenizer classes whose decode is tokenizer.json's, as the `tokenizers` library runs it
+_GENERIC_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+_SPECIAL_FIELDS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")  # fmt: skip
+
+
+class TokenizerJsonDecoder:
+    """A folder's tokenizer.json, for decoding only: what the detokenizer process needs.
+
+    NOTE: exactly transformers' decode for the tokenizers it accepts (`for_folder`): a generic
+    fast tokenizer whose decode is the `tokenizers` library's, with no clean-up of spaces, and
+    every special token the config names already special in tokenizer.json (transformers would
+    otherwise mark or add it). Anything else loads transformers' tokenizer instead. Loading it
+    costs ~0.1 s; importing transformers (which imports torch) costs ~3 s of one core on a
+    small machine, at every engine start.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(path))
+
+    @classmethod
+    def for_folder(cls, folder: str, trust_remote_code: bool) -> TokenizerJsonDecoder | None:
+        """The decoder of `folder`, or None where only transformers' tokenizer decodes exactly."""
+        path, config_path = Path(folder) / "tokenizer.json", Path(folder) / "tokenizer_config.json"
+        if not (path.is_file() and config_path.is_file()):
+            return None
+        try:
+            config = json.loads(config_path.read_text())
+            added = json.loads(path.read_text()).get("added_tokens") or []
+        except (OSError, ValueError):
+            return None  # transformers reports what is wrong with the folder
+        if (
+            config.get("tokenizer_class") not in _GENERIC_CLASSES
+            or config.get("clean_up_tokenization_spaces")
+            or (trust_remote_code and config.get("auto_map"))
+        ):
+            return None
+        special = {t.get("content") for t in added if t.get("special")}
+        if not _special_tokens(config) <= special:
+            return None
+        return cls(path)
+
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = False, **_: object
+    ) -> str:  # (spaces_between_special_tokens: a slow tokenizer's option, as for transformers' fast ones)
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _special_tokens(config: dict) -> set[str]:
+    """The special tokens a tokenizer_config.json names."""
+    named: list = [config.get(f) for f in _SPECIAL_FIELDS]
+    for field in ("additional_special_tokens", "extra_special_tokens"):
+        extra = config.get(field) or []
+        named += list(extra.values() if isinstance(extra, dict) else extra)
+    named += [t for t in (config.get("added_tokens_decoder") or {}).values() if t.get("special")]
+    found = set()
+    for token in named:
+        content = token.get("content") if isinstance(token, dict) else token
+        if content:
+            found.add(content)
+    return found
+
+
+def load_decoder(args: ServerArgs) -> TokenizerJsonDecoder | PreTrainedTokenizerBase:
+    """What the detokenizer decodes with: the folder's tokenizer.json where that decodes as
+    transformers does (TokenizerJsonDecoder), else transformers' tokenizer."""
+    light = TokenizerJsonDecoder.for_folder(args.tokenizer_path, args.trust_remote_code)
+    return light if light is not None else load_tokenizer(args)
 
 
 class TokenizerOnDemand:

