@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+from tests.flows import prefect_schema
 from tests.tiny_models import SHARED_ENGINE_ARGS, build_tokenizer, make_tiny_model
 
 SHARD_SIZE = "20KB"
@@ -29,12 +31,28 @@ SHARD_SIZE = "20KB"
 # file while the other waits.
 LONGEST_FIRST = (
     "tests/flows/test_parallel.py", "tests/flows/test_browser.py",
-    "tests/engine/test_process_lifecycle.py", "tests/flows/test_interrupts.py",
-    "tests/flows/test_pipeline.py", "tests/flows/test_openai_batch.py",
-    "tests/engine/test_shared_prefix_decode.py", "tests/flows/test_resident.py",
-    "tests/engine/test_prefill_graph.py", "tests/flows/test_deployments.py",
-    "tests/kernels/test_shared_prefix_attention.py", "tests/engine/test_fp8_weights.py",
+    "tests/flows/test_interrupts.py", "tests/engine/test_process_lifecycle.py",
+    "tests/engine/test_shared_prefix_decode.py", "tests/flows/test_dask_cluster.py",
+    "tests/kernels/test_shared_prefix_attention.py", "tests/flows/test_pipeline.py",
+    "tests/flows/test_resident.py", "tests/flows/test_deployments.py",
+    "tests/engine/test_prefill_graph.py", "tests/flows/test_openai_batch.py",
+    "tests/kernels/test_decode_attention.py", "tests/engine/test_resident_engine.py",
+    "tests/engine/test_tensor_parallel.py", "tests/engine/test_data_parallel.py",
 )  # fmt: skip
+
+
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's, whose folder it uses
+def pytest_configure(config):
+    """pytest's first process starts making the Prefect schema its flow tests' servers copy."""
+    flows = Path(__file__).parent / "flows"
+    wanted = [Path(a.split("::")[0]).resolve() for a in config.args]
+    needs_prefect = any(flows.is_relative_to(a) or a.is_relative_to(flows) for a in wanted)
+    if needs_prefect and not hasattr(config, "workerinput") and not config.option.collectonly:
+        prefect_schema.start(config)
+
+
+def pytest_unconfigure(config):
+    prefect_schema.stop(config)
 
 
 def pytest_collection_modifyitems(config, items):
