@@ -91,9 +91,8 @@ class TokenizerJsonDecoder:
             return None
         return cls(path)
 
-    def decode(
-        self, ids: list[int], skip_special_tokens: bool = False, **_: object
-    ) -> str:  # (spaces_between_special_tokens: a slow tokenizer's option, as for transformers' fast ones)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **_: object) -> str:
+        # (spaces_between_special_tokens: a slow tokenizer's option, which fast ones ignore)
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
