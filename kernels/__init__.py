@@ -3,7 +3,12 @@
 Tests run every kernel on the CPU under TRITON_INTERPRET=1 and on the GPU (-m gpu).
 """
 
-from kernels.interpreter import fix_interpreter_float8_casts, fix_interpreter_loop_bounds
+from kernels.interpreter import (
+    fix_interpreter_float8_casts,
+    fix_interpreter_loop_bounds,
+    fix_interpreter_nested_calls,
+)
 
 fix_interpreter_loop_bounds()
 fix_interpreter_float8_casts()
+fix_interpreter_nested_calls()

@@ -79,3 +79,54 @@ def fix_interpreter_float8_casts() -> None:
 
     patched._float8_fix = True
     interpreter._convert_float = patched
+
+
+def fix_interpreter_nested_calls() -> None:
+    """Patch triton.language once per kernel launch, not at every call of a @triton.jit helper.
+
+    The interpreter re-patches every builtin of triton.language (hundreds of attributes) each
+    time a kernel calls a jit helper (``InterpretedFunction.__call__``), even a one-line one such
+    as ``tl.cdiv``; in the CPU test suite that was over a quarter of the interpreter's time.
+    Nothing restores those patches until the launch ends (the launch's own scope puts back what
+    was there before it), so a helper whose language modules the launch has patched already
+    finds them patched: such a call is skipped, and each launch starts afresh.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    orig_patch = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if None in (orig_patch, executor, scope_type) or getattr(orig_patch, "_once_fix", False):
+        return
+    launch: list[set[tuple[int, ...]]] = []  # the language modules patched in this launch
+
+    def patch_lang(fn):
+        key = tuple(
+            sorted(
+                id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)
+            )
+        )
+        if launch and key in launch[-1]:
+            return scope_type()  # patched already, and stays so until the launch ends
+        scope = orig_patch(fn)
+        if launch:
+            launch[-1].add(key)
+        return scope
+
+    orig_call = executor.__call__
+
+    def call(self, *args, **kwargs):
+        launch.append(set())
+        try:
+            return orig_call(self, *args, **kwargs)
+        finally:
+            launch.pop()
+
+    patch_lang._once_fix = True
+    interpreter._patch_lang = patch_lang
+    executor.__call__ = call
