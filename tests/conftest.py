@@ -16,6 +16,13 @@ if not torch.cuda.is_available():
     # child processes: a thread per core in every process only makes the threads wait on each
     # other. One thread each, for this process and (through the environment) its children.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+elif os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # on the GPU machine (16 cores, `-n 8`) the transformers references run on the CPU, eight
+    # workers of 16 threads each: test_generate_vs_transformers.py did not finish in 4 minutes
+    # there (2026-11-28). A worker's share of the cores each, as on the CPU.
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+if "OMP_NUM_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from tests.flows import prefect_schema
