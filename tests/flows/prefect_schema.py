@@ -4,8 +4,8 @@ A server on a new SQLite database first runs Prefect's migrations and registers 
 ~15 s of one core, ~30 s of a server's start on the 2-core CI machine, against ~8 s on a
 database that has them. pytest's first process (the xdist controller, or the only process) makes
 the schema in a subprocess of its own as the run starts (`start`), while the workers run other
-tests; each server of the run starts on a copy (`copy_to`): the session servers of
-tests/flows/conftest.py and the temporary servers of test_interrupts.py.
+tests; each session server (tests/flows/conftest.py) starts on a copy (`copy_to`), and the
+temporary servers of test_interrupts.py on a copy of their session server's database.
 
 NOTE: a copy is what a server would have made itself: the schema and block types of this
 Prefect, no flow, no run. Where the schema could not be made, a server makes its own, as before.
