@@ -302,3 +302,25 @@ def test_gpu_bf16_logprobs_close_to_transformers(vl_dir, hf):
             diffs.append(abs(value - lp[len(expanded) - 1 + step, token].item()))
     diffs = torch.tensor(diffs)
     assert diffs.max() < 0.15 and diffs.mean() < 0.03, (diffs.max(), diffs.mean())
+
+
+def test_tensor_parallel_with_images_equals_transformers(vl_dir, hf):
+    """tp_size 2 (two scheduler ranks, gloo on the CPU): images in and beside text-only prompts
+    give transformers' greedy tokens, as one rank does."""
+    tokens = hf[2]
+    cases = [
+        (prompt_ids(tokens, 1, seed=1), [picture(56, 84, 1)]),
+        (prompt_ids(tokens, 3, seed=2), [picture(70, 70, 2), picture(29, 113, 3), picture(70, 70, 4)]),
+        (prompt_ids(tokens, 0, seed=3), []),
+    ]  # fmt: skip
+    with Engine(
+        model_path=str(vl_dir), dtype="float32", max_total_tokens=8192, tp_size=2
+    ) as engine:
+        assert engine.get_server_info()["tp_size"] == 2
+        outs = engine.generate(
+            input_ids=[ids for ids, _ in cases],
+            image_data=[images or None for _, images in cases],
+            sampling_params=GREEDY,
+        )
+    for i, ((ids, images), out) in enumerate(zip(cases, outs)):
+        assert out["output_ids"] == hf_greedy(hf, ids, images)[0], f"prompt {i}"
