@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
     from engine.server_args import ServerArgs
@@ -64,10 +65,8 @@ class TokenizerJsonDecoder:
     small machine, at every engine start.
     """
 
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer
-
-        self._tokenizer = Tokenizer.from_file(str(path))
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
 
     @classmethod
     def for_folder(cls, folder: str, trust_remote_code: bool) -> TokenizerJsonDecoder | None:
@@ -77,7 +76,6 @@ class TokenizerJsonDecoder:
             return None
         try:
             config = json.loads(config_path.read_text())
-            added = json.loads(path.read_text()).get("added_tokens") or []
         except (OSError, ValueError):
             return None  # transformers reports what is wrong with the folder
         if (
@@ -86,10 +84,16 @@ class TokenizerJsonDecoder:
             or (trust_remote_code and config.get("auto_map"))
         ):
             return None
-        special = {t.get("content") for t in added if t.get("special")}
-        if not _special_tokens(config) <= special:
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception:  # the library's own error type; transformers reports it
             return None
-        return cls(path)
+        added = tokenizer.get_added_tokens_decoder().values()
+        if not _special_tokens(config) <= {t.content for t in added if t.special}:
+            return None
+        return cls(tokenizer)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False, **_: object) -> str:
         # (spaces_between_special_tokens: a slow tokenizer's option, which fast ones ignore)
