@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
-# default), then the README's benchmark workloads. Tables land in $OUT.
+# default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
 #   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|splits|w1|w1-steps|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail

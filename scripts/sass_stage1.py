@@ -1,7 +1,7 @@
 """Decode stage 1's machine code without a GPU: compile kernels/decode_attention.py's
 _decode_stage1 for sm_90 with the ptxas that ships with Triton, list it with cuobjdump, and
 count the warp instructions of its main loop per KB of K/V a program walks. Fewer instructions
-per byte is what let the float8 kernel read faster (README, fifteenth session); the counts also
+per byte is what let the float8 kernel read faster (docs/performance.md, the float8 decode kernel); the counts also
 show whether loads are 16-byte (LDGSTS.E.BYPASS.128) and whether registers spill (STL).
 
     python scripts/sass_stage1.py                # the engine's launches for Hq 16 / Hkv 8, D 128

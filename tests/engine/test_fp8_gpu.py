@@ -6,7 +6,7 @@ on its own kind of prompt (60 held-out sentiment questions in its chat template)
 engine's teacher-forced prompt logprobs (logprob_start_len=0) are compared with transformers in
 float32 on the same folder (mean |Δ logprob| over every prompt token), and its greedy tokens with
 transformers' greedy tokens (the share of the first 16 that agree, up to the first divergence).
-The table is printed for the README; the bounds say what each precision may cost: FP8 adds to
+The table is printed for docs/performance.md (FP8 accuracy); the bounds say what each precision may cost: FP8 adds to
 bf16's error, it must not swamp it.
 """
 
@@ -33,7 +33,7 @@ PRECISIONS = {
     "fp8 weights + fp8_e4m3 KV": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
 }
 # mean |Δ logprob| against float32 transformers, and the least greedy agreement, allowed: the
-# measured values (H100 and H200, README) with room, so that a broken path (nats off, no
+# measured values (H100 and H200, docs/performance.md) with room, so that a broken path (nats off, no
 # agreement) fails while FP8's own rounding passes
 BOUNDS = {
     "random": {
