@@ -29,6 +29,7 @@ from pydantic import Field, model_validator
 
 from flows.config import RunConfig, Section
 from flows.pipeline import run_steps
+from flows.plan import Finisher
 
 
 class AnnotateSpec(Section):
@@ -96,19 +97,32 @@ def match_choice(text: str | None, choices: list[str]) -> str | None:
     return by_lower[close[0]] if close else None
 
 
-def add_labels(config: AnnotateConfig, rows: pa.Table) -> tuple[pa.Table, dict[str, Any]]:
-    spec = config.annotate
-    texts = rows.column("text").to_pylist()
-    if spec.choices is not None:
-        labels = [match_choice(t, spec.choices) for t in texts]
-    else:
-        labels = [t if _is_json(t) else None for t in texts]
-    counts = Counter(label for label in labels if label is not None)
-    rows = rows.append_column(spec.label_column, pa.array(labels, pa.string()))
-    summary = {"labelled": sum(counts.values()), "unlabelled": labels.count(None)}
-    if spec.choices is not None:
-        summary["label_counts"] = {c: counts.get(c, 0) for c in spec.choices}
-    return rows, summary
+class AddLabels(Finisher):
+    """Each row's label (`annotate.label_column`) from its text, and the count of each label."""
+
+    def __init__(self, config: AnnotateConfig) -> None:
+        self.spec = config.annotate
+        self.counts: Counter[str] = Counter()
+        self.unlabelled = 0
+
+    def rows(self, chunk: pa.Table) -> pa.Table:
+        texts = chunk.column("text").to_pylist()
+        if self.spec.choices is not None:
+            labels = [match_choice(t, self.spec.choices) for t in texts]
+        else:
+            labels = [t if _is_json(t) else None for t in texts]
+        self.counts.update(label for label in labels if label is not None)
+        self.unlabelled += labels.count(None)
+        return chunk.append_column(self.spec.label_column, pa.array(labels, pa.string()))
+
+    def summary(self) -> dict[str, Any]:
+        summary: dict[str, Any] = {
+            "labelled": sum(self.counts.values()),
+            "unlabelled": self.unlabelled,
+        }
+        if self.spec.choices is not None:
+            summary["label_counts"] = {c: self.counts.get(c, 0) for c in self.spec.choices}
+        return summary
 
 
 def _is_json(text: str | None) -> bool:
@@ -122,4 +136,4 @@ def _is_json(text: str | None) -> bool:
 @flow(name="annotate", flow_run_name="{config.run_name}")
 def annotate(config: AnnotateConfig, fresh: bool = False) -> dict[str, Any]:
     """Label every row of an input file with one of the given choices."""
-    return run_steps(config, fresh, finish=add_labels)
+    return run_steps(config, fresh, finish=AddLabels)

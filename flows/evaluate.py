@@ -27,6 +27,7 @@ from pydantic import Field, field_validator, model_validator
 from flows.annotate import match_choice
 from flows.config import RunConfig, Section
 from flows.pipeline import run_steps
+from flows.plan import Finisher
 from flows.rows import output_column
 
 
@@ -104,23 +105,36 @@ def _norm(text: str, spec: EvaluateSpec) -> str:
     return text if spec.case_sensitive else text.lower()
 
 
-def score(config: EvaluateConfig, rows: pa.Table) -> tuple[pa.Table, dict[str, Any]]:
-    spec = config.evaluate
-    references = rows.column(output_column(config, spec.reference_column)).to_pylist()
-    predicted = [extract_answer(t, spec.extract) for t in rows.column("text").to_pylist()]
-    correct = [is_correct(p, r, spec) for p, r in zip(predicted, references)]
-    rows = rows.append_column("predicted", pa.array(predicted, pa.string()))
-    rows = rows.append_column("correct", pa.array(correct, pa.bool_()))
-    n = len(correct)
-    return rows, {
-        "metric": spec.metric,
-        "accuracy": round(sum(correct) / n, 6) if n else 0.0,
-        "correct": sum(correct),
-        "no_answer": predicted.count(None),
-    }
+class Score(Finisher):
+    """Each row's extracted answer (`predicted`) and whether it matches the reference
+    (`correct`), and the accuracy over all rows."""
+
+    def __init__(self, config: EvaluateConfig) -> None:
+        self.spec = config.evaluate
+        self.reference = output_column(config, self.spec.reference_column)
+        self.rows_seen = self.correct = self.no_answer = 0
+
+    def rows(self, chunk: pa.Table) -> pa.Table:
+        references = chunk.column(self.reference).to_pylist()
+        predicted = [extract_answer(t, self.spec.extract) for t in chunk.column("text").to_pylist()]
+        correct = [is_correct(p, r, self.spec) for p, r in zip(predicted, references)]
+        self.rows_seen += len(correct)
+        self.correct += sum(correct)
+        self.no_answer += predicted.count(None)
+        chunk = chunk.append_column("predicted", pa.array(predicted, pa.string()))
+        return chunk.append_column("correct", pa.array(correct, pa.bool_()))
+
+    def summary(self) -> dict[str, Any]:
+        n = self.rows_seen
+        return {
+            "metric": self.spec.metric,
+            "accuracy": round(self.correct / n, 6) if n else 0.0,
+            "correct": self.correct,
+            "no_answer": self.no_answer,
+        }
 
 
 @flow(name="evaluate", flow_run_name="{config.run_name}")
 def evaluate(config: EvaluateConfig, fresh: bool = False) -> dict[str, Any]:
     """Score a model's answers to every row of an input file against a reference column."""
-    return run_steps(config, fresh, finish=score)
+    return run_steps(config, fresh, finish=Score)

@@ -150,7 +150,8 @@ async def answer_rows(
             stats.errors += row.get("error") is not None
             stats.prompt_tokens += row.get("prompt_tokens") or 0
             stats.completion_tokens += row.get("completion_tokens") or 0
-            await progress.advance(1, row.get("completion_tokens") or 0)
+            error = row.get("error")
+            await progress.advance(1, row.get("completion_tokens") or 0, error is not None, error)
         if failure is not None:
             raise failure
         while len(buffer) >= shard_size:

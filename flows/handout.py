@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,8 +41,10 @@ class Handout:
 
     # ------------------------------------------------------------------ the flow process
     @classmethod
-    def write(cls, store: CheckpointStore, todo: pa.Table, batch_rows: int) -> Handout:
-        """The run's work as batches of `batch_rows` rows, in input order, in the run folder."""
+    def write(cls, store: CheckpointStore, todo: Iterable[pa.Table], batch_rows: int) -> Handout:
+        """The run's work as batches of `batch_rows` rows, in input order, in the run folder:
+        the work tables stream to the disk as they come (a prompt is rendered, written and let
+        go), then the file moves into place whole."""
         if store.writer_token is None:
             raise RuntimeError("the hand-out is written by the run that locked the store")
         root = store.folder / "handout"
@@ -50,11 +53,22 @@ class Handout:
                 shutil.rmtree(old, ignore_errors=True)
         folder = root / store.writer_token
         (folder / "claims").mkdir(parents=True)
-        # straight from the table to the disk (no second copy in memory), then into place whole
         path, partial = folder / "todo.parquet", folder / ".todo.parquet.tmp"
-        pq.write_table(todo, partial, row_group_size=batch_rows)
+        rows = 0
+        writer: pq.ParquetWriter | None = None
+        try:
+            for batch in _rebatch(todo, batch_rows):  # NOTE: a row group is exactly one batch
+                if writer is None:
+                    writer = pq.ParquetWriter(partial, batch.schema)
+                writer.write_table(batch, row_group_size=batch_rows)
+                rows += batch.num_rows
+        finally:
+            if writer is not None:
+                writer.close()
+        if writer is None:
+            raise ValueError("the hand-out needs at least one row")
         os.replace(partial, path)
-        return cls(folder, pq.read_metadata(path).num_row_groups, todo.num_rows)
+        return cls(folder, pq.read_metadata(path).num_row_groups, rows)
 
     def remove(self) -> None:
         """Once every part has ended: the batches are in shards, or redone by a rerun."""
@@ -103,3 +117,19 @@ class Handout:
     def __getstate__(self) -> dict[str, object]:
         # NOTE: a copy sent to a part starts its own look for free batches and opens its own file
         return {**self.__dict__, "_next": 0, "_file": None}
+
+
+def _rebatch(tables: Iterable[pa.Table], rows: int) -> Iterator[pa.Table]:
+    """The tables' rows again, as tables of exactly `rows` rows (the last: what is left)."""
+    held: list[pa.Table] = []
+    count = 0
+    for table in tables:
+        held.append(table)
+        count += table.num_rows
+        while count >= rows:
+            joined = pa.concat_tables(held)
+            yield joined.slice(0, rows).combine_chunks()
+            rest = joined.slice(rows)
+            held, count = [rest], rest.num_rows
+    if count:
+        yield pa.concat_tables(held).combine_chunks()

@@ -2,8 +2,9 @@
 resident in one Dask worker, taking batches of the run's rows as they free up, all writing
 shards into the run's one checkpoint store.
 
-    prepare_prompts ─► generate-on-workers (a nested flow on a DaskTaskRunner) ─► collect
-    (flow process)       │ writes the hand-out: the rows still to do, in batches (handout.py)
+    prepare_prompts ─► the hand-out: the rows still to do, rendered as they stream to a file
+    (flow process)       in batches (handout.py)
+                       ─► generate-on-workers (a nested flow on a DaskTaskRunner) ─► collect
                          ├─ generate-part-0: its engine takes batch 0, then 2, 3, 5, ... ─┐
                          ├─ generate-part-1: its engine takes batch 1, then 4, ...       ─┼─► shards/
                          └─ ...                                                           ─┘
@@ -47,6 +48,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
@@ -69,12 +71,17 @@ STOP_GRACE_SECONDS = 5.0  # how long a stopping run waits for its parts to write
 
 def generate_in_parallel(plan: RunPlan, work: Work) -> Generated:
     """The generate step on Dask workers: a nested flow on a task runner made for this run."""
-    if work.todo.num_rows == 0:
+    if work.todo_count == 0:
         Progress.nothing_left(work.total, plan.config.run_name, get_run_logger())
         return Generated()
+    # the work streams into the hand-out here (a prompt is rendered, written and let go):
+    # the parts, and Prefect's context that Dask sends them, get the file, never the rows
+    handout = Handout.write(plan.store, work.tables(), plan.config.batch_rows)
     runner = task_runner(plan.config)
     with _api_for_workers():
-        return generate_on_workers.with_options(task_runner=runner)(plan, work)
+        return generate_on_workers.with_options(task_runner=runner)(
+            plan, handout, work.schema, work.total, work.done_before
+        )
 
 
 def task_runner(config: RunConfig) -> DaskTaskRunner:
@@ -99,8 +106,11 @@ def task_runner(config: RunConfig) -> DaskTaskRunner:
 
 
 @flow(name="generate-on-workers", validate_parameters=False)
-def generate_on_workers(plan: RunPlan, work: Work) -> Generated:
-    """Generate the work's rows on `parallel.workers` engines, which take them in batches.
+def generate_on_workers(
+    plan: RunPlan, handout: Handout, schema: pa.Schema, total: int, done_before: int
+) -> Generated:
+    """Generate the hand-out's rows on `parallel.workers` engines, which take them in batches
+    (`total` requests in the run, `done_before` of them in shards before it began).
 
     Returns what the run's new shards hold, whichever attempt of a part wrote them (a part's
     own count misses the rows of an attempt Dask lost), over the whole step's wall time,
@@ -108,12 +118,11 @@ def generate_on_workers(plan: RunPlan, work: Work) -> Generated:
     """
     logger = get_run_logger()
     config, store = plan.config, plan.store
-    handout = Handout.write(store, work.todo, config.batch_rows)
     parts = min(config.parallel.workers, handout.batches)
     local = config.parallel.address is None
     logger.info(
         "%d rows in %d batches of up to %d, taken by %d engines as they free up, on %s",
-        work.todo.num_rows,
+        handout.rows,
         handout.batches,
         config.batch_rows,
         parts,
@@ -123,10 +132,8 @@ def generate_on_workers(plan: RunPlan, work: Work) -> Generated:
     )
     shards = NewShards(store)
     started = time.perf_counter()
-    futures = [
-        generate_part.submit(plan, handout, index, work.schema, local) for index in range(parts)
-    ]
-    progress = Progress(work.total, work.done_before, config.run_name, logger)
+    futures = [generate_part.submit(plan, handout, index, schema, local) for index in range(parts)]
+    progress = Progress(total, done_before, config.run_name, logger)
     asyncio.run(_watch(futures, shards, progress, store))
     if all(f.wrapped_future.done() for f in futures):
         handout.remove()  # (else a part still reads it: the next run removes it)
@@ -163,14 +170,15 @@ class NewShards:
         self.store = store
         self.seen = set(self._names())
         self.stats = Generated()
+        self.first_error: str | None = None  # of the run's first refused row, once seen
 
     def _names(self) -> Iterator[str]:
         for path in self.store.shards_dir.glob("shard-*.parquet"):  # dot-named: not yet whole
             yield path.name
 
-    def poll(self) -> tuple[int, int]:
-        """(rows, completion tokens) of the shards that landed since the last poll."""
-        rows = tokens = 0
+    def poll(self) -> tuple[int, int, int]:
+        """(rows, completion tokens, refused rows) of the shards that landed since the last poll."""
+        rows = tokens = refused = 0
         for name in sorted(set(self._names()) - self.seen):
             table = pq.read_table(
                 self.store.shards_dir / name,
@@ -181,10 +189,14 @@ class NewShards:
             rows, tokens = rows + table.num_rows, tokens + completion
             self.stats.rows += table.num_rows
             self.stats.shards += 1
-            self.stats.errors += int(pc.sum(pc.is_valid(table.column("error"))).as_py() or 0)
+            errors = int(pc.sum(pc.is_valid(table.column("error"))).as_py() or 0)
+            refused += errors
+            if errors and self.first_error is None:
+                self.first_error = table.column("error").drop_null()[0].as_py()
+            self.stats.errors += errors
             self.stats.prompt_tokens += int(pc.sum(table.column("prompt_tokens")).as_py() or 0)
             self.stats.completion_tokens += completion
-        return rows, tokens
+        return rows, tokens, refused
 
     def generated(self, seconds: float) -> Generated:
         self.poll()
@@ -206,9 +218,9 @@ async def _watch(
         with stop_softly(lambda: loop.call_soon_threadsafe(stopping.set)):
             while True:
                 ended = all(f.wrapped_future.done() for f in futures)
-                rows, tokens = shards.poll()
+                rows, tokens, refused = shards.poll()
                 if rows:
-                    await progress.advance(rows, tokens)
+                    await progress.advance(rows, tokens, refused, shards.first_error)
                 if ended or (stop_by is not None and loop.time() > stop_by):
                     return
                 if stopping.is_set() and stop_by is None:

@@ -110,7 +110,7 @@ def _part_rows(
     batches from the pool, until none is left or the run asks its parts to stop."""
     if earlier:
         # NOTE: repair=False: the dot-named files there are other parts' shards being written
-        done = pa.array(list(store.scan(repair=False).done_ids), pa.string())
+        done = store.scan(repair=False).done()
         for batch in earlier:
             rows = handout.read(batch)
             todo = rows.filter(pc.invert(pc.is_in(rows.column("id"), done)))

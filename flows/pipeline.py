@@ -37,14 +37,15 @@ from flows.config import EngineConfig, RunConfig
 from flows.generation import Generated, RequestOptions, generate_rows
 from flows.images import image_placeholder
 from flows.interrupts import Interrupted, interrupted, stop_softly
+from flows.merge import ordered_chunks
 from flows.parallel import generate_in_parallel
-from flows.plan import Finish, RunPlan, Work, plan_requests
+from flows.plan import Finish, Finisher, RunPlan, Work, plan_requests
 from flows.progress import Progress, artifact_key
 from flows.prompts import ChatTemplate, PromptRenderer
 from flows.resident import open_engine
 from flows.run_lock import lock_run, unlock_run
 from flows.sources import read_rows, row_ids
-from flows.store import CheckpointStore, write_parquet
+from flows.store import CheckpointStore, write_parquet_chunks
 
 
 # ---------------------------------------------------------------------- the flow
@@ -124,15 +125,16 @@ def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
         config.prompt, config.template_variables(), _chat_template(config, engine),
         _image_placeholder(config),
     )  # fmt: skip
-    work = plan_requests(config, table, ids, scan.done_ids, renderer)
+    work = plan_requests(config, table, ids, scan.done(), renderer)
     store.write_json(
         "run.json", {"config": config.model_dump(mode="json"), "total_rows": work.total}
     )
     logger.info(
-        "%d rows: %d done by earlier runs, %d to generate",
+        "%d rows: %d done by earlier runs, %d to generate (prompts rendered as the engine "
+        "takes them)",
         work.total,
         work.done_before,
-        work.todo.num_rows,
+        work.todo_count,
     )
     return work
 
@@ -142,7 +144,7 @@ def generate(plan: RunPlan, engine: Any, work: Work) -> Generated:
     """Stream the remaining rows through the engine, writing a shard per shard_size rows."""
     logger = get_run_logger()
     config, store = plan.config, plan.store
-    if work.todo.num_rows == 0:
+    if work.todo_count == 0:
         Progress.nothing_left(work.total, config.run_name, logger)
         return Generated()
     options = RequestOptions.of(config)
@@ -153,7 +155,7 @@ def generate(plan: RunPlan, engine: Any, work: Work) -> Generated:
         rows = asyncio.ensure_future(
             generate_rows(
                 engine,
-                work.todo,
+                work.rows(),
                 options,
                 max_in_flight=config.max_in_flight,
                 shard_size=config.shard_size,
@@ -188,17 +190,15 @@ def generate(plan: RunPlan, engine: Any, work: Work) -> Generated:
 def collect(
     plan: RunPlan, work: Work, generated: Generated, finish: Finish | None
 ) -> dict[str, Any]:
-    """Merge the shards into one Parquet file in input order, check every row is there exactly
-    once, and publish the run's summary."""
+    """Merge the shards into one Parquet file in input order, streamed a chunk at a time
+    (flows/merge.py), check every row is there exactly once, and publish the run's summary."""
     logger = get_run_logger()
     config, store = plan.config, plan.store
-    merged = store.merge(expected_ids=set(work.ids.to_pylist()))
-    merged = merged.take(pc.sort_indices(pc.index_in(merged.column("id"), value_set=work.ids)))
-    extra: dict[str, Any] = {}
-    if finish is not None:
-        merged, extra = finish(config, merged)
-    write_parquet(store.output_path, merged)
-    summary = _summary(config, store, merged, generated) | extra
+    finisher = finish(config) if finish is not None else Finisher()
+    totals = _Totals()
+    chunks = (totals.add(finisher.rows(chunk)) for chunk in ordered_chunks(store, work.ids))
+    write_parquet_chunks(store.output_path, chunks)
+    summary = _summary(config, store, totals, generated) | finisher.summary()
     store.write_json("summary.json", summary)
     logger.info(
         "summary: %s", ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items() if k != "output")
@@ -256,22 +256,34 @@ def _chat_template(config: RunConfig, engine: Any) -> ChatTemplate | None:
     return load_tokenizer(ServerArgs.from_kwargs(**config.engine.arguments())).apply_chat_template
 
 
-def _summary(
-    config: RunConfig, store: CheckpointStore, merged: pa.Table, generated: Generated
-) -> dict[str, Any]:
-    def total(column: str) -> int:
-        return int(pc.sum(merged.column(column)).as_py() or 0)
+class _Totals:
+    """The merged rows' counts, summed as the chunks pass."""
 
+    COLUMNS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+
+    def __init__(self) -> None:
+        self.rows = self.errors = 0
+        self.sums = dict.fromkeys(self.COLUMNS, 0)
+
+    def add(self, chunk: pa.Table) -> pa.Table:
+        self.rows += chunk.num_rows
+        self.errors += int(pc.sum(pc.is_valid(chunk.column("error"))).as_py() or 0)
+        for column in self.COLUMNS:
+            self.sums[column] += int(pc.sum(chunk.column(column)).as_py() or 0)
+        return chunk
+
+
+def _summary(
+    config: RunConfig, store: CheckpointStore, totals: _Totals, generated: Generated
+) -> dict[str, Any]:
     return {
         "run_name": config.run_name,
         "fingerprint": store.fingerprint,
-        "rows": merged.num_rows,
+        "rows": totals.rows,
         "rows_generated_now": generated.rows,
-        "rows_from_earlier_runs": merged.num_rows - generated.rows,
-        "error_rows": int(pc.sum(pc.is_valid(merged.column("error"))).as_py() or 0),
-        "prompt_tokens": total("prompt_tokens"),
-        "completion_tokens": total("completion_tokens"),
-        "cached_tokens": total("cached_tokens"),
+        "rows_from_earlier_runs": totals.rows - generated.rows,
+        "error_rows": totals.errors,
+        **totals.sums,
         "generate_seconds": round(generated.seconds, 3),
         "rows_per_second": round(generated.rows / generated.seconds, 2)
         if generated.seconds

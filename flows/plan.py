@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from flows.config import RunConfig
 from flows.preflight import Checked
@@ -22,8 +24,21 @@ from flows.store import CheckpointStore, row_seed
 # Prompts rendered per call: a resident engine renders chat templates in one round trip each
 RENDER_BATCH = 1024
 
-# A flow's last word on the merged rows: (config, rows in input order) -> (rows, extra summary).
-Finish = Callable[[Any, pa.Table], tuple[pa.Table, dict[str, Any]]]
+
+class Finisher:
+    """A flow's last word on the merged rows, which collect streams through it a chunk at a
+    time in input order: the columns it adds to each chunk (a label, a score) and, once every
+    chunk has passed, its part of the run's summary. This one adds nothing."""
+
+    def rows(self, chunk: pa.Table) -> pa.Table:
+        return chunk
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
+# a ready flow's Finisher, made for one collect from the run's config
+Finish = Callable[[Any], Finisher]
 
 
 @dataclass
@@ -35,71 +50,85 @@ class RunPlan:
 
 @dataclass
 class Work:
+    """The run's requests as prepare_prompts planned them: every request id in input order,
+    which of them are still to do, and those as work tables made a window at a time.
+
+    NOTE: nothing here holds a rendered prompt. A prompt is rendered when `tables()` reaches
+    its row, as the engine takes rows (generate pulls the next row only when one is free in
+    flight), so the run's memory is its input and a window, never every prompt at once (a
+    4 KB instruction over millions of rows would not fit)."""
+
     ids: pa.Array  # every request id of the run, in input order
-    todo: pa.Table  # the requests still to make: id, input columns, prompt, seed
+    todo: pa.Array  # bool, one per id: no shard holds it yet
     schema: pa.Schema  # of an output row, as the shards hold it
-    done_before: int
+    tables: Callable[[], Iterator[pa.Table]]  # the todo requests' work tables, in input order
 
     @property
     def total(self) -> int:
         return len(self.ids)
+
+    @property
+    def todo_count(self) -> int:
+        return int(pc.sum(self.todo).as_py() or 0)
+
+    @property
+    def done_before(self) -> int:
+        return self.total - self.todo_count
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """The todo requests' work rows, one at a time (rendered a window ahead)."""
+        for table in self.tables():
+            yield from table.to_pylist()
 
 
 def plan_requests(
     config: RunConfig,
     table: pa.Table,
     ids: pa.Array,
-    done: set[str],
+    done: pa.Array,
     renderer: PromptRenderer,
 ) -> Work:
-    """The requests of the input's rows (samples_per_row each) that no shard holds yet, in input
-    order, with their prompts rendered and seeds derived from (run seed, request id)."""
+    """The requests of the input's rows (samples_per_row each) that no shard holds yet (`done`:
+    the ids in shards), in input order; their prompts are rendered as `Work.tables` reaches them,
+    their seeds derived from (run seed, request id)."""
     samples = config.samples_per_row
-    requests: dict[str, list[Any]] = {
-        n: [] for n in ("id", "source_id", "sample", "prompt", "seed")
-    }
-    take: list[int] = []
-    all_ids: list[str] = []
-    pending: list[dict[str, Any]] = []  # rows whose prompts are not rendered yet
-    counts: list[int] = []  # how many requests each pending row makes
+    request_ids = _request_ids(ids, samples)
+    todo = pc.invert(pc.is_in(request_ids, value_set=done))
+    inputs = input_columns(config, table)
+    empty = {n: [] for n in ("id", "source_id", "sample", "prompt", "seed")}
+    schema = output_schema(config, work_table(config, inputs.slice(0, 0), empty).schema)
 
-    def render_pending() -> None:
-        if not pending:
-            return
-        for prompt, count in zip(renderer.render_many(pending), counts):
-            requests["prompt"].extend([prompt] * count)
-        pending.clear()
-        counts.clear()
-
-    for index, (row_id, row) in enumerate(zip(ids.to_pylist(), _pylist(table))):
-        count = 0
-        for sample in range(samples):
-            rid = row_id if samples == 1 else f"{row_id}/{sample}"
-            all_ids.append(rid)
-            if rid in done:
+    def tables() -> Iterator[pa.Table]:
+        wanted = todo.to_numpy(zero_copy_only=False).reshape(-1, samples)
+        for start in range(0, table.num_rows, RENDER_BATCH):
+            window = wanted[start : start + RENDER_BATCH]
+            rows = np.flatnonzero(window.any(axis=1))
+            if len(rows) == 0:
                 continue
-            count += 1
-            take.append(index)
-            requests["id"].append(rid)
-            requests["source_id"].append(row_id)
-            requests["sample"].append(sample)
-            requests["seed"].append(row_seed(config.seed, rid))
-        if count:  # one prompt per row, shared by its samples
-            pending.append(row)
-            counts.append(count)
-            if len(pending) == RENDER_BATCH:
-                render_pending()
-    render_pending()
-    inputs = input_columns(config, table).take(pa.array(take, pa.int64()))
-    todo = work_table(config, inputs, requests)
-    return Work(
-        pa.array(all_ids, pa.string()),
-        todo,
-        output_schema(config, todo.schema),
-        done_before=len(all_ids) - len(requests["id"]),
-    )
+            prompts = renderer.render_many(table.take(rows + start).to_pylist())
+            requests: dict[str, list[Any]] = {n: [] for n in empty}
+            take: list[int] = []
+            for row, prompt in zip(
+                rows.tolist(), prompts
+            ):  # one prompt per row, its samples share it
+                row_id = ids[start + row].as_py()
+                for sample in np.flatnonzero(window[row]).tolist():
+                    rid = row_id if samples == 1 else f"{row_id}/{sample}"
+                    take.append(start + row)
+                    requests["id"].append(rid)
+                    requests["source_id"].append(row_id)
+                    requests["sample"].append(sample)
+                    requests["prompt"].append(prompt)
+                    requests["seed"].append(row_seed(config.seed, rid))
+            yield work_table(config, inputs.take(pa.array(take, pa.int64())), requests)
+
+    return Work(request_ids, todo, schema, tables)
 
 
-def _pylist(table: pa.Table) -> Iterator[dict[str, Any]]:
-    for batch in table.to_batches(max_chunksize=4096):
-        yield from batch.to_pylist()
+def _request_ids(ids: pa.Array, samples: int) -> pa.Array:
+    """Each row's request ids in input order: its id, or `<id>/<k>` for each of its samples."""
+    if samples == 1:
+        return ids
+    rows = pc.take(ids, pa.array(np.repeat(np.arange(len(ids)), samples)))
+    suffix = pa.array(np.tile(np.arange(samples), len(ids)).astype(str))
+    return pc.binary_join_element_wise(rows, suffix, "/")

@@ -1,6 +1,7 @@
 """Progress of the generate step: a terminal bar, periodic log lines, a Prefect progress artifact.
 
-On a terminal the bar rewrites one line of stderr (rows, rows/s, output tok/s, time left);
+On a terminal the bar rewrites one line of stderr (rows, refused rows, rows/s, output tok/s,
+time left);
 elsewhere (CI, a Prefect worker) a log line every `log_every` seconds says the same. The
 progress artifact, visible on the flow run's page in the Prefect UI, is updated every few
 seconds; failing to update it never fails the run.
@@ -44,6 +45,7 @@ class Progress:
         self.done_before = done_before
         self.rows = 0  # finished in this run
         self.tokens = 0  # generated in this run
+        self.refused = 0  # of those rows, the ones the engine refused (their `error` column)
         self.run_name = run_name
         self.logger = logger
         stream = stream if stream is not None else sys.stderr
@@ -68,9 +70,12 @@ class Progress:
         rate = self.rows / elapsed
         left = (self.total - self.done) / rate if rate > 0 else float("inf")
         eta = f"{left:.0f}s left" if left != float("inf") else "--"
+        # NOTE: refused rows count as done (they are, with their error) but generate nothing:
+        # a run whose rows all fail must not read as a fast one
+        refused = f" ({self.refused} refused)" if self.refused else ""
         return (
-            f"{self.done}/{self.total} rows ({self.percent:.0f}%)  {rate:.1f} rows/s  "
-            f"{self.tokens / elapsed:.0f} tok/s  {eta}"
+            f"{self.done}/{self.total} rows ({self.percent:.0f}%){refused}  {rate:.1f} rows/s  "
+            f"{self.tokens / elapsed:.0f} output tok/s  {eta}"
         )
 
     @property
@@ -91,9 +96,19 @@ class Progress:
         logger.info("nothing to generate: every row is already in a shard")
         asyncio.run(cls(total, total, run_name, logger, bar=False)._create_artifact())
 
-    async def advance(self, rows: int, tokens: int) -> None:
+    async def advance(
+        self, rows: int, tokens: int, refused: int = 0, reason: str | None = None
+    ) -> None:
+        """`rows` more finished, with `tokens` generated; `refused` of them refused by the
+        engine, the first refusal's `reason` said at once (not only at the end of the run)."""
+        if refused and not self.refused and reason:
+            self.logger.warning(
+                "the engine refused a row: %s (refused rows are written with this error; the "
+                "progress line counts them)", reason,
+            )  # fmt: skip
         self.rows += rows
         self.tokens += tokens
+        self.refused += refused
         now = time.perf_counter()
         if self.stream is not None and now - self._drawn >= 0.1:
             self._draw()

@@ -26,12 +26,13 @@ import re
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 logger = logging.getLogger(__name__)
@@ -55,12 +56,29 @@ def row_seed(run_seed: int, row_id: str) -> int:
 
 @dataclass
 class Scan:
-    """What a run folder holds: the ids already done, the good shards, and what was set aside."""
+    """What a run folder holds: the good shards and their ids, and what was set aside.
 
-    done_ids: set[str] = field(default_factory=set)
+    NOTE: ids are kept as Arrow arrays, a few bytes a row: a run of millions of rows must not
+    hold a Python string per done row (flows/work.py tests membership with pyarrow)."""
+
     shards: list[Path] = field(default_factory=list)
-    rows: int = 0
+    ids: list[pa.Array] = field(default_factory=list)  # each good shard's, in `shards` order
     problems: list[str] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(ids) for ids in self.ids)
+
+    def done(self) -> pa.Array:
+        """Every id the shards hold, as one string array."""
+        if not self.ids:
+            return pa.array([], pa.string())
+        return pa.concat_arrays(self.ids)
+
+    @property
+    def done_ids(self) -> set[str]:
+        """The same as a set: for small runs (OpenAI batch files) and tests."""
+        return set(self.done().to_pylist())
 
 
 class CheckpointStore:
@@ -232,14 +250,9 @@ class CheckpointStore:
                     f"{verb} unreadable shard {path.name} ({e}); its rows will be redone"
                 )
                 continue
-            repeated = scan.done_ids.intersection(ids)
-            if repeated:
-                raise ValueError(
-                    f"shard {path.name} repeats {len(repeated)} id(s) already in other shards, e.g. {sorted(repeated)[:3]}"
-                )
-            scan.done_ids.update(ids)
             scan.shards.append(path)
-            scan.rows += len(ids)
+            scan.ids.append(ids)
+        _check_unique(scan)
         if repair:
             for problem in scan.problems:
                 logger.warning(problem)
@@ -301,7 +314,7 @@ def _try_flock(fd: int, kind: int) -> bool:
     return True
 
 
-def _verified_ids(shard: Path) -> list[str]:
+def _verified_ids(shard: Path) -> pa.Array:
     """The ids of a shard that reads back whole; ValueError or an Arrow error if it does not.
 
     The checksum in its name covers every byte, so a shard that matches it decodes as written
@@ -311,15 +324,63 @@ def _verified_ids(shard: Path) -> list[str]:
     data = shard.read_bytes()  # one read: the checksum and the ids come from the same bytes
     match = _CHECKSUM.match(shard.name)
     if match is None:
-        return pq.read_table(pa.BufferReader(data)).column(ID_COLUMN).to_pylist()
-    if f"{zlib.crc32(data):08x}" != match["crc"]:
+        ids = pq.read_table(pa.BufferReader(data)).column(ID_COLUMN)
+    elif f"{zlib.crc32(data):08x}" != match["crc"]:
         raise ValueError("its bytes do not match the checksum it was written with")
-    return pq.read_table(pa.BufferReader(data), columns=[ID_COLUMN]).column(ID_COLUMN).to_pylist()
+    else:
+        ids = pq.read_table(pa.BufferReader(data), columns=[ID_COLUMN]).column(ID_COLUMN)
+    return ids.combine_chunks().cast(pa.string())
+
+
+def _check_unique(scan: Scan) -> None:
+    """ValueError naming a shard that repeats ids of an earlier one (in one hash pass)."""
+    counts = pc.value_counts(scan.done())
+    repeated = counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+    if not len(repeated):
+        return
+    seen = pa.array([], pa.string())
+    for path, ids in zip(scan.shards, scan.ids):
+        again = ids.filter(pc.is_in(ids, value_set=seen))
+        if len(again):
+            examples = sorted(again.to_pylist())[:3]
+            raise ValueError(
+                f"shard {path.name} repeats {len(again)} id(s) already in other shards, "
+                f"e.g. {examples}"
+            )
+        seen = pa.concat_arrays([seen, ids])
+    raise ValueError(f"an id repeats within a shard, e.g. {repeated[0].as_py()!r}")
 
 
 def write_parquet(path: Path, table: pa.Table, fence: Callable[[], None] | None = None) -> None:
     """A Parquet file that appears whole or not at all."""
     _atomic_write(path, _parquet_bytes(table), fence)
+
+
+def write_parquet_chunks(path: Path, chunks: Iterable[pa.Table]) -> int:
+    """A Parquet file of the chunks (one schema, the first's), a row group or more each, that
+    appears whole or not at all; memory holds one chunk at a time. Returns the rows written."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    rows = 0
+    writer: pq.ParquetWriter | None = None
+    try:
+        for chunk in chunks:
+            if writer is None:
+                writer = pq.ParquetWriter(tmp, chunk.schema)
+            writer.write_table(chunk)
+            rows += chunk.num_rows
+        if writer is None:
+            raise ValueError(f"{path.name}: no rows to write")
+        writer.close()
+        writer = None
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_folder(path.parent)
+    finally:
+        if writer is not None:
+            writer.close()
+        tmp.unlink(missing_ok=True)
+    return rows
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -348,8 +409,12 @@ def _atomic_write(path: Path, data: bytes, fence: Callable[[], None] | None = No
             tmp.unlink(missing_ok=True)
             raise
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)  # the rename itself survives a power cut
+        os.fsync(dir_fd)  # a rename into it survives a power cut
     finally:
         os.close(dir_fd)

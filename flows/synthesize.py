@@ -9,6 +9,7 @@ from (seed, its id): rerunning, resuming or adding rows never changes a sample a
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -18,6 +19,7 @@ from pydantic import Field
 
 from flows.config import RunConfig, Section
 from flows.pipeline import run_steps
+from flows.plan import Finisher
 
 
 class SynthesizeSpec(Section):
@@ -41,13 +43,26 @@ class SynthesizeConfig(RunConfig):
         return []
 
 
-def count_distinct(config: SynthesizeConfig, rows: pa.Table) -> tuple[pa.Table, dict[str, Any]]:
-    """How varied the generations are: distinct texts among all samples."""
-    distinct = len(pc.unique(rows.column("text").drop_null()))
-    return rows, {"seed_rows": rows.num_rows // config.synthesize.n, "distinct_texts": distinct}
+class CountDistinct(Finisher):
+    """How varied the generations are: distinct texts among all samples (kept as 8-byte
+    hashes, not the texts: the merge streams a run of any size through this)."""
+
+    def __init__(self, config: SynthesizeConfig) -> None:
+        self.n = config.synthesize.n
+        self.rows_seen = 0
+        self.texts: set[bytes] = set()
+
+    def rows(self, chunk: pa.Table) -> pa.Table:
+        self.rows_seen += chunk.num_rows
+        for text in pc.unique(chunk.column("text").drop_null()).to_pylist():
+            self.texts.add(hashlib.blake2b(text.encode(), digest_size=8).digest())
+        return chunk
+
+    def summary(self) -> dict[str, Any]:
+        return {"seed_rows": self.rows_seen // self.n, "distinct_texts": len(self.texts)}
 
 
 @flow(name="synthesize", flow_run_name="{config.run_name}")
 def synthesize(config: SynthesizeConfig, fresh: bool = False) -> dict[str, Any]:
     """Generate n samples for every row of an input file."""
-    return run_steps(config, fresh, finish=count_distinct)
+    return run_steps(config, fresh, finish=CountDistinct)

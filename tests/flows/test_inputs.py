@@ -181,6 +181,26 @@ def test_progress_draws_a_bar_on_a_terminal_and_logs_lines_elsewhere(caplog):
     assert lines.stream is None and "50/100 rows (50%)" in caplog.text and "tok/s" in caplog.text
 
 
+def test_progress_says_how_many_rows_were_refused_and_why_at_the_first(caplog):
+    """A run whose rows the engine refuses (prompts longer than the context, say) finishes
+    rows fast and generates nothing: the line says so, and the first refusal is logged at once."""
+    logger = logging.getLogger("test.progress")
+    progress = Progress(100, 0, "r", logger, stream=io.StringIO(), log_every=0.0)
+    progress._logged = 0.0
+
+    async def advance() -> None:
+        await progress.advance(1, 0, 1, "The input (329 tokens) is longer than the context")
+        await progress.advance(1, 0, 1, "The input (400 tokens) is longer than the context")
+        await progress.advance(1, 7)
+
+    with caplog.at_level(logging.INFO, logger="test.progress"):
+        asyncio.run(advance())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "329 tokens" in warnings[0]
+    assert "3/100 rows (3%) (2 refused)" in progress.line()
+    assert progress.tokens == 7
+
+
 def test_input_columns_named_like_the_flows_columns_are_kept_as_input_name(llama_dir, tmp_path):
     from flows.rows import output_column
     from flows.synthesize import SynthesizeConfig
@@ -213,14 +233,17 @@ def test_requests_skip_done_ids_and_share_a_rows_prompt_across_batches(
     render_many = renderer.render_many
     monkeypatch.setattr(renderer, "render_many", lambda r: batches.append(len(r)) or render_many(r))
     monkeypatch.setattr(flows.plan, "RENDER_BATCH", 2)
-    work = plan_requests(config, table, ids, done, renderer)
+    work = plan_requests(config, table, ids, pa.array(sorted(done)), renderer)
+    assert batches == [], "planning renders nothing: prompts render as the work is taken"
     expected = [
         (f"{row['qid']}/{k}", row["qid"], k, expected_prompt(row))
         for row in rows
         for k in range(2)
         if f"{row['qid']}/{k}" not in done
     ]
-    todo = work.todo.to_pydict()
+    todo = pa.concat_tables(work.tables()).to_pydict()
     assert list(zip(todo["id"], todo["source_id"], todo["sample"], todo["prompt"])) == expected
-    assert work.done_before == len(done) and work.total == 14
-    assert batches == [2, 2, 2]  # the 6 rows with a request left, 2 per call
+    assert work.done_before == len(done) and work.total == 14 and work.todo_count == 10
+    # windows of 2 input rows; row 0 is done, so its window renders row 1 alone
+    assert batches == [1, 2, 2, 1]
+    assert [r["id"] for r in work.rows()] == [e[0] for e in expected]

@@ -386,7 +386,8 @@ def test_the_hand_out_gives_each_batch_to_one_part_in_order_and_says_whose(tmp_p
     store = CheckpointStore(tmp_path, "run", {"a": 1})
     store.lock()
     todo = pa.table({"id": [f"r{i:03d}" for i in range(103)], "prompt": ["p"] * 103})
-    handout = Handout.write(store, todo, batch_rows=10)
+    # the work comes as a stream of tables of any size; the hand-out cuts batches of 10
+    handout = Handout.write(store, [todo.slice(i, 7) for i in range(0, 103, 7)], batch_rows=10)
     assert (handout.batches, handout.rows, handout.left()) == (11, 103, 11)
     with ThreadPoolExecutor(3) as pool:
         taken = list(pool.map(_claim_all, [pickle.dumps(handout)] * 3, range(3)))

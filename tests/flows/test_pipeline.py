@@ -116,6 +116,41 @@ def test_300_rows_equal_the_engines_greedy_outputs(greedy_run, rows, reference):
     assert summary["tokens_per_second"] > 0 and summary["generate_seconds"] > 0
 
 
+def test_prompts_render_as_the_engine_takes_rows_not_all_up_front(
+    prefect_api, shared_llama_engine, llama_dir, questions, rows, reference, tmp_path, monkeypatch
+):
+    """The run's memory is a window, not the dataset: a prompt is rendered only when its row is
+    about to be submitted, so rendered-but-unfinished rows never exceed what is in flight plus
+    one render batch; the merged output is still every row once, in input order."""
+    import flows.generation
+    import flows.plan
+    from flows.prompts import PromptRenderer
+
+    monkeypatch.setattr(flows.plan, "RENDER_BATCH", 16)
+    counts = {"rendered": 0, "finished": 0, "ahead": []}
+    render_many, request = PromptRenderer.render_many, flows.generation.request
+
+    def counting_render(self, batch):
+        counts["ahead"].append(counts["rendered"] - counts["finished"])
+        counts["rendered"] += len(batch)
+        return render_many(self, batch)
+
+    async def counting_request(*args, **kwargs):
+        row = await request(*args, **kwargs)
+        counts["finished"] += 1
+        return row
+
+    monkeypatch.setattr(PromptRenderer, "render_many", counting_render)
+    monkeypatch.setattr(flows.generation, "request", counting_request)
+    config = load_config(base_config(llama_dir, questions, tmp_path / "runs", max_in_flight=8))
+    with lent_engine(shared_llama_engine, engine_arguments(llama_dir)):
+        generate_batch(config=config)
+    assert counts["rendered"] == ROWS and len(counts["ahead"]) == ROWS // 16 + 1
+    assert max(counts["ahead"]) <= 8 + 16, counts["ahead"]
+    table = pq.read_table(run_folder(tmp_path / "runs") / "output.parquet")
+    assert_matches_engine(table, rows, reference["greedy"])
+
+
 def test_summary_and_progress_are_prefect_artifacts(greedy_run):
     *_, flow_run_id = greedy_run
     with get_client(sync_client=True) as client:

@@ -1,0 +1,119 @@
+"""Peak memory and speed of `gristmill run` as the number of rows grows (CPU; not a test).
+
+Each run: N short arithmetic rows, one long instruction (--instruction-bytes) in the config's
+template, one output token a row (so generation is quick and the caller's work shows), on a
+tiny random Llama with a byte-level BPE tokenizer (tests/tiny_models.py) and a context long
+enough for the instruction. The run is `python -m flows.cli run` in a subprocess; its peak
+resident memory is the kernel's high-water mark (VmHWM) of that process, read until it ends
+(the engine's own processes are not in it).
+
+    PYTHONPATH=. python scripts/bench_run_memory.py --rows 20000 60000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build_model(folder: Path) -> Path:
+    from tests.tiny_models import build_tokenizer, make_tiny_model
+
+    model = make_tiny_model(folder / "model", "llama", max_position_embeddings=8192)
+    build_tokenizer(model)
+    return model
+
+
+def instruction(size: int) -> str:
+    words = "label each question with its answer as a number only and nothing else".split()
+    rng = random.Random(0)
+    text = "You are a careful annotator.\n"
+    while len(text) < size:
+        text += " ".join(rng.choice(words) for _ in range(12)) + ".\n"
+    return text[:size]
+
+
+def run_once(folder: Path, model: Path, rows: int, size: int, max_in_flight: int) -> dict:
+    source = folder / f"rows-{rows}.jsonl"
+    rng = random.Random(rows)
+    with source.open("w") as f:
+        for i in range(rows):
+            a, b = rng.randrange(100), rng.randrange(100)
+            f.write(json.dumps({"id": f"r{i}", "question": f"What is {a} + {b}?"}) + "\n")
+    config = {
+        "run_name": f"memory-{rows}",
+        "output_dir": str(folder / "runs"),
+        "engine": {"model_path": str(model), "max_total_tokens": 65536},
+        "source": {"path": str(source), "id_column": "id"},
+        "prompt": {"template": instruction(size) + "\nQuestion: {{ question }}\nAnswer:"},
+        "sampling": {"temperature": 0, "max_new_tokens": 1},
+        "shard_size": 5000,
+        "max_in_flight": max_in_flight,
+    }
+    path = folder / f"config-{rows}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    peak = 0
+    while proc.poll() is None:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            peak = max(peak, int(status.split("VmHWM:")[1].split()[0]))
+        except (OSError, IndexError):
+            pass
+        time.sleep(0.2)
+    wall = time.perf_counter() - started
+    stderr = proc.stderr.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"run of {rows} rows failed:\n{stderr[-3000:]}")
+    summary = json.loads(
+        next((folder / "runs" / f"memory-{rows}").glob("*/summary.json")).read_text()
+    )
+    return {
+        "rows": rows,
+        "rendered prompt MB": round(rows * size / 1e6, 1),
+        "peak RSS of the run process (MB)": round(peak / 1024),
+        "command wall (s)": round(wall, 1),
+        "generate rows/s": summary["rows_per_second"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[20000, 60000])
+    parser.add_argument("--instruction-bytes", type=int, default=4500)
+    parser.add_argument("--max-in-flight", type=int, default=256)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        model = build_model(folder)
+        results = [
+            run_once(folder, model, n, args.instruction_bytes, args.max_in_flight)
+            for n in args.rows
+        ]
+    keys = list(results[0])
+    print("| " + " | ".join(keys) + " |")
+    print("| " + " | ".join("---" for _ in keys) + " |")
+    for r in results:
+        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    main()
