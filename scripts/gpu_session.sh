@@ -25,9 +25,11 @@ fi
 # Triton's compiled kernels: kept in the tree's ignored .triton-cache, which a call can carry
 # in and (KEEP_TRITON_CACHE=1) bring back as $OUT/triton-cache.tgz (same image, same sm_90)
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
-# A pytest step keeps its whole log in $OUT/<step>.log and prints its failures and its count.
+# A pytest step keeps its whole log in $OUT/<step>.log and prints its failures and its count;
+# TEST_TIMEOUT (s) ends a step that hangs, so the steps after it still run within the call.
 tests() {
-  python3 -m pytest "$@" -q -p no:cacheprovider -W ignore >"$OUT/$s.log" 2>&1
+  timeout -k 10 "${TEST_TIMEOUT:-3600}" python3 -m pytest "$@" -q -p no:cacheprovider -W ignore >"$OUT/$s.log" 2>&1 \
+    || { [ $? -ge 124 ] && echo "timed out after ${TEST_TIMEOUT:-3600} s" >>"$OUT/$s.log"; }
   grep -E "^(ERROR|FAILED)|^E  |passed|failed|error" "$OUT/$s.log" | tail -25
 }
 # A benchmark step: engine.bench's table, also as $OUT/<step>.json (which `regress` sums up).
