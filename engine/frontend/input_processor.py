@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.frontend.image_inputs import ImageInputsBuilder
+from engine.frontend.prompt_tokens import PromptTokens
 from engine.model_config import ModelConfig
 from engine.runtime.messages import SESSION_PARAMS, ImageInputs, TokenizedRequest
 from engine.sampling.grammar import check_grammar
@@ -50,6 +51,8 @@ class InputProcessor:
         self.config = config
         self.max_total_tokens = max_total_tokens
         self.tokenizer = tokenizer
+        # prompt text to ids: lists in batch calls, a shared instruction's ids kept
+        self.prompt_tokens = PromptTokens(tokenizer) if tokenizer is not None else None
         self.eos_ids = config.eos_token_ids | _tokenizer_eos(tokenizer)
         self._seeds = random.Random(args.random_seed)
         # the LoRA adapters a request may name: {name: folder}, kept by load/unload_lora_adapter
@@ -132,14 +135,14 @@ class InputProcessor:
                 f"{'prompt' if prompt is not None else 'input_ids'} is an empty list: give at least one prompt."
             )
         if prompt is not None:
-            if self.tokenizer is None:
+            if self.prompt_tokens is None:
                 raise ValueError(
                     "prompt needs a tokenizer: pass input_ids, or start the engine without skip_tokenizer_init"
                 )
             if isinstance(prompt, str):
-                return [self.tokenizer.encode(prompt)], False
+                return [self.prompt_tokens.encode(prompt)], False
             if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-                return [self.tokenizer.encode(p) for p in prompt], True
+                return self.prompt_tokens.encode_batch(prompt), True
             raise ValueError("prompt must be a str or a list of str")
         if isinstance(input_ids, list) and input_ids and _all_tokens(input_ids):
             return [list(input_ids)], False
