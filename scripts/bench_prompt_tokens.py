@@ -1,0 +1,109 @@
+"""Tokenizing prompts that share a long instruction: whole, one by one, against PromptTokens.
+
+1,000 prompts, each one ~4.5 KB instruction + a short item, on a byte-level BPE tokenizer built
+here (Qwen-style: NFC, its pre-tokenizer regex, byte-level BPE of 8k tokens trained on generated
+text). Tokenized (a) one by one, whole, as InputProcessor did before PromptTokens; (b) one by one
+through PromptTokens.encode, as flows call the engine (a prompt per call); (c) as one list
+through PromptTokens.encode_batch; and, for comparison, (d) one batch call of the tokenizer on
+the whole prompts. Every way's ids are checked against (a). Prints a markdown table of prompts/s
+(best of 3 runs; a fresh PromptTokens per run, so each run finds the instruction itself).
+
+    python scripts/bench_prompt_tokens.py
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from engine.frontend.prompt_tokens import PromptTokens
+
+PROMPTS = 1000
+SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+         r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+WORDS = (
+    "the a an of to and in is it that for on with as was by at be this from or have not are but "
+    "all they we you he she one two three item label answer question review product customer "
+    "order shipping quality price return service support positive negative neutral rating star "
+    "example output input text sentence word reason because however therefore always never "
+    "must should only each every first second last short long clear careful exactly format json"
+).split()
+
+
+def corpus(rng: random.Random, lines: int) -> list[str]:
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 16))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 9999)))
+        out.append(" ".join(words).capitalize() + rng.choice([".", ",", ":", "!", "?\n", ".\n\n"]))
+    return out
+
+
+def byte_level_bpe() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=8192,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(random.Random(0), 20000), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   clean_up_tokenization_spaces=False)  # fmt: skip
+
+
+def prompts(rng: random.Random) -> list[str]:
+    instruction = "<|im_start|>system\nYou label customer reviews.\n"
+    while len(instruction) < 4500:
+        instruction += " ".join(corpus(rng, 4)) + "\n"
+    instruction += "<|im_end|>\n<|im_start|>user\nReview:"
+    items = corpus(rng, PROMPTS)
+    return [f"{instruction} {item}<|im_end|>\n<|im_start|>assistant\n" for item in items]
+
+
+def best_of(runs: int, work: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
+    best, ids = float("inf"), []
+    for _ in range(runs):
+        start = time.perf_counter()
+        ids = work()
+        best = min(best, time.perf_counter() - start)
+    return best, ids
+
+
+def main() -> None:
+    tok = byte_level_bpe()
+    texts = prompts(random.Random(1))
+    whole_s, reference = best_of(3, lambda: [tok.encode(p) for p in texts])
+    tokens = sum(map(len, reference)) / len(texts)
+    rows = [("(a) one by one, whole (tokenizer.encode)", whole_s)]
+    ways: list[tuple[str, Callable[[], list[list[int]]]]] = [
+        ("(b) one by one, PromptTokens.encode", lambda: list(map(PromptTokens(tok).encode, texts))),
+        ("(c) one list, PromptTokens.encode_batch", lambda: PromptTokens(tok).encode_batch(texts)),
+        ("(d) one list, whole (tokenizer(list))", lambda: tok(texts)["input_ids"]),
+    ]
+    for name, work in ways:
+        seconds, ids = best_of(3, work)
+        assert ids == reference, f"{name}: ids differ from tokenizer.encode"
+        rows.append((name, seconds))
+    print(f"{len(texts)} prompts of {len(texts[0])} characters, {tokens:.0f} tokens on average\n")
+    print("| tokenization | seconds | prompts/s | vs (a) |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, seconds in rows:
+        print(
+            f"| {name} | {seconds:.3f} | {len(texts) / seconds:,.0f} | {whole_s / seconds:.1f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
