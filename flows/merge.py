@@ -37,8 +37,8 @@ import pyarrow.parquet as pq
 
 from flows.store import CheckpointStore
 
-CHUNK_BYTES = 64 << 20  # about this much of decoded rows per yielded chunk
-PENDING_BYTES = 256 << 20  # rows waiting for a later chunk kept in memory, beyond: spilled
+CHUNK_BYTES = 32 << 20  # about this much of decoded rows per yielded chunk
+PENDING_BYTES = 128 << 20  # rows waiting for a later chunk kept in memory, beyond: spilled
 _POSITION = "__position"  # a spilled piece's input positions
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -325,7 +326,7 @@ def _at(loaded: Input, number: int) -> str:
 def row_ids(table: pa.Table, id_column: str | None) -> pa.Array:
     """Each row's id as a string; ValueError naming source.id_column if ids are missing or repeat."""
     if id_column is None:
-        return pa.array([str(i) for i in range(table.num_rows)], pa.string())
+        return pc.cast(pa.array(np.arange(table.num_rows)), pa.string())  # (no str per row)
     ids = pc.cast(table.column(id_column), pa.string()).combine_chunks()
     if ids.null_count:
         raise ValueError(f"{ids.null_count} row(s) have no value in id column {id_column!r}")

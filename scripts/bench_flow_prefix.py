@@ -1,0 +1,102 @@
+"""The shared-prefix workload from text through `gristmill run`, beside `engine.bench` of the
+same shape from token ids (GPU; not a test).
+
+    PYTHONPATH=. python scripts/bench_flow_prefix.py --rows 1000 --prefix-tokens 2000
+
+The instruction (about --prefix-tokens tokens of text) is in the config's template and each
+row holds a short item (about --item-tokens tokens); every row generates --output-len tokens
+(ignore_eos). The model is a shipped architecture's config with dummy weights and the demo
+model's tokenizer (scripts/bench_flow_dp.py: model_folder). The flow's generate step
+(summary.json: generate_seconds) includes the caller's rendering and tokenizing of every row;
+engine.bench passes token ids, so the ratio is what text costs a user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_flow_dp import ROOT, model_folder, run  # noqa: E402
+
+WORDS = (
+    "label the sentiment of each review as positive negative or neutral and explain nothing "
+    "reviews may mention price delivery quality service packaging and support answer briefly"
+).split()
+
+
+def text_of(tokens: int, tokenizer, rng: random.Random) -> str:
+    """Random words until the text is about `tokens` tokens long."""
+    words: list[str] = []
+    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < tokens:
+        words += [rng.choice(WORDS) for _ in range(max(1, (tokens - len(words)) // 2))]
+    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) > tokens:
+        words.pop()
+    return " ".join(words)
+
+
+def bench_from_ids(args: argparse.Namespace, work: Path) -> dict:
+    out = work / "bench.json"
+    cmd = [sys.executable, "-m", "engine.bench", "--model-config", args.model_config,
+           "--num-prompts", str(args.rows), "--shared-prefix-len", str(args.prefix_tokens),
+           "--input-len", str(args.item_tokens), "--output-len", str(args.output_len),
+           "--json", str(out)]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"engine.bench failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=1000)
+    ap.add_argument("--prefix-tokens", type=int, default=2000)
+    ap.add_argument("--item-tokens", type=int, default=50)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--model-config", default="qwen3-0.6b")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gristmill-flow-prefix-"))
+    model = model_folder(args.model_config, work)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(0)
+    instruction = text_of(args.prefix_tokens, tokenizer, rng)
+    with (work / "rows.jsonl").open("w") as f:
+        for i in range(args.rows):
+            f.write(json.dumps({"id": f"r{i}", "item": text_of(args.item_tokens, tokenizer, rng)}))
+            f.write("\n")
+    config = {
+        "flow": "generate", "run_name": "dp1", "output_dir": "runs",
+        "engine": {"model_path": str(model), "load_format": "dummy"},
+        "source": {"path": "rows.jsonl", "id_column": "id"},
+        "prompt": {"template": instruction + "\n\nReview: {{ item }}\nLabel:"},
+        "sampling": {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True},
+        "shard_size": 1000, "max_in_flight": 4096,
+    }  # fmt: skip
+    (work / "run.yaml").write_text(json.dumps(config))  # (JSON is YAML)
+    flow = run(work / "run.yaml", 1, work)
+    bench = bench_from_ids(args, work)
+    ratio = flow["generate_seconds"] / float(bench["wall time (s)"])
+    print("| workload | rows | prompt tokens / row | wall (s) | vs engine.bench |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| engine.bench, token ids | {args.rows} | {args.prefix_tokens + args.item_tokens} | "
+          f"{bench['wall time (s)']} | 1.00x |")  # fmt: skip
+    print(f"| gristmill run, text: generate step | {flow['rows']} | "
+          f"{flow['prompt_tokens'] / flow['rows']:.0f} | {flow['generate_seconds']:.2f} | "
+          f"{ratio:.2f}x |")  # fmt: skip
+    print(f"| gristmill run, the whole command | {flow['rows']} | | {flow['wall']:.1f} | |")
+
+
+if __name__ == "__main__":
+    main()
