@@ -133,6 +133,22 @@ async def answer_rows(
     started = time.perf_counter()
     buffer: list[dict[str, Any]] = []
     pending: set[asyncio.Task] = set()
+    # NOTE: finished tasks queue themselves: asyncio.wait over the pending set would visit
+    # every task in flight at each completion (thousands of rows in flight: quadratic)
+    finished: asyncio.Queue[asyncio.Task] = asyncio.Queue()
+
+    def start(row: dict[str, Any]) -> None:
+        task = asyncio.create_task(answer(row))
+        task.add_done_callback(finished.put_nowait)
+        pending.add(task)
+
+    async def next_done() -> set[asyncio.Task]:
+        """The tasks that finished since the last call (at least one: waits for it)."""
+        done = {await finished.get()}
+        while not finished.empty():
+            done.add(finished.get_nowait())
+        pending.difference_update(done)
+        return done
 
     async def flush(rows: list[dict[str, Any]]) -> None:
         await asyncio.to_thread(write_shard, rows)  # the loop keeps collecting meanwhile
@@ -162,12 +178,13 @@ async def answer_rows(
     try:
         for row in rows:
             while len(pending) >= max_in_flight:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                await absorb(done)
-            pending.add(asyncio.create_task(answer(row)))
+                await absorb(await next_done())
+            start(row)
+            # the row's request reaches the engine now, not after every row of the window
+            # has a task: the engine works on the first rows while the rest are prepared
+            await asyncio.sleep(0)
         while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            await absorb(done)
+            await absorb(await next_done())
         if buffer:
             await flush(buffer)
             buffer.clear()

@@ -55,6 +55,7 @@ class Progress:
         self.started = time.perf_counter()
         self._drawn = self._logged = self._published = self.started
         self._artifact: UUID | None = None
+        self._publishing: asyncio.Future | None = None  # an update of the artifact under way
 
     # ------------------------------------------------------------------ numbers
     @property
@@ -116,11 +117,18 @@ class Progress:
         if self.stream is None and now - self._logged >= self.log_every:
             self.logger.info("%s", self.line())
             self._logged = now
-        if now - self._published >= self.publish_every:
-            await self._publish()
+        if now - self._published >= self.publish_every and self._publishing is None:
+            # in the background: a round trip to the Prefect API must not hold up the rows
+            self._publishing = asyncio.ensure_future(self._publish())
+            self._publishing.add_done_callback(self._published_one)
             self._published = now
 
+    def _published_one(self, _: asyncio.Future) -> None:
+        self._publishing = None
+
     async def close(self) -> None:
+        if self._publishing is not None:
+            await self._publishing
         if self.stream is not None:
             self._draw()
             self.stream.write("\n")

@@ -43,9 +43,24 @@ def write_rows(path: Path, n: int) -> None:
             f.write(json.dumps({"id": f"q{i}", "question": f"What is {a} + {b}?"}) + "\n")
 
 
-def run(config: Path, dp: int, work: Path) -> dict:
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(config),
-           "--set", f"engine.dp_size={dp}", "--set", f"run_name=dp{dp}"]  # fmt: skip
+_PROFILED = (
+    "import cProfile, sys; from flows.cli import main; path = sys.argv.pop(1); "
+    "sys.argv[0] = 'gristmill'; cProfile.run('main()', path)"
+)
+
+
+def run(config: Path, dp: int, work: Path, profile: Path | None = None) -> dict:
+    """`gristmill run CONFIG` at dp_size `dp` (run name dp<dp>), under cProfile into `profile`
+    if given: the command's wall time and its summary.json."""
+    # (not `-m cProfile`: the command ends with os._exit, before cProfile would write)
+    python = (
+        [sys.executable, "-c", _PROFILED, str(profile)]
+        if profile
+        else [sys.executable, "-m", "flows.cli"]
+    )
+    name = f"dp{dp}" + ("-profiled" if profile else "")
+    cmd = [*python, "run", str(config),
+           "--set", f"engine.dp_size={dp}", "--set", f"run_name={name}"]  # fmt: skip
     env = {**os.environ, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     started = time.perf_counter()
@@ -55,7 +70,7 @@ def run(config: Path, dp: int, work: Path) -> dict:
         raise SystemExit(
             f"dp {dp}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         )
-    summary = json.loads(next((work / "runs" / f"dp{dp}").glob("*/summary.json")).read_text())
+    summary = json.loads(next((work / "runs" / name).glob("*/summary.json")).read_text())
     return {"wall": wall, **summary}
 
 

@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--item-tokens", type=int, default=50)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model-config", default="qwen3-0.6b")
+    ap.add_argument("--profile", type=Path, help="also run the flow under cProfile into this file")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gristmill-flow-prefix-"))
     model = model_folder(args.model_config, work)
@@ -96,6 +97,13 @@ def main() -> None:
           f"{flow['prompt_tokens'] / flow['rows']:.0f} | {flow['generate_seconds']:.2f} | "
           f"{ratio:.2f}x |")  # fmt: skip
     print(f"| gristmill run, the whole command | {flow['rows']} | | {flow['wall']:.1f} | |")
+    if args.profile:  # the flow process's own time, by function (a run of its own)
+        import pstats
+
+        profiled = run(work / "run.yaml", 1, work, profile=args.profile)
+        print(f"profiled run: generate step {profiled['generate_seconds']:.2f} s")
+        stats = pstats.Stats(str(args.profile))
+        stats.sort_stats("cumulative").print_stats(r"flows/|engine/frontend|asyncio/base", 40)
 
 
 if __name__ == "__main__":
