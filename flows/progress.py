@@ -4,7 +4,7 @@ On a terminal the bar rewrites one line of stderr (rows, refused rows, rows/s, o
 time left);
 elsewhere (CI, a Prefect worker) a log line every `log_every` seconds says the same. The
 progress artifact, visible on the flow run's page in the Prefect UI, is updated every few
-seconds; failing to update it never fails the run.
+seconds, its description the same line; failing to update it never fails the run.
 """
 
 from __future__ import annotations
@@ -147,12 +147,18 @@ class Progress:
             acreate_progress_artifact,
             progress=self.percent,
             key=artifact_key(self.run_name, "progress"),
-            description=f"rows of {self.run_name} written to checkpoint shards",
+            description=self._description(),
         )
 
     async def _publish(self) -> None:
         if self._artifact is not None:
-            await self._safely(aupdate_progress_artifact, self._artifact, self.percent)
+            await self._safely(
+                aupdate_progress_artifact, self._artifact, self.percent, self._description()
+            )
+
+    def _description(self) -> str:
+        """The artifact's text in the UI: the terminal's line (rows, refused, rates, time left)."""
+        return f"rows of {self.run_name} written to checkpoint shards: {self.line()}"
 
     async def _safely(
         self, call: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any

@@ -106,18 +106,16 @@ def main() -> None:
     parser.add_argument("--instruction-bytes", type=int, default=4500)
     parser.add_argument("--max-in-flight", type=int, default=256)
     args = parser.parse_args()
+    keys = ["rows", "rendered prompt MB", "peak RSS of the run process (MB)",
+            "command wall (s)", "generate rows/s"]  # fmt: skip
+    print("| " + " | ".join(keys) + " |")
+    print("| " + " | ".join("---" for _ in keys) + " |", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         model = build_model(folder)
-        results = [
-            run_once(folder, model, n, args.instruction_bytes, args.max_in_flight)
-            for n in args.rows
-        ]
-    keys = list(results[0])
-    print("| " + " | ".join(keys) + " |")
-    print("| " + " | ".join("---" for _ in keys) + " |")
-    for r in results:
-        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
+        for n in args.rows:  # a row of the table as each run ends
+            r = run_once(folder, model, n, args.instruction_bytes, args.max_in_flight)
+            print("| " + " | ".join(str(r[k]) for k in keys) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -160,6 +160,9 @@ def test_summary_and_progress_are_prefect_artifacts(greedy_run):
     by_key = {a.key: a for a in artifacts}
     assert by_key["questions-progress"].type == "progress"
     assert by_key["questions-progress"].data == 100.0
+    # the UI shows the progress line with the bar: rows, rates, time left
+    assert f"{ROWS}/{ROWS} rows (100%)" in by_key["questions-progress"].description
+    assert "rows/s" in by_key["questions-progress"].description
     summary = by_key["questions-summary"]
     assert summary.type == "table"
     table = {row["metric"]: row["value"] for row in json.loads(summary.data)}
