@@ -108,12 +108,11 @@ def plan_requests(
             prompts = renderer.render_many(table.take(rows + start).to_pylist())
             requests: dict[str, list[Any]] = {n: [] for n in empty}
             take: list[int] = []
-            for row, prompt in zip(
-                rows.tolist(), prompts
-            ):  # one prompt per row, its samples share it
+            # one prompt per row, its samples share it
+            for row, prompt in zip(rows.tolist(), prompts):
                 row_id = ids[start + row].as_py()
                 for sample in np.flatnonzero(window[row]).tolist():
-                    rid = row_id if samples == 1 else f"{row_id}/{sample}"
+                    rid = request_ids[(start + row) * samples + sample].as_py()
                     take.append(start + row)
                     requests["id"].append(rid)
                     requests["source_id"].append(row_id)

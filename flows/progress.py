@@ -1,10 +1,9 @@
 """Progress of the generate step: a terminal bar, periodic log lines, a Prefect progress artifact.
 
 On a terminal the bar rewrites one line of stderr (rows, refused rows, rows/s, output tok/s,
-time left);
-elsewhere (CI, a Prefect worker) a log line every `log_every` seconds says the same. The
-progress artifact, visible on the flow run's page in the Prefect UI, is updated every few
-seconds, its description the same line; failing to update it never fails the run.
+time left); elsewhere (CI, a Prefect worker) a log line every `log_every` seconds says the
+same. The progress artifact, visible on the flow run's page in the Prefect UI, is updated every
+few seconds, its description the same line; failing to update it never fails the run.
 """
 
 from __future__ import annotations
