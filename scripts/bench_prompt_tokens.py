@@ -8,7 +8,7 @@ through PromptTokens.encode_batch; and, for comparison, (d) one batch call of th
 the whole prompts. Every way's ids are checked against (a). Prints a markdown table of prompts/s
 (best of 3 runs; a fresh PromptTokens per run, so each run finds the instruction itself).
 
-    python scripts/bench_prompt_tokens.py
+    PYTHONPATH=. python scripts/bench_prompt_tokens.py
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ import random
 import time
 from collections.abc import Callable
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.frontend.prompt_tokens import PromptTokens
+from tests.tiny_models import qwen_style_tokenizer
 
 PROMPTS = 1000
-SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-         r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
 WORDS = (
     "the a an of to and in is it that for on with as was by at be this from or have not are but "
     "all they we you he she one two three item label answer question review product customer "
@@ -45,22 +43,7 @@ def corpus(rng: random.Random, lines: int) -> list[str]:
 
 
 def byte_level_bpe() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=8192,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(random.Random(0), 20000), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   clean_up_tokenization_spaces=False)  # fmt: skip
+    return qwen_style_tokenizer(corpus(random.Random(0), 20000), 8192)
 
 
 def prompts(rng: random.Random) -> list[str]:

@@ -31,10 +31,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from engine.frontend import prompt_tokens
 from engine.frontend.prompt_tokens import MAX_PREFIXES, PromptTokens
 from engine.frontend.token_seam import SeamRules
-from tests.tiny_models import build_tokenizer
+from tests.tiny_models import QWEN_SPLIT, build_tokenizer, qwen_style_tokenizer
 
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
 LLAMA3_SPLIT = QWEN_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 DEMO_DIR = Path(__file__).resolve().parents[2] / "demo" / "model"
 
@@ -70,17 +68,7 @@ def _train(tok: Tokenizer, specials: list[str], byte_level: bool = True) -> None
 
 @functools.cache
 def qwen_style() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
-    tok.decoder = decoders.ByteLevel()
-    _train(tok, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)  # fmt: skip
+    return qwen_style_tokenizer(_corpus(), 700)
 
 
 @functools.cache
