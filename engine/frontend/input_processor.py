@@ -76,6 +76,8 @@ class InputProcessor:
         image_data: Any = None,
     ) -> GenerateCall:
         token_lists, is_batch = self._token_lists(prompt, input_ids)
+        # NOTE: ids this tokenizer made are below its vocabulary's size: no check per token
+        in_vocab = prompt is not None and len(self.tokenizer) <= self.config.vocab_size
         n = len(token_lists)
         images = self.images.prepare(image_data, n, is_batch)
         params = _per_request("sampling_params", sampling_params, n, dict)
@@ -93,7 +95,7 @@ class InputProcessor:
                 if images[i]:  # (a list of images, or the error of a bad one)
                     ids, image_inputs = self.images.build(ids, images[i])
                 request = self._make_request(
-                    ids, params[i], logprob[i], starts[i], tops[i], rids[i], stream
+                    ids, params[i], logprob[i], starts[i], tops[i], rids[i], stream, in_vocab
                 )
                 if image_inputs is not None:
                     request = self._attach_images(request, image_inputs, sessions[i])
@@ -161,6 +163,7 @@ class InputProcessor:
         top_logprobs_num: int | None,
         rid: str | None,
         stream: bool,
+        in_vocab: bool = False,
     ) -> TokenizedRequest:
         sampling = SamplingParams.from_dict(params)
         sampling.verify_vocab(self.config.vocab_size)
@@ -168,7 +171,8 @@ class InputProcessor:
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
         vocab = self.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:  # (C loops: a long prompt costs no Python per token)
+        # (C loops: a long prompt costs no Python per token)
+        if not in_vocab and (min(ids) < 0 or max(ids) >= vocab):
             bad = [t for t in ids if not 0 <= t < vocab]
             raise ValueError(f"input_ids contain token ids outside [0, {vocab}): {bad[:5]}")
         if sampling.max_new_tokens is None:  # the rest of the context (and of the KV pool)

@@ -263,3 +263,34 @@ def test_model_folder_errors(tmp_path):
         Engine(model_path=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="has no config.json"):
         Engine(model_path=str(tmp_path))
+
+
+def test_text_ids_beyond_the_models_vocabulary_are_refused(llama_dir, tmp_path):
+    """Token ids from the engine's own tokenizer skip the per-token range check only when the
+    tokenizer cannot make an id the model lacks: a tokenizer larger than the model's vocabulary
+    (tokens added to it) is still checked."""
+    import json
+    import shutil
+
+    from engine.frontend.input_processor import InputProcessor
+    from engine.model_config import ModelConfig
+    from engine.tokenization import load_tokenizer
+
+    small = tmp_path / "small-vocab"
+    shutil.copytree(llama_dir, small)
+    config = json.loads((small / "config.json").read_text())
+    tokenizer = load_tokenizer(ServerArgs.from_kwargs(model_path=str(small), device="cpu"))
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    config["vocab_size"] = max(ids)  # the prompt's largest id is one past the model's last
+    (small / "config.json").write_text(json.dumps(config))
+    args = ServerArgs.from_kwargs(model_path=str(small), device="cpu")
+    inputs = InputProcessor(args, ModelConfig.from_folder(str(small)), tokenizer, 4096)
+    with pytest.raises(ValueError, match=rf"token ids outside \[0, {max(ids)}\): \[{max(ids)}"):
+        inputs.make_call("the quick brown fox jumps over the lazy dog", None, None, False, None,
+                         None, None)  # fmt: skip
+    # the same tokenizer with the model's own vocabulary: its ids go through unchanged
+    args = ServerArgs.from_kwargs(model_path=str(llama_dir), device="cpu")
+    inputs = InputProcessor(args, ModelConfig.from_folder(str(llama_dir)), tokenizer, 4096)
+    call = inputs.make_call("the quick brown fox jumps over the lazy dog", None, None, False,
+                            None, None, None)  # fmt: skip
+    assert call.requests[0].input_ids == ids
