@@ -9,6 +9,10 @@ row holds a short item (about --item-tokens tokens); every row generates --outpu
 model's tokenizer (scripts/bench_flow_dp.py: model_folder). The flow's generate step
 (summary.json: generate_seconds) includes the caller's rendering and tokenizing of every row;
 engine.bench passes token ids, so the ratio is what text costs a user.
+
+`--paths` splits that cost on one engine in this process (no Prefect): the same rows as token
+ids in one call, as text in one call, and as text one row per request through the flows' own
+`generate_rows`, each with the scheduler's step counters and when the caller sent its last row.
 """
 
 from __future__ import annotations
@@ -57,6 +61,82 @@ def bench_from_ids(args: argparse.Namespace, work: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def compare_paths(model: Path, instruction: str, rows: Path, args: argparse.Namespace) -> None:
+    """One engine, three callers of the same rows: the table of `--paths` (the module's doc)."""
+    import asyncio
+    import logging
+    import time
+
+    from engine import Engine
+    from flows.generation import RequestOptions, generate_rows
+    from flows.progress import Progress
+
+    class Quiet(Progress):  # no Prefect here: the progress artifact is not made
+        async def _create_artifact(self) -> None: ...
+
+        async def _publish(self) -> None: ...
+
+    items = [json.loads(line) for line in rows.read_text().splitlines()]
+    prompts = [instruction + "\n\nReview: " + r["item"] + "\nLabel:" for r in items]
+    sampling = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
+    engine = Engine(model_path=str(model), load_format="dummy")
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    engine.generate(input_ids=ids[:4], sampling_params={"max_new_tokens": 4})  # warm-up
+
+    def measured(name: str, call) -> dict:
+        engine.flush_cache()
+        before = engine.get_server_info()["internal_states"][0]
+        started = time.perf_counter()
+        last_sent = call(started)
+        wall = time.perf_counter() - started
+        after = engine.get_server_info()["internal_states"][0]
+        count = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "busy_seconds",
+                                                    "prefill_tokens_computed")}  # fmt: skip
+        return {"path": name, "wall": wall, "last sent": last_sent, **count}
+
+    def ids_once(started: float) -> float:
+        engine.generate(input_ids=ids, sampling_params=sampling)
+        return 0.0
+
+    def text_once(started: float) -> float:
+        engine.generate(prompt=prompts, sampling_params=sampling)
+        return 0.0
+
+    def text_rows(started: float) -> float:
+        work = [
+            {"id": r["id"], "prompt": p, "seed": i} for i, (r, p) in enumerate(zip(items, prompts))
+        ]
+        sent: list[float] = []
+        options = RequestOptions(sampling, logprobs=False, top_logprobs=0)
+
+        def rows():
+            for row in work:
+                sent.append(time.perf_counter())
+                yield row
+
+        progress = Quiet(len(work), 0, "paths", logging.getLogger("paths"), bar=False)
+        asyncio.run(generate_rows(engine, rows(), options, max_in_flight=4096, shard_size=len(work),
+                                  write_shard=lambda rows: None, progress=progress))  # fmt: skip
+        return sent[-1] - started
+
+    try:
+        results = [measured("token ids, one call", ids_once),
+                   measured("text, one call", text_once),
+                   measured("text, a request per row (flows)", text_rows)]  # fmt: skip
+    finally:
+        engine.shutdown()
+    print(
+        "\n| caller path | wall (s) | last row sent at (s) | prefill steps | decode steps "
+        "| scheduler busy (s) | prefill tokens computed |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        print(
+            f"| {r['path']} | {r['wall']:.2f} | {r['last sent']:.2f} | {r['prefill_steps']} | "
+            f"{r['decode_steps']} | {r['busy_seconds']:.2f} | {r['prefill_tokens_computed']} |"
+        )
+
+
 def main() -> None:
     from transformers import AutoTokenizer
 
@@ -67,6 +147,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model-config", default="qwen3-0.6b")
     ap.add_argument("--profile", type=Path, help="also run the flow under cProfile into this file")
+    ap.add_argument(
+        "--paths", action="store_true", help="also compare the caller's paths in-process"
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gristmill-flow-prefix-"))
     model = model_folder(args.model_config, work)
@@ -97,6 +180,8 @@ def main() -> None:
           f"{flow['prompt_tokens'] / flow['rows']:.0f} | {flow['generate_seconds']:.2f} | "
           f"{ratio:.2f}x |")  # fmt: skip
     print(f"| gristmill run, the whole command | {flow['rows']} | | {flow['wall']:.1f} | |")
+    if args.paths:
+        compare_paths(model, instruction, work / "rows.jsonl", args)
     if args.profile:  # the flow process's own time, by function (a run of its own)
         import pstats
 
