@@ -2,7 +2,7 @@
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
-#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-prefix-profile|splits|w1|w1-steps|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -90,6 +90,7 @@ run_step() {
       l70-tp[0-9]*) bench $L70 --engine-args "{\"tp_size\": ${s#l70-tp}}" ;;
       l70-fp8-tp[0-9]*) bench $L70 --engine-args "{\"tp_size\": ${s#l70-fp8-tp}, \"quantization\": \"fp8\"}" ;;
       flow-prefix) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_flow_prefix.py 2>&1 | tail -6 ;;
+      flow-paths) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_flow_prefix.py --paths 2>&1 | grep "^|" ;;
       flow-prefix-profile) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_flow_prefix.py --profile $OUT/flow.prof 2>&1 | grep -v "^\[transformers\]" | tail -60 ;;
       flow-dp) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_flow_dp.py --rows 20000 --dp 1 "$GPUS" 2>&1 | tail -8 ;;
       w1-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -60 ;;
