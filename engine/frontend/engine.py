@@ -5,8 +5,8 @@
     print(out["text"], out["meta_info"]["finish_reason"])
 
 The path of a request (ARCHITECTURE.md follows it file by file):
-  caller process   Engine.generate -> InputProcessor.make_call (tokenize, validate: one
-                   TokenizedRequest each) -> TokenizerManager.submit ------------------ ZMQ -->
+  caller process   Engine.generate -> InputProcessor.make_calls (tokenize, validate: one
+                   TokenizedRequest each, a chunk at a time) -> TokenizerManager.submit -- ZMQ -->
   scheduler proc.  SchedulerProcess -> Scheduler.add_request (a Req) ... Scheduler.step: a
                    planner picks the batch and allocates KV -> ModelRunner.step: forward
                    (attention backend over the paged pool) + LogitsStep (sampling) ---- ZMQ -->
@@ -102,17 +102,18 @@ class Engine:
         routed_dp_rank (dp_size > 1; data_parallel_rank, SGLang's older name): the group every
         request of the call goes to, instead of the one load_balance_method picks."""
         tm = self.tokenizer_manager
-        call = self._make_call(locals(), unsupported)
+        calls = self._make_calls(locals(), unsupported)
         channel = Channel()
-        states = tm.submit(
-            call,
+        # (each chunk of a long list is sent as soon as it is made: the engine starts on it)
+        states, is_batch = tm.submit_calls(
+            calls,
             channel,
             check_dp_rank(routed_dp_rank, data_parallel_rank, self.server_args.dp_size),
         )
         if stream:
-            return tm.stream(states, channel, with_index=call.is_batch)
+            return tm.stream(states, channel, with_index=is_batch)
         results = tm.wait_all(states, channel)
-        return results if call.is_batch else results[0]
+        return results if is_batch else results[0]
 
     async def async_generate(
         self,
@@ -137,19 +138,19 @@ class Engine:
         Cancelling the awaiting task aborts its requests and frees their KV pages.
         """
         tm = self.tokenizer_manager
-        call = self._make_call(locals(), unsupported)
+        calls = self._make_calls(locals(), unsupported)
         channel = Channel(asyncio.get_running_loop())
-        states = tm.submit(
-            call,
+        states, is_batch = await tm.async_submit_calls(
+            calls,
             channel,
             check_dp_rank(routed_dp_rank, data_parallel_rank, self.server_args.dp_size),
         )
         if stream:
-            return tm.async_stream(states, channel, with_index=call.is_batch)
+            return tm.async_stream(states, channel, with_index=is_batch)
         results = await tm.async_wait_all(states, channel)
-        return results if call.is_batch else results[0]
+        return results if is_batch else results[0]
 
-    def _make_call(self, arguments: dict[str, Any], unsupported: dict[str, Any]):
+    def _make_calls(self, arguments: dict[str, Any], unsupported: dict[str, Any]):
         _refuse(unsupported)
         check_dp_rank(
             arguments["routed_dp_rank"], arguments["data_parallel_rank"], self.server_args.dp_size
@@ -161,7 +162,7 @@ class Engine:
             )
         tm = self.tokenizer_manager
         tm.check_usable()
-        return tm.inputs.make_call(
+        return tm.inputs.make_calls(
             arguments["prompt"], arguments["input_ids"], arguments["sampling_params"],
             arguments["return_logprob"], arguments["logprob_start_len"], arguments["top_logprobs_num"],
             arguments["rid"], arguments["return_text_in_logprobs"], arguments["stream"],

@@ -3,8 +3,11 @@
 The result is one TokenizedRequest message per request (engine.runtime.messages): what the
 scheduler needs to know, nothing of the caller's own bookkeeping.
 
-Every check happens here, in the caller's process, before any request of a call is queued,
-so a bad input raises in its caller and leaves nothing half-submitted.
+Every check happens here, in the caller's process, before a request is queued, so a bad input
+raises in its caller. A call of many prompts is made in chunks (make_calls), the engine working
+on the first while the caller tokenizes the rest; a bad prompt in a later chunk raises as it
+would have before any was sent, and the chunks already sent are aborted
+(TokenizerManager.submit_calls), so nothing of a refused call runs on.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import dataclasses
 import logging
 import random
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +33,10 @@ if TYPE_CHECKING:  # transformers loads in ~1 s; only the annotations need it he
 
 logger = logging.getLogger(__name__)
 
+# prompts of a call's first chunk: small, so the engine starts soon; each next one doubles
+FIRST_CHUNK = 64
+MAX_CHUNK = 1024
+
 
 @dataclass
 class GenerateCall:
@@ -37,6 +45,8 @@ class GenerateCall:
     requests: list[TokenizedRequest]
     is_batch: bool
     return_text_in_logprobs: bool
+    first_index: int = 0  # the call's index of requests[0]: this is a chunk of the call
+    more: bool = False  # chunks of the call follow this one (InputProcessor.make_calls)
 
 
 class InputProcessor:
@@ -60,7 +70,16 @@ class InputProcessor:
         self.images = ImageInputsBuilder(config)  # generate(image_data=...)
 
     # ------------------------------------------------------------------ inputs
-    def make_call(
+    def make_call(self, *args: Any, **kwargs: Any) -> GenerateCall:
+        """The whole call as one GenerateCall (make_calls' arguments): for callers that send
+        nothing until every request is made (score, encode)."""
+        calls = list(self.make_calls(*args, **kwargs))
+        if len(calls) == 1:
+            return calls[0]
+        requests = [r for call in calls for r in call.requests]
+        return GenerateCall(requests, calls[0].is_batch, calls[0].return_text_in_logprobs)
+
+    def make_calls(
         self,
         prompt: str | list[str] | None,
         input_ids: list[int] | list[list[int]] | None,
@@ -74,11 +93,13 @@ class InputProcessor:
         session_params: dict | list[dict] | None = None,
         lora_path: str | list[str | None] | None = None,
         image_data: Any = None,
-    ) -> GenerateCall:
-        token_lists, is_batch = self._token_lists(prompt, input_ids)
-        # NOTE: ids this tokenizer made are below its vocabulary's size: no check per token
-        in_vocab = prompt is not None and len(self.tokenizer) <= self.config.vocab_size
-        n = len(token_lists)
+    ) -> Iterator[GenerateCall]:
+        """The call's requests in chunks, in order: FIRST_CHUNK prompts, then twice as many each
+        time up to MAX_CHUNK, each tokenized as it is made, so the engine works on the first
+        while the rest are tokenized. What concerns the whole call (types, list lengths) raises
+        before the first chunk; a bad prompt raises when its chunk is made, naming it."""
+        prompts, is_batch = self._prompts(prompt, input_ids)
+        n = len(prompts)
         images = self.images.prepare(image_data, n, is_batch)
         params = _per_request("sampling_params", sampling_params, n, dict)
         logprob = _per_request("return_logprob", return_logprob, n, bool)
@@ -87,31 +108,43 @@ class InputProcessor:
         rids = _per_request("rid", rid, n, str)
         sessions = _per_request("session_params", session_params, n, dict)
         loras = _per_request("lora_path", lora_path, n, str)
-        requests = []
-        for i in range(n):
-            where = f"request {i}: " if is_batch else ""
-            try:
-                ids, image_inputs = token_lists[i], None
-                if images[i]:  # (a list of images, or the error of a bad one)
-                    ids, image_inputs = self.images.build(ids, images[i])
-                request = self._make_request(
-                    ids, params[i], logprob[i], starts[i], tops[i], rids[i], stream, in_vocab
-                )
-                if image_inputs is not None:
-                    request = self._attach_images(request, image_inputs, sessions[i])
-                if sessions[i] is not None:
-                    request = self._session_turn(request, sessions[i])
-                if loras[i] is not None:
-                    request = dataclasses.replace(request, lora_name=self._lora_name(loras[i]))
-            except ValueError as e:
-                raise ValueError(f"{where}{e}") from None
-            n_samples = request.sampling.n
-            requests.extend(self._parallel_samples(request) if n_samples > 1 else [request])
-        if len({r.rid for r in requests}) != len(requests):
-            raise ValueError("rid values must be unique within a call")
-        # n > 1: a list of results, each prompt's samples together, in input order
-        is_batch = is_batch or len(requests) > n
-        return GenerateCall(requests, is_batch, return_text_in_logprobs)
+        # NOTE: ids this tokenizer made are below its vocabulary's size: no check per token
+        in_vocab = prompt is not None and len(self.tokenizer) <= self.config.vocab_size
+        seen: set[str] = set()
+        sent = 0  # requests in the chunks before this one (n > 1 makes several of a prompt)
+        for first, end in _chunks(n):
+            if prompt is not None:
+                token_lists = self.prompt_tokens.encode_batch(prompts[first:end])
+            else:
+                token_lists = [list(ids) for ids in prompts[first:end]]
+            requests = []
+            for i, ids in enumerate(token_lists, first):
+                where = f"request {i}: " if is_batch else ""
+                try:
+                    image_inputs = None
+                    if images[i]:  # (a list of images, or the error of a bad one)
+                        ids, image_inputs = self.images.build(ids, images[i])
+                    request = self._make_request(
+                        ids, params[i], logprob[i], starts[i], tops[i], rids[i], stream, in_vocab
+                    )
+                    if image_inputs is not None:
+                        request = self._attach_images(request, image_inputs, sessions[i])
+                    if sessions[i] is not None:
+                        request = self._session_turn(request, sessions[i])
+                    if loras[i] is not None:
+                        request = dataclasses.replace(request, lora_name=self._lora_name(loras[i]))
+                except ValueError as e:
+                    raise ValueError(f"{where}{e}") from None
+                n_samples = request.sampling.n
+                requests.extend(self._parallel_samples(request) if n_samples > 1 else [request])
+            for request in requests:
+                if request.rid in seen:
+                    raise ValueError("rid values must be unique within a call")
+                seen.add(request.rid)
+            # n > 1: a list of results, each prompt's samples together, in input order
+            batch = is_batch or len(requests) > end - first
+            yield GenerateCall(requests, batch, return_text_in_logprobs, sent, more=end < n)
+            sent += len(requests)
 
     def _parallel_samples(self, request: TokenizedRequest) -> list[TokenizedRequest]:
         """`n` copies of a request, rids suffixed -0..-(n-1). Each draws with its own seed (copy 0
@@ -129,7 +162,9 @@ class InputProcessor:
             copies.append(dataclasses.replace(request, rid=f"{request.rid}-{j}", seed=seed))
         return copies
 
-    def _token_lists(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+    def _prompts(self, prompt: Any, input_ids: Any) -> tuple[list[str] | list[list[int]], bool]:
+        """The call's prompts as a list (texts, or token-id lists), checked for type, and
+        whether the caller gave a batch."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("Either prompt or input_ids must be given, and not both.")
         if (prompt if prompt is not None else input_ids) == []:
@@ -142,16 +177,16 @@ class InputProcessor:
                     "prompt needs a tokenizer: pass input_ids, or start the engine without skip_tokenizer_init"
                 )
             if isinstance(prompt, str):
-                return [self.prompt_tokens.encode(prompt)], False
+                return [prompt], False
             if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-                return self.prompt_tokens.encode_batch(prompt), True
+                return prompt, True
             raise ValueError("prompt must be a str or a list of str")
         if isinstance(input_ids, list) and input_ids and _all_tokens(input_ids):
-            return [list(input_ids)], False
+            return [input_ids], False
         if isinstance(input_ids, list) and all(
             isinstance(x, list) and _all_tokens(x) for x in input_ids
         ):
-            return [list(x) for x in input_ids], True
+            return input_ids, True
         raise ValueError("input_ids must be a list of int token ids or a list of such lists")
 
     def _make_request(
@@ -304,6 +339,14 @@ def _per_request(name: str, value: Any, n: int, item_type: type) -> list[Any]:
             f"{name} must be {item_type.__name__} or a list of them, got {type(value).__name__}."
         )
     return [value] * n
+
+
+def _chunks(n: int) -> Iterator[tuple[int, int]]:
+    """[first, end) of each chunk of a call of n prompts (make_calls)."""
+    first, size = 0, FIRST_CHUNK
+    while first < n:
+        yield first, min(n, first + size)
+        first, size = first + size, min(2 * size, MAX_CHUNK)
 
 
 def _derived_seed(seed: int, j: int) -> int:

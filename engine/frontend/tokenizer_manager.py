@@ -13,6 +13,7 @@ go to all of them (engine/frontend/dp_ranks.py); a group that dies fails its own
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import shutil
@@ -121,7 +122,7 @@ class TokenizerManager:
     ) -> list[ReqState]:
         states = [
             ReqState(request, i, channel, call.return_text_in_logprobs)
-            for i, request in enumerate(call.requests)
+            for i, request in enumerate(call.requests, call.first_index)
         ]
         with self._send_lock:
             # NOTE: checked under the lock: _fail() and shutdown() set their flag before taking it,
@@ -137,6 +138,39 @@ class TokenizerManager:
                 self._states[state.rid] = state
                 self.groups.send(state.route.rank, state.request)
         return states
+
+    def submit_calls(
+        self, calls: Iterator[GenerateCall], channel: Channel, routed_dp_rank: int | None = None
+    ) -> tuple[list[ReqState], bool]:
+        """Send each chunk of a call as it is made (InputProcessor.make_calls): the states of
+        all its requests, and whether the caller gave a batch. A chunk that fails to be made
+        aborts the ones sent before it and raises."""
+        states: list[ReqState] = []
+        try:
+            for call in calls:
+                states += self.submit(call, channel, routed_dp_rank)
+        except BaseException:
+            self.abort(states)
+            raise
+        return states, call.is_batch
+
+    async def async_submit_calls(
+        self, calls: Iterator[GenerateCall], channel: Channel, routed_dp_rank: int | None = None
+    ) -> tuple[list[ReqState], bool]:
+        """submit_calls for an event loop: a call's first chunk is made on the loop's thread,
+        the rest in a worker thread, so a long list's tokenizing never holds up the loop."""
+        states: list[ReqState] = []
+        loop = asyncio.get_running_loop()
+        try:
+            call = next(calls)  # (a call of one chunk, one row's, never leaves this thread)
+            states += self.submit(call, channel, routed_dp_rank)
+            while call.more:
+                call = await loop.run_in_executor(None, next, calls)
+                states += self.submit(call, channel, routed_dp_rank)
+        except BaseException:  # CancelledError included
+            self.abort(states)
+            raise
+        return states, call.is_batch
 
     def abort(self, states: list[ReqState]) -> None:
         """Stop requests the caller no longer waits for; the scheduler frees their pages."""

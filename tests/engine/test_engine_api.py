@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -260,3 +261,89 @@ def test_tokenizer_is_exposed_as_in_sglang(engine, llama_dir):
     ids = tok.encode("hello")
     out = engine.generate(input_ids=ids, sampling_params=GREEDY)
     assert out["output_ids"] == engine.generate("hello", GREEDY)["output_ids"]
+
+
+# ---------------------------------------------------------------------------------------------
+# a long list is sent in chunks as it is tokenized (InputProcessor.make_calls)
+# ---------------------------------------------------------------------------------------------
+def _long_list(tokenizer, n: int) -> list[str]:
+    words = "the quick brown fox jumps over a lazy dog while seven cats watch".split()
+    return [" ".join(words[(i + j) % len(words)] for j in range(3 + i % 9)) for i in range(n)]
+
+
+def _record_chunks(engine, monkeypatch) -> list[tuple]:
+    """What the caller does, in order: ("tokenize", prompts, thread) per chunk, ("send",) per
+    request sent to the scheduler."""
+    import threading
+
+    events: list[tuple] = []
+    inputs, groups = engine.tokenizer_manager.inputs, engine.tokenizer_manager.groups
+    encode, send = inputs.prompt_tokens.encode_batch, groups.send
+
+    def encode_batch(prompts):
+        events.append(("tokenize", len(prompts), threading.get_ident()))
+        return encode(prompts)
+
+    def send_one(rank, msg):
+        events.append(("send",))
+        return send(rank, msg)
+
+    monkeypatch.setattr(inputs.prompt_tokens, "encode_batch", encode_batch)
+    monkeypatch.setattr(groups, "send", send_one)
+    return events
+
+
+def test_a_long_list_is_sent_while_its_rest_is_tokenized(engine, monkeypatch):
+    tok = engine.tokenizer
+    prompts = _long_list(tok, 200)
+    params = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}
+    # the reference: each prompt tokenized by the tokenizer itself and sent as ids
+    expected = engine.generate(input_ids=[tok.encode(p) for p in prompts], sampling_params=params)
+    events = _record_chunks(engine, monkeypatch)
+    outs = engine.generate(prompt=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [len(tok.encode(p)) for p in prompts]
+    chunks = [e[1] for e in events if e[0] == "tokenize"]
+    assert chunks == [64, 128, 8]  # 64, then doubling, to the end of the list
+    first_send = events.index(("send",))
+    second_chunk = [i for i, e in enumerate(events) if e[0] == "tokenize"][1]
+    assert first_send < second_chunk, "the first chunk waits for the rest to be tokenized"
+    assert events.count(("send",)) == 200
+
+
+def test_an_awaited_long_list_is_tokenized_off_the_event_loop(engine, monkeypatch):
+    import asyncio
+    import threading
+
+    prompts = _long_list(engine.tokenizer, 100)
+    params = {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}
+    expected = engine.generate(prompt=prompts, sampling_params=params)
+    events = _record_chunks(engine, monkeypatch)
+
+    async def call():
+        return threading.get_ident(), await engine.async_generate(prompts, params)
+
+    loop_thread, outs = asyncio.run(call())
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
+    threads = [e[2] for e in events if e[0] == "tokenize"]
+    assert len(threads) == 2 and threads[0] == loop_thread and threads[1] != loop_thread
+
+
+def test_a_bad_prompt_in_a_later_chunk_raises_and_stops_the_chunks_sent(engine):
+    ids = [[5, 6, 7]] * 200
+    ids[150] = [5, 10**6]  # in the second chunk: the first (64 requests) is sent by then
+    long = {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
+    before = engine.get_server_info()["internal_states"][0]["generated_tokens"]
+    with pytest.raises(ValueError, match=r"request 150: input_ids contain token ids outside"):
+        engine.generate(input_ids=ids, sampling_params=long)
+    # the 64 requests sent would run for 200 steps: they were aborted instead
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 1})
+    assert len(out["output_ids"]) == 1
+    deadline = time.monotonic() + 30
+    while True:
+        state = engine.get_server_info()["internal_states"][0]
+        if state["num_running_reqs"] == state["num_waiting_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline, f"the sent chunk still runs: {state}"
+        time.sleep(0.05)
+    assert state["generated_tokens"] - before < 64 * 200 / 2
