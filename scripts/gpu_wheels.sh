@@ -55,8 +55,6 @@ torch-geometric torchmetrics torchvision tqdm transformers treescope triton type
 typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray
 xxhash yarl zipp""".split())
 ENGINE = {"pyzmq", "xgrammar", "apache-tvm-ffi"}
-# Postgres' driver: the flows' Prefect server here is SQLite (a temporary one per run)
-UNUSED = {"asyncpg"}
 src = Path(sys.argv[1])
 for d in (".whl", ".pfw"):
     shutil.rmtree(d, ignore_errors=True)
@@ -64,7 +62,7 @@ for d in (".whl", ".pfw"):
 sizes = {".whl": 0, ".pfw": 0}
 for wheel in sorted(src.glob("*.whl")):
     name = re.sub(r"[-_.]+", "-", wheel.name.split("-")[0].lower())
-    if name in IMAGE or name in UNUSED or name.startswith("nvidia-"):
+    if name in IMAGE or name.startswith("nvidia-"):
         continue
     folder = ".whl" if name in ENGINE else ".pfw"
     shutil.copy(wheel, folder)
