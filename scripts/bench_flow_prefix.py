@@ -62,7 +62,8 @@ def bench_from_ids(args: argparse.Namespace, work: Path) -> dict:
 
 
 def compare_paths(model: Path, instruction: str, rows: Path, args: argparse.Namespace) -> None:
-    """One engine, three callers of the same rows: the table of `--paths` (the module's doc)."""
+    """One engine, three callers of the same rows, then the ids again on an engine without a
+    tokenizer (engine.bench's): the table of `--paths` (the module's doc)."""
     import asyncio
     import logging
     import time
@@ -79,30 +80,26 @@ def compare_paths(model: Path, instruction: str, rows: Path, args: argparse.Name
     items = [json.loads(line) for line in rows.read_text().splitlines()]
     prompts = [instruction + "\n\nReview: " + r["item"] + "\nLabel:" for r in items]
     sampling = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
-    engine = Engine(model_path=str(model), load_format="dummy")
-    ids = [engine.tokenizer.encode(p) for p in prompts]
-    engine.generate(input_ids=ids[:4], sampling_params={"max_new_tokens": 4})  # warm-up
 
-    def measured(name: str, call) -> dict:
+    def measured(engine: Engine, name: str, call) -> dict:
         engine.flush_cache()
         before = engine.get_server_info()["internal_states"][0]
         started, cpu = time.perf_counter(), time.process_time()
-        last_sent = call(started)
+        last_sent = call(engine, started)
         wall, cpu = time.perf_counter() - started, time.process_time() - cpu
         after = engine.get_server_info()["internal_states"][0]
-        count = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "busy_seconds",
-                                                    "prefill_tokens_computed")}  # fmt: skip
+        count = {k: after[k] - before[k] for k in COUNTERS}
         return {"path": name, "wall": wall, "caller cpu": cpu, "last sent": last_sent, **count}
 
-    def ids_once(started: float) -> float:
+    def ids_once(engine: Engine, started: float) -> float:
         engine.generate(input_ids=ids, sampling_params=sampling)
         return 0.0
 
-    def text_once(started: float) -> float:
+    def text_once(engine: Engine, started: float) -> float:
         engine.generate(prompt=prompts, sampling_params=sampling)
         return 0.0
 
-    def text_rows(started: float) -> float:
+    def text_rows(engine: Engine, started: float) -> float:
         work = [
             {"id": r["id"], "prompt": p, "seed": i} for i, (r, p) in enumerate(zip(items, prompts))
         ]
@@ -119,19 +116,32 @@ def compare_paths(model: Path, instruction: str, rows: Path, args: argparse.Name
                                   write_shard=lambda rows: None, progress=progress))  # fmt: skip
         return sent[-1] - started
 
-    try:
-        results = [measured("token ids, one call", ids_once),
-                   measured("text, one call", text_once),
-                   measured("text, a request per row (flows)", text_rows)]  # fmt: skip
-    finally:
-        engine.shutdown()
-    head = ["caller path", "wall (s)", "caller CPU (s)", "last row sent at (s)", "prefill steps",
-            "decode steps", "scheduler busy (s)", "prefill tokens computed"]  # fmt: skip
+    results = []
+    for engine_args, paths in (
+        ({}, [("token ids, one call", ids_once), ("text, one call", text_once),
+              ("text, a request per row (flows)", text_rows)]),
+        ({"skip_tokenizer_init": True}, [("token ids, one call, no tokenizer", ids_once)]),
+    ):  # fmt: skip
+        with Engine(model_path=str(model), load_format="dummy", **engine_args) as engine:
+            if engine.tokenizer is not None:
+                ids = [engine.tokenizer.encode(p) for p in prompts]
+            engine.generate(input_ids=ids[:4], sampling_params={"max_new_tokens": 4})  # warm-up
+            results += [measured(engine, name, call) for name, call in paths]
+    head = ["caller path", "wall (s)", "caller CPU (s)", "last row sent at (s)", *COUNTERS.values()]
     print("\n| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for r in results:
+        cells = [f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k in COUNTERS]
         print(f"| {r['path']} | {r['wall']:.2f} | {r['caller cpu']:.2f} | {r['last sent']:.2f} | "
-              f"{r['prefill_steps']} | {r['decode_steps']} | {r['busy_seconds']:.2f} | "
-              f"{r['prefill_tokens_computed']} |")  # fmt: skip
+              + " | ".join(cells) + " |")  # fmt: skip
+
+
+# the scheduler's counters of each path (engine/scheduler/stats.py), by their column's name
+COUNTERS = {
+    "prefill_steps": "prefill steps", "decode_steps": "decode steps",
+    "shared_prefix_steps": "shared-prefix steps", "prefill_tokens_computed": "prefill tokens",
+    "busy_seconds": "busy (s)", "launch_seconds": "launch (s)", "wait_seconds": "wait (s)",
+    "collect_seconds": "read (s)", "device_idle_seconds": "device idle (s)",
+}  # fmt: skip
 
 
 def main() -> None:
