@@ -1,14 +1,19 @@
 """Which running requests share a cached prefix, so that decode attention reads it once.
 
-The radix tree already knows: a request locks the node where its cached prefix ends, and a
-lock counts on every node up to the root, so a node's `lock_ref` is the number of admitted
-requests whose prefix runs through it. For each request of a decode batch, the deepest node
-on its path that at least one other request also holds is the longest prefix it shares; the
-requests that pick the same node form a group. With a long instruction shared by every row
-that node is the instruction; with several few-shot blocks, one node (and group) per block.
+The radix tree already knows: each request holds the node where its cached prefix ends, and
+every node on its path up to the root is a prefix it shares with the other requests below that
+node. Grouping the `c` requests below a node of `d` tokens saves d × (c − 1) K/V reads per
+layer and step; a request belongs to one group. So for each node the choice is to group all
+requests below it there, or to leave them to the groups of its children, whichever saves more
+(children's groups counted to MAX_SHARED_PREFIXES, as many as a step runs).
 
-NOTE: costs O(batch × tree depth) per decode step: a few dictionary operations per request,
-nothing proportional to a prompt's length or to the waiting queue.
+NOTE: the deepest shared node is not the best one. Rows of one instruction whose items start
+alike ("Review: the ...") share the instruction and then, in small sets, a few words more: a
+group per set would split the batch into dozens of groups, and past MAX_SHARED_PREFIXES the rest
+would read the whole instruction each. The instruction's node, shared by all, saves the most.
+
+NOTE: costs O(batch × tree depth) per decode step: a few dictionary operations per request and
+node, nothing proportional to a prompt's length or to the waiting queue.
 """
 
 from __future__ import annotations
@@ -24,20 +29,40 @@ MIN_SHARED_PREFIX_TOKENS = 256
 def shared_prefixes(reqs: list[Req]) -> list[SharedPrefix]:
     """The groups of `reqs` (a decode batch, in batch order) that share a long cached prefix;
     at most MAX_SHARED_PREFIXES, those that save the most K/V reads first."""
-    groups: dict[object, list[int]] = {}
+    below: dict[object, list[int]] = {}  # node -> the batch indices of the requests below it
+    children: dict[object, dict[object, None]] = {}  # (ordered sets: batch order decides ties)
+    tops: dict[object, None] = {}
     for i, req in enumerate(reqs):
-        node = req.last_node
+        node, child = req.last_node, None
         while node is not None and node.parent is not None:  # the root shares nothing
             if node.depth < MIN_SHARED_PREFIX_TOKENS:
                 break  # ancestors are shorter still
-            if node.lock_ref >= 2:
-                groups.setdefault(node, []).append(i)
-                break
-            node = node.parent
-    found = [
-        SharedPrefix(node.depth, members, reqs[members[0]].pool_row)
-        for node, members in groups.items()
-        if len(members) > 1
+            below.setdefault(node, []).append(i)
+            if child is not None:
+                children.setdefault(node, {})[child] = None
+            node, child = node.parent, node
+        if child is not None:
+            tops[child] = None
+    groups = [group for top in tops for group in _best_groups(top, below, children)]
+    groups.sort(key=lambda g: g[0], reverse=True)
+    return [
+        SharedPrefix(node.depth, below[node], reqs[below[node][0]].pool_row)
+        for _, node in groups[:MAX_SHARED_PREFIXES]
     ]
-    found.sort(key=lambda g: g.length * (len(g.members) - 1), reverse=True)
-    return found[:MAX_SHARED_PREFIXES]
+
+
+def _best_groups(
+    node: object, below: dict[object, list[int]], children: dict[object, dict[object, None]]
+) -> list[tuple[int, object]]:
+    """(reads saved, node) of the groups that save the most among the requests below `node`:
+    one group at `node`, or its children's best groups (the module's doc)."""
+    members = len(below[node])
+    here = node.depth * (members - 1) if members > 1 else 0
+    split = sorted(
+        (g for child in children.get(node, ()) for g in _best_groups(child, below, children)),
+        key=lambda g: g[0],
+        reverse=True,
+    )[:MAX_SHARED_PREFIXES]
+    if sum(saved for saved, _ in split) > here:
+        return split
+    return [(here, node)] if here else []

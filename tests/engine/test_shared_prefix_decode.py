@@ -123,7 +123,7 @@ class _Req:
         self.last_node, self.pool_row = node, row
 
 
-def test_groups_are_the_deepest_prefix_each_request_shares():
+def test_groups_are_the_prefixes_that_save_the_most_reads():
     root = _Node(0, 1)
     system = _Node(300, 6, root)  # shared by all six
     block_a, block_b = _Node(900, 3, system), _Node(700, 2, system)
@@ -131,10 +131,68 @@ def test_groups_are_the_deepest_prefix_each_request_shares():
     own += [_Node(720, 1, block_b), _Node(730, 1, block_b), _Node(310, 1, system)]
     reqs = [_Req(node, row) for row, node in enumerate(own)]
     groups = shared_prefix.shared_prefixes(reqs)
+    # the blocks save 900 x 2 + 700 x 1 reads, the system prompt for all six 300 x 5
     assert groups == [SharedPrefix(900, [0, 1, 2], 0), SharedPrefix(700, [3, 4], 3)]
-    # lock counts include requests outside the batch: request 0 still picks block A, which no
-    # one else in this batch holds, so neither request has a group
-    assert shared_prefix.shared_prefixes([reqs[5], reqs[0]]) == []
+    # what this batch shares counts, not what other requests hold: request 0 meets no one of
+    # block A here, but shares the system prompt with request 5
+    assert shared_prefix.shared_prefixes([reqs[5], reqs[0]]) == [SharedPrefix(300, [0, 1], 5)]
+
+
+def test_one_instruction_is_one_group_though_its_items_start_alike():
+    """A thousand rows of one instruction whose items begin with one of 30 words: the deepest
+    node each row shares is a word's (about 33 rows each), but one group at the instruction
+    saves more than any MAX_SHARED_PREFIXES of those."""
+    root = _Node(0, 1)
+    instruction = _Node(2000, 1000, root)
+    words = [_Node(2003, 34, instruction) for _ in range(30)]
+    reqs = [_Req(_Node(2050, 1, words[i % 30]), i) for i in range(1000)]
+    groups = shared_prefix.shared_prefixes(reqs)
+    assert groups == [SharedPrefix(2000, list(range(1000)), 0)]
+
+
+def _brute_force_savings(reqs) -> int:
+    """The most K/V reads any set of groups saves: every set of at most MAX_SHARED_PREFIXES
+    nodes of which none lies under another, each grouping all the batch's requests below it."""
+    import itertools
+
+    below: dict[_Node, set[int]] = {}
+    for i, req in enumerate(reqs):
+        node = req.last_node
+        while node.parent is not None and node.depth >= shared_prefix.MIN_SHARED_PREFIX_TOKENS:
+            below.setdefault(node, set()).add(i)
+            node = node.parent
+    nodes = [n for n, members in below.items() if len(members) > 1]
+    best = 0
+    for k in range(1, min(len(nodes), shared_prefix.MAX_SHARED_PREFIXES) + 1):
+        for chosen in itertools.combinations(nodes, k):
+            if any(below[a] & below[b] for a, b in itertools.combinations(chosen, 2)):
+                continue  # one under the other: a request would be in two groups
+            best = max(best, sum(n.depth * (len(below[n]) - 1) for n in chosen))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_groups_save_as_many_reads_as_the_best_choice(seed):
+    import random
+
+    rng = random.Random(seed)
+    root = _Node(0, 1)
+    nodes = [root]
+    for _ in range(rng.randrange(3, 12)):  # a random radix tree of prefixes
+        parent = rng.choice(nodes)
+        nodes.append(_Node(parent.depth + rng.randrange(1, 800), 2, parent))
+    reqs = [_Req(_Node(rng.choice(nodes).depth + 5, 1, rng.choice(nodes)), i) for i in range(12)]
+    for req in reqs:  # (a request's own node lies below the node it was drawn under)
+        req.last_node.depth = req.last_node.parent.depth + 5
+    groups = shared_prefix.shared_prefixes(reqs)
+    saved = sum(g.length * (len(g.members) - 1) for g in groups)
+    assert saved == _brute_force_savings(reqs)
+    for g in groups:  # each group's requests do share its prefix
+        for i in g.members:
+            node = reqs[i].last_node
+            while node.depth > g.length:
+                node = node.parent
+            assert node.depth == g.length
 
 
 @pytest.mark.gpu
