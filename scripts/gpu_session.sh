@@ -71,7 +71,8 @@ run_step() {
     case $s in
       kernels) tests tests/kernels ;;
       extend) tests tests/kernels/test_extend_attention.py -m gpu -s ;;
-      gpu) tests tests/engine/test_gpu_path.py tests/engine/test_generate_vs_transformers.py -n 8 ;;
+      gpu) tests tests/engine/test_gpu_path.py tests/engine/test_generate_vs_transformers.py \
+             tests/engine/test_shared_prefix_decode.py::test_gpu_grouped_decode_equals_cpu_reference -n 8 ;;
       engine) tests tests/engine/test_generate_vs_transformers.py tests/engine/test_runtime_api.py \
                 tests/engine/test_prefix_cache_scheduling.py -n 8 ;;
       issue7) tests tests/engine/test_structured_output.py::test_engine_masks_on_the_gpu tests/engine/test_score.py \
