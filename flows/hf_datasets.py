@@ -1,8 +1,8 @@
 """Hugging Face datasets in and out, through the `datasets` library (imported only when used).
 
 In: `source.path` may be a folder that `Dataset.save_to_disk` / `DatasetDict.save_to_disk`
-wrote (read with `datasets.load_from_disk`; `source.split` picks a split of a DatasetDict,
-default `train`), or a folder of Parquet shards named by split as the Hub lays them out
+wrote (opened with `datasets.load_from_disk`, which memory-maps its Arrow files, and read a
+batch at a time; `source.split` picks a split of a DatasetDict, default `train`), or a folder of Parquet shards named by split as the Hub lays them out
 (`data/train-00000-of-00002.parquet`, ...), whose files of `source.split` datasets' own
 split patterns pick (flows/sources.py then reads them as any Parquet folder).
 
@@ -13,10 +13,14 @@ that `datasets.load_from_disk(DIR)` opens, with the rows and columns of output.p
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+
+BATCH_ROWS = 65_536  # rows of a batch read from a saved dataset
+_READ_BYTES = 16 << 20  # bytes of a data file hashed at a time
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -26,9 +30,9 @@ def is_saved_dataset(path: Path) -> bool:
     )
 
 
-def load_saved_dataset(path: Path, split: str | None) -> tuple[pa.Table, str, str]:
-    """(its rows as an Arrow table, in order; the split read, or "" for a Dataset; a sha256 of
-    its data files and the split). ValueError saying what is wrong, naming the splits."""
+def open_saved_dataset(path: Path, split: str | None) -> tuple[Any, str]:
+    """(the dataset, memory-mapped: no row is read yet; the split opened, or "" for a Dataset).
+    ValueError saying what is wrong, naming the splits."""
     import datasets
 
     try:
@@ -43,17 +47,29 @@ def load_saved_dataset(path: Path, split: str | None) -> tuple[pa.Table, str, st
         if chosen not in loaded:
             hint = f"source.split {split!r} is not one of them" if split else "set source.split"
             raise ValueError(f"{path} holds the splits {splits}: {hint}")
-        dataset, split = loaded[chosen], chosen
-    elif split is not None:
+        return loaded[chosen], chosen
+    if split is not None:
         raise ValueError(f"{path} is a single dataset, with no splits: leave source.split unset")
-    else:
-        dataset, split = loaded, ""
-    table = dataset.with_format("arrow")[:]  # (the rows in the dataset's order, indices applied)
+    return loaded, ""
+
+
+def saved_dataset_digest(dataset: Any, split: str) -> str:
+    """A sha256 of the dataset's data files (their names and bytes, read a piece at a time) and
+    the split."""
     digest = hashlib.sha256(f"split:{split}\0".encode())
     for entry in sorted(dataset.cache_files, key=lambda f: f["filename"]):
         file = Path(entry["filename"])
-        digest.update(file.name.encode() + b"\0" + file.read_bytes())
-    return table, split, digest.hexdigest()
+        digest.update(file.name.encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(_READ_BYTES):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def saved_dataset_batches(dataset: Any) -> Iterator[pa.Table]:
+    """The rows in the dataset's order (indices applied), BATCH_ROWS at a time: slices of its
+    memory-mapped files, so only the pages of the rows in hand are read."""
+    yield from dataset.with_format("arrow").iter(batch_size=BATCH_ROWS)
 
 
 def split_files(folder: Path, split: str) -> list[Path]:

@@ -6,7 +6,7 @@ data URL, a base64 string, or bytes (a Parquet binary column); null or empty: a 
 The prompt holds the model's image placeholder where the template writes `{{ image }}`, or
 before the row's text when it does not.
 
-What the run's fingerprint takes of the images (`images_digest`): the bytes of every file and
+What the run's fingerprint takes of the images (`ImagesDigest`): the bytes of every file and
 every bytes value, and URLs as written (their content is not fetched before the run), so an
 edited picture under the same name starts a new run folder.
 """
@@ -55,26 +55,37 @@ def resolve_image(value: Any, base: Path) -> Any:
     return value
 
 
-def images_digest(values: Iterable[Any], base: Path) -> tuple[str, list[str]]:
-    """A sha256 over the images of a column, in row order, and what cannot be read (a path
-    that names no file, a value of another type)."""
-    digest = hashlib.sha256()
-    problems: list[str] = []
-    for row, value in enumerate(values):
-        value = resolve_image(value, base)
+class ImagesDigest:
+    """A sha256 over the images of a column, in row order, fed a batch of rows at a time
+    (`add_values`, from row `first` on), and what cannot be read, by row (a path that names
+    no file, a value of another type)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base, self.sha = base, hashlib.sha256()
+        self.problems: list[str] = []
+
+    def add_values(self, values: Iterable[Any], first: int) -> None:
+        for row, value in enumerate(values, first):
+            self._add(row, resolve_image(value, self.base))
+
+    def value(self) -> str:
+        return self.sha.hexdigest()
+
+    def _add(self, row: int, value: Any) -> None:
         if value is None:
-            digest.update(b"\0none")
+            self.sha.update(b"\0none")
         elif isinstance(value, bytes):
-            digest.update(b"\0bytes" + hashlib.sha256(value).digest())
+            self.sha.update(b"\0bytes" + hashlib.sha256(value).digest())
         elif not isinstance(value, str):
-            problems.append(f"row {row}: {type(value).__name__} is not an image (path, URL, bytes)")
+            self.problems.append(
+                f"row {row}: {type(value).__name__} is not an image (path, URL, bytes)"
+            )
         elif not value.startswith(_NOT_A_PATH) and Path(value).is_file():
-            digest.update(b"\0file" + hashlib.sha256(Path(value).read_bytes()).digest())
+            self.sha.update(b"\0file" + hashlib.sha256(Path(value).read_bytes()).digest())
         elif _names_a_file(value):
-            problems.append(f"row {row}: no file {value!r} (relative paths: from {base})")
+            self.problems.append(f"row {row}: no file {value!r} (relative paths: from {self.base})")
         else:  # a URL, or base64
-            digest.update(b"\0text" + value.encode())
-    return digest.hexdigest(), problems
+            self.sha.update(b"\0text" + value.encode())
 
 
 def _names_a_file(value: str) -> bool:

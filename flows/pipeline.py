@@ -44,7 +44,7 @@ from flows.progress import Progress, artifact_key
 from flows.prompts import ChatTemplate, PromptRenderer
 from flows.resident import open_engine
 from flows.run_lock import lock_run, unlock_run
-from flows.sources import read_rows, row_ids
+from flows.sources import input_for_run
 from flows.store import CheckpointStore, write_parquet_chunks
 
 
@@ -110,8 +110,9 @@ def init_engine(plan: RunPlan, section: EngineConfig | None = None) -> Any:
 
 @task(cache_policy=NO_CACHE)
 def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
-    """Read the input, skip rows already in shards, render the prompts of the rest (chat ones
-    with the engine's chat template: _chat_template)."""
+    """Plan the run from the input's summary (its ids; the rows stream again as `Work.tables`
+    reaches them), skip rows already in shards, render the prompts of the rest as the engine
+    takes them (chat ones with the engine's chat template: _chat_template)."""
     logger = get_run_logger()
     config, store = plan.config, plan.store
     if fresh and store.folder.exists():
@@ -119,13 +120,12 @@ def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
         shutil.rmtree(store.folder)
     with _relay_to(logger, "flows.store"):  # crash leftovers and a changed config, in the run log
         scan = store.open()
-    table = read_rows(config.source)
-    ids = row_ids(table, config.source.id_column)
+    rows = input_for_run(config.source)
     renderer = PromptRenderer(
         config.prompt, config.template_variables(), _chat_template(config, engine),
         _image_placeholder(config),
     )  # fmt: skip
-    work = plan_requests(config, table, ids, scan.done(), renderer)
+    work = plan_requests(config, rows, rows.row_ids(), scan.done(), renderer)
     store.write_json(
         "run.json", {"config": config.model_dump(mode="json"), "total_rows": work.total}
     )

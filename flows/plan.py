@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from flows.config import RunConfig
+from flows.input_summary import joined
 from flows.preflight import Checked
 from flows.prompts import PromptRenderer
 from flows.rows import input_columns, output_schema, work_table
@@ -48,15 +49,25 @@ class RunPlan:
     store: CheckpointStore
 
 
+class Rows(Protocol):
+    """An input's rows as a run reads them: their schema, and the rows again in input order, a
+    batch at a time (flows/input_summary.py: Input)."""
+
+    schema: pa.Schema
+
+    def batches(self) -> Iterator[pa.Table]: ...
+
+
 @dataclass
 class Work:
     """The run's requests as prepare_prompts planned them: every request id in input order,
     which of them are still to do, and those as work tables made a window at a time.
 
-    NOTE: nothing here holds a rendered prompt. A prompt is rendered when `tables()` reaches
-    its row, as the engine takes rows (generate pulls the next row only when one is free in
-    flight), so the run's memory is its input and a window, never every prompt at once (a
-    4 KB instruction over millions of rows would not fit)."""
+    NOTE: nothing here holds a rendered prompt or an input row. `tables()` streams the input
+    again and renders a prompt when it reaches the row, as the engine takes rows (generate
+    pulls the next row only when one is free in flight), so the run's memory is its request
+    ids, the todo mask and a window, never every row or prompt at once (a 4 KB instruction
+    over millions of rows would not fit)."""
 
     ids: pa.Array  # every request id of the run, in input order
     todo: pa.Array  # bool, one per id: no shard holds it yet
@@ -83,7 +94,7 @@ class Work:
 
 def plan_requests(
     config: RunConfig,
-    table: pa.Table,
+    rows: Rows,
     ids: pa.Array,
     done: pa.Array,
     renderer: PromptRenderer,
@@ -94,26 +105,27 @@ def plan_requests(
     samples = config.samples_per_row
     request_ids = _request_ids(ids, samples)
     todo = pc.invert(pc.is_in(request_ids, value_set=done))
-    inputs = input_columns(config, table)
     empty = {n: [] for n in ("id", "source_id", "sample", "prompt", "seed")}
-    schema = output_schema(config, work_table(config, inputs.slice(0, 0), empty).schema)
+    no_rows = input_columns(config, rows.schema.empty_table())
+    schema = output_schema(config, work_table(config, no_rows, empty).schema)
 
     def tables() -> Iterator[pa.Table]:
         wanted = todo.to_numpy(zero_copy_only=False).reshape(-1, samples)
-        for start in range(0, table.num_rows, RENDER_BATCH):
-            window = wanted[start : start + RENDER_BATCH]
-            rows = np.flatnonzero(window.any(axis=1))
-            if len(rows) == 0:
-                continue
-            prompts = renderer.render_many(table.take(rows + start).to_pylist())
+        for start, table in _windows(rows.batches(), RENDER_BATCH):
+            window = wanted[start : start + table.num_rows]
+            chosen = np.flatnonzero(window.any(axis=1))
+            if len(chosen) == 0:
+                continue  # every request of these rows is in a shard: none is rendered
+            prompts = renderer.render_many(table.take(chosen).to_pylist())
+            inputs = input_columns(config, table)
             requests: dict[str, list[Any]] = {n: [] for n in empty}
             take: list[int] = []
             # one prompt per row, its samples share it
-            for row, prompt in zip(rows.tolist(), prompts):
+            for row, prompt in zip(chosen.tolist(), prompts):
                 row_id = ids[start + row].as_py()
                 for sample in np.flatnonzero(window[row]).tolist():
                     rid = request_ids[(start + row) * samples + sample].as_py()
-                    take.append(start + row)
+                    take.append(row)
                     requests["id"].append(rid)
                     requests["source_id"].append(row_id)
                     requests["sample"].append(sample)
@@ -122,6 +134,24 @@ def plan_requests(
             yield work_table(config, inputs.take(pa.array(take, pa.int64())), requests)
 
     return Work(request_ids, todo, schema, tables)
+
+
+def _windows(batches: Iterator[pa.Table], size: int) -> Iterator[tuple[int, pa.Table]]:
+    """The rows of `batches` as windows of `size` rows (the last may be shorter), each with the
+    input row it starts at: the same windows whatever the batches' sizes."""
+    pending: list[pa.Table] = []
+    held = start = 0
+    for batch in batches:
+        while batch.num_rows:
+            part = batch.slice(0, size - held)
+            pending.append(part)
+            held += part.num_rows
+            batch = batch.slice(part.num_rows)
+            if held == size:
+                yield start, joined(pending)
+                start, pending, held = start + size, [], 0
+    if held:
+        yield start, joined(pending)
 
 
 def _request_ids(ids: pa.Array, samples: int) -> pa.Array:

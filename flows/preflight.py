@@ -1,6 +1,8 @@
 """Check a config against the world before any engine starts: files, model folder, engine and
 sampling rules, and the whole input (every line parses and decodes, ids are present and
-unique, the columns the config names exist, there is a row). Every problem is collected and
+unique, the columns the config names exist, there is a row). The input streams past once
+(flows/sources.py: load_input); what the checks need of its rows they tally as it passes
+(`_tallies`: a column's adapter names, its bad chat messages, its pictures' digest). Every problem is collected and
 raised as one ConfigError that names each field, so a user fixes a config in one round, not
 one error at a time.
 
@@ -12,13 +14,19 @@ from __future__ import annotations
 
 import codecs
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from flows.config import ConfigError, EngineConfig, RunConfig
 from flows.gpus import engine_gpus
-from flows.images import images_digest
+from flows.images import ImagesDigest
+from flows.input_summary import Input, Tallies, column_of, id_problems
 from flows.prompts import chat_messages, has_chat_template, template_names
-from flows.sources import TEXT_FORMATS, Input, id_problems, load_input
+from flows.sources import TEXT_FORMATS, load_input
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,7 @@ def preflight(config: RunConfig) -> Checked:
     tokenizer_path = check_engine(config.engine, problems)
     _check_sampling(config, problems)
     loaded = _check_source(config, problems)
-    columns = loaded.table.column_names if loaded is not None else []
+    columns = loaded.schema.names if loaded is not None else []
     if loaded is not None:
         _check_columns(config, columns, problems)
         _check_lora(config, loaded, problems)
@@ -143,9 +151,10 @@ def _check_sampling(config: RunConfig, problems: list[tuple[str, str]]) -> None:
 
 
 def _check_source(config: RunConfig, problems: list[tuple[str, str]]) -> Input | None:
-    """The input read whole (it stays loaded for the run: flows/sources.py), or None."""
+    """The input summed up, every row read once (the summary stays for the run:
+    flows/sources.py), or None."""
     try:
-        loaded = load_input(config.source)
+        loaded = load_input(config.source, _tallies(config))
     except ConfigError as e:
         problems += e.problems
         return None
@@ -185,10 +194,10 @@ def _check_lora(config: RunConfig, loaded: Input, problems: list[tuple[str, str]
     column = config.lora_column
     if column is None:
         return
-    if column not in loaded.table.column_names:
-        problems.append(("lora_column", _missing(column, loaded.table.column_names)))
+    if column not in loaded.schema.names:
+        problems.append(("lora_column", _missing(column, loaded.schema.names)))
         return
-    values = {v for v in loaded.table.column(column).unique().to_pylist() if v}
+    values = {v for v in _tally(loaded, "lora", column).values if v}
     unknown = sorted(str(v) for v in values - names)
     if unknown:
         problems.append(
@@ -203,18 +212,13 @@ def _check_messages(config: RunConfig, loaded: Input, problems: list[tuple[str, 
     column = config.prompt.messages_column
     if column is None:
         return
-    if column not in loaded.table.column_names:
-        problems.append(("prompt.messages_column", _missing(column, loaded.table.column_names)))
+    if column not in loaded.schema.names:
+        problems.append(("prompt.messages_column", _missing(column, loaded.schema.names)))
         return
-    bad = []
-    for row, value in enumerate(loaded.table.column(column).to_pylist()):
-        try:
-            chat_messages(value)
-        except ValueError as e:
-            bad.append(f"row {row}: {e}")
-    if bad:
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        problems.append(("prompt.messages_column", "; ".join(bad[:5]) + more))
+    bad = _tally(loaded, "messages", column)
+    if bad.count:
+        more = f" (and {bad.count - 5} more)" if bad.count > 5 else ""
+        problems.append(("prompt.messages_column", "; ".join(bad.first) + more))
 
 
 def _check_images(config: RunConfig, loaded: Input, problems: list[tuple[str, str]]) -> str | None:
@@ -225,9 +229,12 @@ def _check_images(config: RunConfig, loaded: Input, problems: list[tuple[str, st
         return None
     from engine import ModelConfig
 
+    # NOTE: taken out of the summary, which outlives this check while the input is unchanged:
+    # a picture may change while the input does not, so every check hashes them anew
+    images = loaded.tallies.pop(("images", column))
     where = "prompt.image_column"
-    if column not in loaded.table.column_names:
-        problems.append((where, _missing(column, loaded.table.column_names)))
+    if column not in loaded.schema.names:
+        problems.append((where, _missing(column, loaded.schema.names)))
         return None
     model_path = config.engine.arguments()["model_path"]
     try:
@@ -239,12 +246,65 @@ def _check_images(config: RunConfig, loaded: Input, problems: list[tuple[str, st
             (where, f"the model in {model_path} ({model.architecture}) takes text only: images "
              "need a vision-language model (Qwen2.5-VL)")
         )  # fmt: skip
-    values = loaded.table.column(column).to_pylist()
-    digest, unreadable = images_digest(values, config.source.path.parent)
+    digest, unreadable = images.value(), images.problems
     if unreadable:
         more = f" (and {len(unreadable) - 5} more)" if len(unreadable) > 5 else ""
         problems.append((where, "; ".join(unreadable[:5]) + more))
     return digest
+
+
+# ---------------------------------------------------------------------- what the checks tally
+def _tallies(config: RunConfig) -> Tallies:
+    """What the checks keep of the rows as they stream past, by (check, column)."""
+    wanted: dict[Any, Any] = {}
+    if (column := config.lora_column) is not None:
+        wanted[("lora", column)] = partial(_Distinct, column)
+    if (column := config.prompt.messages_column) is not None:
+        wanted[("messages", column)] = partial(_BadMessages, column)
+    if (column := config.prompt.image_column) is not None:
+        wanted[("images", column)] = partial(_Images, column, config.source.path.parent)
+    return wanted
+
+
+def _tally(loaded: Input, check: str, column: str) -> Any:
+    return loaded.tallies[(check, column)]
+
+
+class _Distinct:
+    """A column's distinct values (an adapter name per row: a few)."""
+
+    def __init__(self, column: str) -> None:
+        self.column, self.values = column, set()
+
+    def add(self, table: pa.Table, first: int) -> None:
+        self.values.update(pc.unique(column_of(table, self.column)).to_pylist())
+
+
+class _BadMessages:
+    """The rows whose cell is no list of chat messages: how many, the first few worded."""
+
+    def __init__(self, column: str) -> None:
+        self.column, self.count, self.first = column, 0, []
+
+    def add(self, table: pa.Table, first: int) -> None:
+        for row, value in enumerate(column_of(table, self.column).to_pylist(), first):
+            try:
+                chat_messages(value)
+            except ValueError as e:
+                self.count += 1
+                if len(self.first) < 5:
+                    self.first.append(f"row {row}: {e}")
+
+
+class _Images(ImagesDigest):
+    """The digest of a column's pictures, row by row (flows/images.py)."""
+
+    def __init__(self, column: str, base: Path) -> None:
+        super().__init__(base)
+        self.column = column
+
+    def add(self, table: pa.Table, first: int) -> None:  # type: ignore[override]
+        self.add_values(column_of(table, self.column).to_pylist(), first)
 
 
 def _missing(column: str, columns: list[str]) -> str:

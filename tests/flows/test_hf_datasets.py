@@ -14,7 +14,7 @@ from flows.config import ConfigError, load_config
 from flows.identity import run_identity
 from flows.pipeline import generate_batch
 from flows.preflight import preflight
-from flows.sources import load_input
+from flows.sources import load_input, read_rows
 from tests.flows.fixtures import base_config, expected_prompt, question_rows, run_folder
 
 ROWS = question_rows(12, seed=5)
@@ -30,7 +30,7 @@ def test_a_saved_dataset_is_a_source(prefect_api, resident_engine, shared_llama_
     folder = tmp_path / "questions-ds"
     datasets.Dataset.from_list(ROWS).save_to_disk(str(folder))
     config = load_config(_config(llama_dir, folder, tmp_path))
-    assert load_input(config.source).table.to_pylist() == ROWS
+    assert read_rows(config.source).to_pylist() == ROWS
     state = generate_batch(config=config, return_state=True)
     assert state.is_completed(), state.message
     table = pq.read_table(run_folder(tmp_path / "runs") / "output.parquet")
@@ -57,8 +57,8 @@ def test_a_dataset_dicts_split_is_chosen(llama_dir, tmp_path):
     ).save_to_disk(str(folder))
     train = load_config(_config(llama_dir, folder, tmp_path))
     test = load_config(_config(llama_dir, folder, tmp_path, split="test"))
-    assert load_input(train.source).table.to_pylist() == ROWS[:8]  # (the default: train)
-    assert load_input(test.source).table.to_pylist() == ROWS[8:]
+    assert read_rows(train.source).to_pylist() == ROWS[:8]  # (the default: train)
+    assert read_rows(test.source).to_pylist() == ROWS[8:]
     # each split is its own input: its own fingerprint
     ids = [run_identity(c, preflight(c))["source"]["sha256"] for c in (train, test)]
     assert ids[0] != ids[1]
@@ -74,8 +74,8 @@ def test_parquet_shards_by_split(llama_dir, tmp_path):
                        ("test-00000-of-00001", ROWS[9:])):  # fmt: skip
         pq.write_table(pa.Table.from_pylist(rows), folder / "data" / f"{name}.parquet")
     train = load_config(_config(llama_dir, folder, tmp_path, split="train"))
-    assert load_input(train.source).table.to_pylist() == ROWS[:9]
+    assert read_rows(train.source).to_pylist() == ROWS[:9]
     test = load_config(_config(llama_dir, folder, tmp_path, split="test"))
-    assert load_input(test.source).table.to_pylist() == ROWS[9:]
+    assert read_rows(test.source).to_pylist() == ROWS[9:]
     with pytest.raises(ConfigError, match=r"no files of split 'dev'"):
         load_input(load_config(_config(llama_dir, folder, tmp_path, split="dev")).source)

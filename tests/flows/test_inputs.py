@@ -6,21 +6,22 @@ import asyncio
 import hashlib
 import io
 import logging
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+import flows.input_batches
 import flows.plan
 from flows.config import PromptConfig, SourceConfig, load_config
 from flows.identity import run_identity
+from flows.input_summary import row_ids
 from flows.plan import plan_requests
 from flows.preflight import preflight
 from flows.progress import Progress
 from flows.prompts import PromptRenderer, template_names
-from flows.sources import content_digest, read_rows, row_ids
+from flows.sources import content_digest, input_for_run, load_input, read_rows
 from tests.flows.fixtures import base_config, expected_prompt, question_rows, write_jsonl
 
 ROWS = [{"qid": "a", "text": "x", "n": 1}, {"qid": "b", "text": "y", "n": 2}]
@@ -133,25 +134,31 @@ def test_the_encoding_is_part_of_the_datasets_identity_unless_it_is_utf8(tmp_pat
 
 
 def test_the_input_is_read_once_per_run_and_again_once_it_changes(llama_dir, tmp_path, monkeypatch):
+    """preflight reads the input once (both of a command's checks); the fingerprint takes its
+    digest from that read and prepare_prompts its summary; the rows are read again only as
+    the run streams them, and a file changed after the check is read anew."""
     source = write_jsonl(tmp_path / "q.jsonl", question_rows(5))
     config = load_config(base_config(llama_dir, source, tmp_path))
     reads = []
-    read_bytes = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda p: reads.append(p) or read_bytes(p))
+    open_input = flows.input_batches.open_input
+    monkeypatch.setattr(
+        flows.input_batches, "open_input", lambda p: reads.append(p) or open_input(p)
+    )
 
     checked = preflight(config)  # by `gristmill run`, then again by the flow's configure step
     identity = run_identity(config, preflight(config))
-    table = read_rows(config.source)  # prepare_prompts
-    assert reads.count(source) == 1
-    assert table.to_pylist() == question_rows(5) and checked.columns == ["qid", "question", "n"]
+    loaded = input_for_run(config.source)  # prepare_prompts
+    assert reads.count(source) == 1 and checked.columns == ["qid", "question", "n"]
     assert (
         identity["source"]["sha256"]
-        == hashlib.sha256(b"q.jsonl\0" + read_bytes(source)).hexdigest()
+        == hashlib.sha256(b"q.jsonl\0" + source.read_bytes()).hexdigest()
     )
-    assert read_rows(config.source).num_rows == 5 and reads.count(source) == 2, "none kept after"
+    assert pa.concat_tables(loaded.batches()).to_pylist() == question_rows(5)
+    assert reads.count(source) == 2, "the run streams the rows: one read more"
+    assert read_rows(config.source).num_rows == 5 and reads.count(source) == 4, "none kept after"
     preflight(config)
     write_jsonl(source, question_rows(6))  # changed after the check: its new rows are read
-    assert read_rows(config.source).to_pylist() == question_rows(6) and reads.count(source) == 4
+    assert read_rows(config.source).to_pylist() == question_rows(6)
 
 
 class Terminal(io.StringIO):
@@ -225,15 +232,15 @@ def test_requests_skip_done_ids_and_share_a_rows_prompt_across_batches(
     config = load_config(
         base_config(llama_dir, source, tmp_path / "runs", **fields) | {"synthesize": {"n": 2}}
     )
-    table = read_rows(config.source)
-    ids = row_ids(table, "qid")
+    loaded = load_input(config.source)
+    ids = loaded.row_ids()
     done = {"q0000/0", "q0000/1", "q0003/1", "q0005/0"}
     renderer = PromptRenderer(config.prompt, {}, None)
     batches = []
     render_many = renderer.render_many
     monkeypatch.setattr(renderer, "render_many", lambda r: batches.append(len(r)) or render_many(r))
     monkeypatch.setattr(flows.plan, "RENDER_BATCH", 2)
-    work = plan_requests(config, table, ids, pa.array(sorted(done)), renderer)
+    work = plan_requests(config, loaded, ids, pa.array(sorted(done)), renderer)
     assert batches == [], "planning renders nothing: prompts render as the work is taken"
     expected = [
         (f"{row['qid']}/{k}", row["qid"], k, expected_prompt(row))
