@@ -118,16 +118,18 @@ def plan_requests(
                 continue  # every request of these rows is in a shard: none is rendered
             prompts = renderer.render_many(table.take(chosen).to_pylist())
             inputs = input_columns(config, table)
+            # (the window's ids as Python strings at once: an Arrow scalar per row costs more)
+            row_ids = ids.slice(start, table.num_rows).to_pylist()
+            rids = request_ids.slice(start * samples, table.num_rows * samples).to_pylist()
             requests: dict[str, list[Any]] = {n: [] for n in empty}
             take: list[int] = []
             # one prompt per row, its samples share it
             for row, prompt in zip(chosen.tolist(), prompts):
-                row_id = ids[start + row].as_py()
                 for sample in np.flatnonzero(window[row]).tolist():
-                    rid = request_ids[(start + row) * samples + sample].as_py()
+                    rid = rids[row * samples + sample]
                     take.append(row)
                     requests["id"].append(rid)
-                    requests["source_id"].append(row_id)
+                    requests["source_id"].append(row_ids[row])
                     requests["sample"].append(sample)
                     requests["prompt"].append(prompt)
                     requests["seed"].append(row_seed(config.seed, rid))

@@ -8,6 +8,11 @@ resident memory is the kernel's high-water mark (VmHWM) of that process, read un
 (the engine's own processes are not in it).
 
     PYTHONPATH=. python scripts/bench_run_memory.py --rows 20000 60000
+
+`--prep-rows N` also times prompt preparation alone, in this process, without an engine: the
+input summed up (preflight's pass), then streamed as the run streams it, each window's prompts
+rendered and tokenized as the engine's caller tokenizes them (the instruction's ids kept):
+rows per second of this process's CPU time.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def instruction(size: int) -> str:
     return text[:size]
 
 
-def run_once(folder: Path, model: Path, rows: int, size: int, max_in_flight: int) -> dict:
+def write_config(folder: Path, model: Path, rows: int, size: int, max_in_flight: int) -> Path:
     source = folder / f"rows-{rows}.jsonl"
     rng = random.Random(rows)
     with source.open("w") as f:
@@ -69,6 +74,11 @@ def run_once(folder: Path, model: Path, rows: int, size: int, max_in_flight: int
     }
     path = folder / f"config-{rows}.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_once(folder: Path, model: Path, rows: int, size: int, max_in_flight: int) -> dict:
+    path = write_config(folder, model, rows, size, max_in_flight)
     started = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "run", str(path)],
@@ -100,12 +110,55 @@ def run_once(folder: Path, model: Path, rows: int, size: int, max_in_flight: int
     }
 
 
+def prep_rate(folder: Path, model: Path, rows: int, size: int) -> dict:
+    """Prompt preparation of `rows` rows in this process (the module's doc)."""
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    from engine.frontend.prompt_tokens import PromptTokens
+    from flows.config import load_config
+    from flows.plan import plan_requests
+    from flows.prompts import PromptRenderer
+    from flows.sources import input_for_run, load_input
+
+    config = load_config(write_config(folder, model, rows, size, 256))
+    tokens = PromptTokens(AutoTokenizer.from_pretrained(model))
+    started = time.process_time()
+    load_input(config.source)  # preflight's streaming pass: digest, counts, ids
+    summed = time.process_time() - started
+    loaded = input_for_run(config.source)
+    renderer = PromptRenderer(config.prompt, config.template_variables(), None, None)
+    work = plan_requests(config, loaded, loaded.row_ids(), pa.array([], pa.string()), renderer)
+    prepared = 0
+    for table in work.tables():
+        prepared += len(tokens.encode_batch(table.column("prompt").to_pylist()))
+    cpu = time.process_time() - started
+    assert prepared == rows and tokens.stats.split >= rows - 2, tokens.stats
+    return {"rows": rows, "summing up (s)": round(summed, 2), "CPU (s)": round(cpu, 2),
+            "rows/s": round(rows / cpu)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[20000, 60000])
+    parser.add_argument("--rows", type=int, nargs="*", default=[20000, 60000])
     parser.add_argument("--instruction-bytes", type=int, default=4500)
     parser.add_argument("--max-in-flight", type=int, default=256)
+    parser.add_argument("--prep-rows", type=int, nargs="*", default=[])
     args = parser.parse_args()
+    if args.prep_rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            model = build_model(folder)
+            print(
+                "| prompt preparation: rows | summing up the input (CPU s) | in all (CPU s) | rows/s |"
+            )
+            print("| --- | --- | --- | --- |", flush=True)
+            for n in args.prep_rows:
+                r = prep_rate(folder, model, n, args.instruction_bytes)
+                print(f"| {r['rows']} | {r['summing up (s)']} | {r['CPU (s)']} | {r['rows/s']} |",
+                      flush=True)  # fmt: skip
+        if not args.rows:
+            return
     keys = ["rows", "rendered prompt MB", "peak RSS of the run process (MB)",
             "command wall (s)", "generate rows/s"]  # fmt: skip
     print("| " + " | ".join(keys) + " |")
