@@ -254,3 +254,31 @@ def test_requests_skip_done_ids_and_share_a_rows_prompt_across_batches(
     # windows of 2 input rows; row 0 is done, so its window renders row 1 alone
     assert batches == [1, 2, 2, 1]
     assert [r["id"] for r in work.rows()] == [e[0] for e in expected]
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ text }} and {{ row['star rating'] }}",
+        "{% for i in range(2) %}{{ loop.index }}:{{ text | upper }} {% endfor %}",
+        "{% set ns = namespace(n=0) %}{% for c in choices %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+        "{{ ns.n }} {{ cycler('a', 'b').next() }}",
+        "{{ text if text else 'none' }} {{ row.get('range', range(1) | list) }}",
+    ],
+)
+def test_prompts_render_as_jinja_renders_them(template):
+    import jinja2
+
+    from flows.prompts import _ENV
+
+    rows = [{"text": "hi", "star rating": 5}, {"text": None, "star rating": 1}]
+    renderer = PromptRenderer(PromptConfig(template=template), {"choices": ["x", "y"]}, None)
+    reference = _ENV.from_string(template)
+    for row in rows:
+        expected = reference.render({**row, "row": row, "choices": ["x", "y"]})
+        assert renderer.render(row) == expected
+    # a column named as one of jinja's globals is the column, as in jinja
+    named = PromptRenderer(PromptConfig(template="{{ range }}"), {}, None)
+    assert named.render({"range": "r"}) == _ENV.from_string("{{ range }}").render(range="r") == "r"
+    with pytest.raises(jinja2.UndefinedError, match="'nope' is undefined"):
+        PromptRenderer(PromptConfig(template="{{ nope }}"), {}, None).render(rows[0])
