@@ -41,6 +41,7 @@ _LOCAL_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Punctuation", "Whitesp
 HEAD_CHARS = 64
 _TAIL_CHARS = 32  # the window starts at least this far before the seam, at a pre-token's start
 _SPACE, _INK = re.compile(r"\s"), re.compile(r"\S")
+_WINDOWS_KEPT = 4096  # window answers remembered (SeamRules.joins)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class SeamRules:
         self._raw, self._normalized = _alternation(raw), _alternation(normalized)
         self._any = _alternation(raw + normalized, lookahead=True)  # every start, overlapping
         self._longest = max((len(t.content) for t in added), default=0)
+        # NOTE: a window's answer depends on the prefix's tail and the rest's head alone: rows
+        # of one template start their items after the same words, so most rows ask again
+        self._windows: dict[tuple[PrefixTail, str], bool] = {}
 
     @classmethod
     def for_tokenizer(cls, backend: Tokenizer) -> SeamRules | str:
@@ -137,7 +141,17 @@ class SeamRules:
         head = _head(rest, first)
         if head is None or (self._nfd is not None and head[1]):
             return False  # (a run cut mid-way could cut a combining sequence for the normalizer)
-        text = tail.text + self._normalize(head[0])
+        known = self._windows.get((tail, head[0]))
+        if known is None:
+            if len(self._windows) >= _WINDOWS_KEPT:
+                self._windows.clear()
+            known = self._windows[(tail, head[0])] = self._window_joins(tail, head[0])
+        return known
+
+    def _window_joins(self, tail: PrefixTail, head: str) -> bool:
+        """Whether the pre-tokenizer splits the prefix's tail + the rest's head at the seam,
+        and before it as the prefix alone."""
+        text = tail.text + self._normalize(head)
         seam = len(tail.text)
         pieces = self._pre_tokenize(text)
         if any(s < seam < e for s, e in pieces):
