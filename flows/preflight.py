@@ -2,9 +2,9 @@
 sampling rules, and the whole input (every line parses and decodes, ids are present and
 unique, the columns the config names exist, there is a row). The input streams past once
 (flows/sources.py: load_input); what the checks need of its rows they tally as it passes
-(`_tallies`: a column's adapter names, its bad chat messages, its pictures' digest). Every problem is collected and
-raised as one ConfigError that names each field, so a user fixes a config in one round, not
-one error at a time.
+(`_tallies`: a column's adapter names, its bad chat messages, its pictures' digest). Every
+problem is collected and raised as one ConfigError that names each field, so a user fixes a
+config in one round, not one error at a time.
 
 The engine's own validators are the judges (ServerArgs, ModelConfig, SamplingParams): they run
 here without starting a process, so the flows never drift from what the engine accepts.
