@@ -1,0 +1,157 @@
+"""A run's memory does not grow with its input: `gristmill run` over an input several times
+larger than a memory budget stays within it, and a run SIGKILLed mid-generation resumes and
+writes every row exactly once, in input order.
+
+The runs are `python -m flows.cli run` subprocesses attached to a resident engine (so the run's
+own process is only the flow: no torch, no model), and a run's peak is the kernel's high-water
+mark of its resident memory (VmHWM), which the process reports as it exits. The rows are few
+and fat (a long `notes` column the prompt does not use): generation stays quick while the input
+is hundreds of MB, which a run that held it whole would carry in its peak.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from flows.cli import main
+from tests.flows.fixtures import base_config, flow_env, run_folder, wait_until
+
+# NOTE: the smaller run's input is past what a run holds at most however long its input is:
+# a window of RENDER_BATCH (1024) rows, collect's chunks of 32 MB (flows/merge.py)
+BIG_ROWS, SMALL_ROWS = 10_000, 3_000
+NOTE_BYTES = 24_000  # the big input: 10,000 rows of 24 KB, about 230 MB
+BUDGET_MB = 48  # what the big input may add to the peak of the small one's run
+
+# the command, reporting its peak memory at its exit (flows.cli.command runs atexit handlers)
+_REPORT = (
+    "import atexit, re\n"
+    "def report():\n"
+    "    status = open('/proc/self/status').read()\n"
+    "    print('PEAK_KB', re.search(r'VmHWM:\\s*(\\d+)', status)[1], flush=True)\n"
+    "atexit.register(report)\n"
+    "import flows.cli\n"
+    "flows.cli.command()\n"
+)
+
+
+def write_input(path: Path, rows: int) -> Path:
+    """Rows of a short question and a long note, each note its own (so no two rows compress
+    into one)."""
+    filler = "the quick brown fox jumps over the lazy dog " * (NOTE_BYTES // 44 + 1)
+    with path.open("w") as f:
+        for i in range(rows):
+            note = f"note {i}: " + filler[: NOTE_BYTES - 12]
+            f.write(
+                json.dumps({"qid": f"r{i:05d}", "question": f"What is {i} + 1?", "notes": note})
+            )
+            f.write("\n")
+    return path
+
+
+def config_file(folder: Path, llama_dir: Path, source: Path, name: str) -> Path:
+    config = base_config(llama_dir, source, folder / "runs", run_name=name,
+                         prompt={"template": "Q: {{ question }}"},
+                         sampling={"temperature": 0, "max_new_tokens": 1},
+                         shard_size=400, max_in_flight=128)  # fmt: skip
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def start_run(config: Path, prefect_api: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", _REPORT, "run", str(config)],
+        env=flow_env(prefect_api),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(run: subprocess.Popen) -> tuple[int, dict[str, str]]:
+    """The run's peak (MB) and its summary's lines, once it has ended well."""
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    summary = dict(re.findall(r"^(\w+)\s+(.*)$", out, re.MULTILINE))
+    return int(summary["PEAK_KB"]) // 1024, summary
+
+
+def expected_rows(source: Path) -> list[tuple[str, str]]:
+    """(id, digest of the note) of every input row, read here line by line."""
+    rows = []
+    with source.open() as f:
+        for line in f:
+            row = json.loads(line)
+            rows.append((row["qid"], hashlib.sha256(row["notes"].encode()).hexdigest()))
+    return rows
+
+
+def written_rows(output: Path) -> list[tuple[str, str]]:
+    rows = []
+    for batch in pq.ParquetFile(output).iter_batches(columns=["id", "notes"]):
+        for row_id, note in zip(batch.column("id").to_pylist(), batch.column("notes").to_pylist()):
+            rows.append((row_id, hashlib.sha256(note.encode()).hexdigest()))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def resident(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A resident engine for base_config's engine section, which the runs attach to."""
+    from engine import resident_engines, stop_resident
+
+    folder = tmp_path_factory.mktemp("memory-engine")
+    config = folder / "engine.yaml"
+    config.write_text(yaml.safe_dump(base_config(llama_dir, folder / "unused.jsonl", folder)))
+    assert main(["engine", "start", str(config)]) == 0
+    yield
+    for record in resident_engines():
+        stop_resident(record)
+
+
+def test_a_runs_memory_does_not_grow_with_its_input_and_a_killed_run_resumes(
+    prefect_api, resident, llama_dir, tmp_path
+):
+    small = write_input(tmp_path / "small.jsonl", SMALL_ROWS)
+    big = write_input(tmp_path / "big.jsonl", BIG_ROWS)
+    assert big.stat().st_size > 4 * BUDGET_MB * 2**20  # several times the budget
+
+    small_peak, _ = finish(start_run(config_file(tmp_path, llama_dir, small, "small"), prefect_api))
+
+    # the big run, killed once its first shards have landed
+    config = config_file(tmp_path, llama_dir, big, "big")
+    killed = start_run(config, prefect_api)
+    shards = tmp_path / "runs" / "big"
+    try:
+        wait_until(
+            lambda: (
+                killed.poll() is None and len(list(shards.glob("*/shards/shard-*.parquet"))) >= 2
+            ),
+            timeout=180,
+            what="the big run's first shards",
+        )
+        os.kill(killed.pid, signal.SIGKILL)
+    finally:
+        killed.kill()
+        killed.communicate(timeout=30)
+    folder = run_folder(tmp_path / "runs", "big")
+    assert not (folder / "output.parquet").exists()
+
+    big_peak, summary = finish(start_run(config, prefect_api))
+    print(f"peak RSS: {small_peak} MB ({SMALL_ROWS} rows), {big_peak} MB ({BIG_ROWS} rows, "
+          f"{big.stat().st_size / 2**20:.0f} MB of input)")  # fmt: skip
+    assert 0 < int(summary["rows_from_earlier_runs"]) < BIG_ROWS, "resumed, not redone"
+    assert int(summary["rows"]) == BIG_ROWS
+    assert written_rows(folder / "output.parquet") == expected_rows(big)
+    assert big_peak - small_peak < BUDGET_MB, (small_peak, big_peak)
