@@ -138,6 +138,11 @@ def test_a_folder_of_files_of_other_types_reads_as_their_concatenation(tmp_path)
     write_lines(folder / "c.jsonl", [])  # an empty file among them
     files = sorted(folder.glob("*.jsonl"))
     assert streamed(SourceConfig(path=folder)).equals(whole(files, "jsonl"))
+    csv_folder = tmp_path / "csv"
+    write_lines(csv_folder / "a.csv", ["k,t"] + [f"{i},x" for i in range(30)])
+    write_lines(csv_folder / "b.csv", ["k,u"] + [f"{i}.5,2020-01-01" for i in range(30)])
+    files = sorted(csv_folder.glob("*.csv"))
+    assert streamed(SourceConfig(path=csv_folder)).equals(whole(files, "csv"))
     pq_folder = tmp_path / "pq"
     pq_folder.mkdir()
     pq.write_table(pa.table({"k": list(range(30)), "t": ["x"] * 30}), pq_folder / "a.parquet",
@@ -175,6 +180,10 @@ def test_a_saved_dataset_streams_its_rows_in_order(tmp_path):
         batches = list(loaded.batches())
     assert len(batches) == 8 and pa.concat_tables(batches).equals(reference)
     assert loaded.row_ids().to_pylist() == reference.column("qid").to_pylist()
+    sha = hashlib.sha256(b"split:\0")  # the digest as it was: the data files, read whole
+    for file in sorted(folder.glob("data-*.arrow")):
+        sha.update(file.name.encode() + b"\0" + file.read_bytes())
+    assert loaded.digest == sha.hexdigest()
 
 
 def test_counts_and_digest_are_the_whole_files(tmp_path):
