@@ -5,8 +5,8 @@ again, a batch at a time, for the prompts (flows/plan.py).
 
 The ids are the one thing of O(rows) kept: the id column's values as strings, in one Arrow
 array, which the checks of missing and repeated ids (`id_problems`) and the run's request ids
-need whole. A problem is worded with its file and line (`Input.places`), the one time a file is
-read again to find lines.
+need whole. A problem is worded with its file and line (`Input.places`): only then is a text
+file read whole again, to find its lines.
 """
 
 from __future__ import annotations
