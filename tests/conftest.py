@@ -31,20 +31,24 @@ from tests.tiny_models import SHARED_ENGINE_ARGS, build_tokenizer, make_tiny_mod
 SHARD_SIZE = "20KB"
 
 
-# The files that take longest on the 2-core CI machine (30-130 s each), longest first.
+# The files that take longest on the 2-core CI machine (10-90 s each), longest first, as
+# measured on 2026-11-28 (docs/performance.md#the-test-suite-2-core-cpu-machine; the browser
+# test skips there, and takes ~40 s where chromium is installed).
 # NOTE: `-n 2 --dist loadfile` (with --no-loadscope-reorder, pyproject.toml) hands whole files
 # to the two workers in collection order, one at a time as each runs low: run first, the long
 # files overlap each other and the run ends on short files, not on one worker finishing a long
-# file while the other waits.
+# file while the other waits. A long file missing here runs late, in collection order (as the
+# run memory test's ~35 s did: one worker ran it alone at the end, 11 s after the other ended).
 LONGEST_FIRST = (
-    "tests/flows/test_parallel.py", "tests/flows/test_browser.py",
-    "tests/flows/test_interrupts.py", "tests/engine/test_process_lifecycle.py",
-    "tests/engine/test_shared_prefix_decode.py", "tests/flows/test_dask_cluster.py",
-    "tests/kernels/test_shared_prefix_attention.py", "tests/flows/test_pipeline.py",
-    "tests/flows/test_resident.py", "tests/flows/test_deployments.py",
-    "tests/engine/test_prefill_graph.py", "tests/flows/test_openai_batch.py",
-    "tests/kernels/test_decode_attention.py", "tests/engine/test_resident_engine.py",
-    "tests/engine/test_tensor_parallel.py", "tests/engine/test_data_parallel.py",
+    "tests/flows/test_parallel.py", "tests/flows/test_interrupts.py",
+    "tests/flows/test_browser.py", "tests/flows/test_run_memory.py",
+    "tests/engine/test_process_lifecycle.py", "tests/flows/test_dask_cluster.py",
+    "tests/flows/test_pipeline.py", "tests/flows/test_resident.py",
+    "tests/engine/test_shared_prefix_decode.py", "tests/flows/test_deployments.py",
+    "tests/kernels/test_shared_prefix_attention.py", "tests/engine/test_tensor_parallel.py",
+    "tests/engine/test_data_parallel.py", "tests/engine/test_resident_engine.py",
+    "tests/engine/test_generate_vs_transformers.py", "tests/engine/test_prefill_graph.py",
+    "tests/flows/test_openai_batch.py", "tests/engine/test_prefix_cache_scheduling.py",
 )  # fmt: skip
 
 
