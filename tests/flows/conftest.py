@@ -2,14 +2,17 @@
 
 What is slow to make is made once per session (under xdist, once per worker): the Prefect
 server, the engine on the tiny llama (shared_llama_engine, tests/conftest.py, which flows
-borrow where the engine's own life is not the point), and one plain run of the generate flow
-over 300 questions, which test_pipeline checks and test_parallel compares its Dask runs with.
+borrow where the engine's own life is not the point), the engine on the demo model
+(shared_demo_engine, for test_demo_model and test_demo_flows), and one plain run of the
+generate flow over 300 questions, which test_pipeline checks and test_parallel compares its
+Dask runs with.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import pytest
 
 from tests.flows import prefect_schema
 from tests.flows.fixtures import (
+    DEMO_ENGINE,
     QUESTION_ROWS,
     base_config,
     engine_arguments,
@@ -75,6 +79,29 @@ def resident_engine(shared_llama_engine: Any, llama_dir: Path) -> Iterator[list[
     test_parallel's workers and test_deployments."""
     with lent_engine(shared_llama_engine, engine_arguments(llama_dir)) as asked:
         yield asked
+
+
+@pytest.fixture(scope="session")
+def shared_demo_engine() -> Iterator[Any]:
+    """One engine on the demo model with the demo configs' engine arguments, for the session
+    (under xdist, one per worker): test_demo_model asks it for answers, test_demo_flows lends
+    it to the demo runs (each started one of its own: ~3 s, more on a busy machine)."""
+    from engine import Engine
+
+    model = Path(__file__).resolve().parents[2] / DEMO_ENGINE["model_path"]
+    with Engine(**{**DEMO_ENGINE, "model_path": str(model)}) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def demo_engine(shared_demo_engine: Any) -> Any:
+    """The shared demo engine, idle and with an empty prefix cache, for this module (as
+    tests/engine/conftest.py gives the session's llama engine to each module)."""
+    deadline = time.monotonic() + 30
+    while not shared_demo_engine.flush_cache():  # refused while requests run
+        assert time.monotonic() < deadline, "the demo engine stayed busy after its last module"
+        time.sleep(0.05)
+    return shared_demo_engine
 
 
 # ---------------------------------------------------------------------- the shared run

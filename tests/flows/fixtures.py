@@ -72,6 +72,11 @@ def base_config(model_dir: Path, source: Path, output_dir: Path, **fields: Any) 
     return config
 
 
+# the demo configs' engine section (configs/demo-*.yaml); a run asks Engine(...) for it with the
+# model path made absolute (flows/paths.py)
+DEMO_ENGINE = {"model_path": "demo/model", "dtype": "float32"}
+
+
 def engine_arguments(model_dir: Path) -> dict[str, Any]:
     """The engine of every config here, as its flow passes it to Engine(...)."""
     return {"model_path": str(model_dir), **SHARED_ENGINE_ARGS}

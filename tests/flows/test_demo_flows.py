@@ -20,18 +20,9 @@ import pytest
 
 from demo.data import review_matches
 from flows.cli import main
-from tests.flows.fixtures import lent_engine
+from tests.flows.fixtures import DEMO_ENGINE, lent_engine
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO_ENGINE = {"model_path": "demo/model", "dtype": "float32"}  # the demo configs' engine section
-
-
-@pytest.fixture(scope="module")
-def demo_engine():
-    from engine import Engine
-
-    with Engine(**{**DEMO_ENGINE, "model_path": str(ROOT / DEMO_ENGINE["model_path"])}) as engine:
-        yield engine
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from demo import data
 from demo.make_inputs import INPUTS_DIR, arithmetic_rows, product_rows, review_rows
 from demo.tokenizer import build_tokenizer
 from demo.train import MODEL_DIR, TrainConfig, train
-from engine import Engine
 
 REPRO_STEPS = 5
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -89,9 +88,11 @@ def test_model_size_and_stop_tokens():
 
 # ----------------------------------------------------------------------------- quality, via the engine
 @pytest.fixture(scope="module")
-def engine():
-    with Engine(model_path=str(MODEL_DIR), random_seed=0) as eng:
-        yield eng
+def engine(demo_engine):
+    """The session's engine on the demo model (tests/flows/conftest.py), with the demo configs'
+    arguments: float32, the model's own dtype. (Every request here is greedy or brings its own
+    sampling_seed, so the engine's random_seed draws nothing.)"""
+    return demo_engine
 
 
 @pytest.fixture(scope="module")
