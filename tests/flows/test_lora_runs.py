@@ -18,7 +18,9 @@ from flows.preflight import preflight
 from flows.run_lock import lock_run, unlock_run
 from tests.flows.fixtures import (
     base_config,
+    engine_arguments,
     expected_prompt,
+    lent_engine,
     question_rows,
     run_folder,
     write_jsonl,
@@ -37,6 +39,19 @@ def adapters(llama_dir, tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def lora_engine(llama_dir, adapters):
+    """The engine of this module's configs (engine.lora_paths: both adapters): the reference's,
+    and lent to the runs (lent_engine checks that a run asks for exactly these arguments; how a
+    flow's own engine starts and stops is test_pipeline's). One start, not one per run."""
+    with Engine(**_engine_arguments(llama_dir, adapters)) as engine:
+        yield engine
+
+
+def _engine_arguments(llama_dir, adapters) -> dict:
+    return {**engine_arguments(llama_dir), "lora_paths": adapters}
+
+
 def _config(llama_dir, tmp_path, adapters, rows, **fields):
     source = write_jsonl(tmp_path / "q.jsonl", rows)
     config = base_config(llama_dir, source, tmp_path / "runs", **fields)
@@ -44,33 +59,36 @@ def _config(llama_dir, tmp_path, adapters, rows, **fields):
     return config
 
 
-def _reference(llama_dir, adapters, rows, names) -> dict[str, str]:
-    """Each row's text from an engine called directly with the row's adapter."""
-    with Engine(model_path=str(llama_dir), max_total_tokens=8192, lora_paths=adapters) as engine:
-        outs = engine.generate(
-            [expected_prompt(r) for r in rows],
-            {"temperature": 0, "max_new_tokens": 8},
-            lora_path=names,
-        )
+def _reference(engine, rows, names) -> dict[str, str]:
+    """Each row's text from the engine called directly with the row's adapter."""
+    outs = engine.generate(
+        [expected_prompt(r) for r in rows],
+        {"temperature": 0, "max_new_tokens": 8},
+        lora_path=names,
+    )
     return {r["qid"]: o["text"] for r, o in zip(rows, outs)}
 
 
-def test_an_adapter_per_run_and_per_row(prefect_api, llama_dir, adapters, tmp_path):
+def test_an_adapter_per_run_and_per_row(prefect_api, llama_dir, adapters, lora_engine, tmp_path):
     rows = question_rows(ROWS, seed=21)
     names = [("terse", "wordy", "")[i % 3] for i in range(ROWS)]
     for row, name in zip(rows, names):
         row["adapter"] = name
-    reference = _reference(llama_dir, adapters, rows, [n or None for n in names])
+    reference = _reference(lora_engine, rows, [n or None for n in names])
+    arguments = _engine_arguments(llama_dir, adapters)
     per_row = load_config(
         _config(llama_dir, tmp_path / "per_row", adapters, rows, lora_column="adapter")
     )
-    state = generate_batch(config=per_row, return_state=True)
+    with lent_engine(lora_engine, arguments) as asked:
+        state = generate_batch(config=per_row, return_state=True)
     assert state.is_completed(), state.message
+    assert asked == [arguments], "the run asked for its own engine, with both adapters"
     table = pq.read_table(run_folder(tmp_path / "per_row" / "runs") / "output.parquet")
     assert dict(zip(table.column("id").to_pylist(), table.column("text").to_pylist())) == reference
     # one adapter for every row: the rows of that adapter, and only they, are as above
     per_run = load_config(_config(llama_dir, tmp_path / "per_run", adapters, rows, lora="wordy"))
-    state = generate_batch(config=per_run, return_state=True)
+    with lent_engine(lora_engine, arguments):
+        state = generate_batch(config=per_run, return_state=True)
     assert state.is_completed(), state.message
     table = pq.read_table(run_folder(tmp_path / "per_run" / "runs") / "output.parquet")
     texts = dict(zip(table.column("id").to_pylist(), table.column("text").to_pylist()))
