@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.distributed import all_reduce
+from engine.tensor_parallel import all_reduce
 from engine.transfer import to_device
 from kernels.lora import LORA_BLOCK_M, lora_blocks, lora_expand, lora_max_blocks, lora_shrink
 

@@ -23,12 +23,12 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from engine.layers.distributed import tp_rank
 from engine.lora import TARGET_MODULES
 from engine.lora.adapter import LoraAdapter
 from engine.lora.layer import LoraBatch, LoraLinear
 from engine.model_config import ModelConfig
 from engine.server_args import ServerArgs
+from engine.tensor_parallel import tp_rank
 from kernels.lora import LORA_BLOCK_M, lora_max_blocks
 
 logger = logging.getLogger(__name__)
