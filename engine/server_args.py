@@ -1,8 +1,9 @@
 """Engine arguments: the constructor arguments of SGLang's offline ``Engine`` that gristmill honours.
 
 This is the one place where every engine default is decided: ``__post_init__`` validates the
-arguments (each one's type from its annotation, its range or choices from ``_RULES``: a wrong
-value is a ValueError naming the argument before any process starts) and settles each one left
+arguments (each one's type from its annotation, its range or choices from ``_RULES``, together
+the table ``ServerArgs.rules()`` that the flows' config forms derive theirs from; a wrong value
+is a ValueError naming the argument before any process starts) and settles each one left
 to the engine (``None``) to its value — the device, the attention backend, the request and
 CUDA-graph limits, the random seed — so every process reads the same settled arguments and
 ``get_server_info()`` shows them. What is derived from several arguments is a property, never a
@@ -18,12 +19,11 @@ import difflib
 import importlib.util
 import math
 import random
-import typing
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.platform import cuda_available
+from engine.rules import Rule, annotated_types, check_argument, one_of, table
 
 if TYPE_CHECKING:
     import torch
@@ -123,9 +123,9 @@ class ServerArgs:
         self._settle_defaults()
 
     def _validate(self) -> None:
-        for field in dataclasses.fields(self):
-            if field.name not in _LORA_COLLECTIONS:  # (checked by _check_lora)
-                _check_argument(field.name, getattr(self, field.name))
+        for name, rule in _TABLE.items():
+            if name not in _LORA_COLLECTIONS:  # (checked by _check_lora)
+                check_argument(rule, getattr(self, name))
         self._check_lora()
         # what no single argument's type and range can say: what is missing, what is not built
         # yet, and the rules between arguments
@@ -226,9 +226,8 @@ class ServerArgs:
         settle = {
             "tokenizer_path": self.model_path,
             "device": "cuda" if cuda_available() else "cpu",
-            "mem_fraction_static": DEFAULT_MEM_FRACTION_STATIC,
-            "chunked_prefill_size": DEFAULT_CHUNKED_PREFILL_SIZE,
             "random_seed": random.SystemRandom().randrange(1 << 31),
+            **{name: rule.settled for name, rule in _TABLE.items() if rule.settled is not None},
         }
         for name, value in settle.items():
             if getattr(self, name) is None:
@@ -307,18 +306,16 @@ class ServerArgs:
 
     # ------------------------------------------------------------------ construction
     @staticmethod
+    def rules() -> dict[str, Rule]:
+        """Every argument's rule, {name: Rule} in field order: its type, default, choices and
+        range, as __post_init__ checks them (engine/rules.py). Forms and schemas elsewhere (the
+        flows' config) derive theirs from it, so they cannot disagree with the engine."""
+        return dict(_TABLE)
+
+    @staticmethod
     def choices() -> dict[str, tuple[str, ...]]:
-        """The allowed values of the arguments that take one of a few names (for forms and
-        schemas elsewhere: the flows' config; `_RULES` checks them here)."""
-        return {
-            "dtype": DTYPES,
-            "kv_cache_dtype": ("auto", *KV_CACHE_DTYPES),
-            "attention_backend": ATTENTION_BACKENDS,
-            "load_format": LOAD_FORMATS,
-            "schedule_policy": SCHEDULE_POLICIES,
-            "quantization": QUANTIZATIONS,
-            "load_balance_method": LOAD_BALANCE_METHODS,
-        }
+        """The allowed values of the arguments that take one of a few names (from rules())."""
+        return {name: _TABLE[name].choices for name in _CHOSEN}
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
@@ -343,107 +340,58 @@ class ServerArgs:
         return dataclasses.asdict(self)
 
 
-# ---------------------------------------------------------------------- each argument's check
-@dataclass(frozen=True)
-class _Rule:
-    """What one argument accepts beyond its annotated type, and the words its message uses."""
+# ---------------------------------------------------------------------- each argument's rule
+_POSITIVE = Rule(("a positive integer",), minimum=1)
 
-    allowed: tuple[str, ...]  # the alternatives, e.g. ("-1 (no chunks)", "a positive integer")
-    accepts: Callable[[Any], bool]  # called only with a value of the annotated type
-    choices: tuple[str, ...] = ()  # an enum's values, for did-you-mean
-
-
-def _one_of(choices: tuple[str, ...], fold_case: bool = False) -> _Rule:
-    def accepts(value: str) -> bool:
-        return (value.lower() if fold_case else value) in choices
-
-    return _Rule((f"one of {', '.join(map(repr, choices))}",), accepts, choices)
-
-
-def _is_device(value: str) -> bool:
-    return value in ("cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
-
-
-_POSITIVE = _Rule(("a positive integer",), lambda v: v >= 1)
-
-# The range or choices of each argument that has one; its type comes from its annotation.
-# NOTE: every key names a field of ServerArgs (tests/engine/test_server_args.py holds to it).
-_RULES: dict[str, _Rule] = {
-    "model_path": _Rule(("a non-empty path to a Hugging Face model folder",), bool),
-    "tokenizer_path": _Rule(("a non-empty path to a tokenizer folder",), bool),
-    "load_format": _one_of(LOAD_FORMATS),
+# The range or choices of each argument that has one; its type comes from its annotation, its
+# default from its field. NOTE: every key names a field of ServerArgs (tests/engine/
+# test_server_args.py holds to it).
+_RULES: dict[str, Rule] = {
+    "model_path": Rule(("a non-empty path to a Hugging Face model folder",), non_empty=True),
+    "tokenizer_path": Rule(("a non-empty path to a tokenizer folder",), non_empty=True),
+    "load_format": one_of(LOAD_FORMATS),
     "context_length": _POSITIVE,
-    "dtype": _one_of(DTYPES),
-    "kv_cache_dtype": _one_of(("auto", *KV_CACHE_DTYPES)),
-    "quantization": _one_of(QUANTIZATIONS),
-    "device": _Rule(("'cpu'", "'cuda'", "'cuda:N'"), _is_device),
-    "mem_fraction_static": _Rule(("a number in (0, 1)",), lambda v: 0 < v < 1),
+    "dtype": one_of(DTYPES),
+    "kv_cache_dtype": one_of(("auto", *KV_CACHE_DTYPES)),
+    "quantization": one_of(QUANTIZATIONS),
+    "device": Rule(("'cpu'", "'cuda'", "'cuda:N'"), pattern=r"cpu|cuda|cuda:[0-9]+"),
+    "mem_fraction_static": Rule(
+        ("a number in (0, 1)",),
+        minimum=0,
+        maximum=1,
+        exclusive_minimum=True,
+        exclusive_maximum=True,
+        settled=DEFAULT_MEM_FRACTION_STATIC,
+    ),
     "max_total_tokens": _POSITIVE,
     "max_running_requests": _POSITIVE,
     "max_prefill_tokens": _POSITIVE,
-    "chunked_prefill_size": _Rule(
-        ("-1 (no chunks)", "a positive integer"), lambda v: v == -1 or v >= 1
+    "chunked_prefill_size": Rule(
+        ("-1 (no chunks)", "a positive integer"),
+        minimum=1,
+        also=(-1,),
+        settled=DEFAULT_CHUNKED_PREFILL_SIZE,
     ),
-    "schedule_policy": _one_of(SCHEDULE_POLICIES),
+    "schedule_policy": one_of(SCHEDULE_POLICIES),
     "page_size": _POSITIVE,
-    "attention_backend": _one_of(ATTENTION_BACKENDS),
+    "attention_backend": one_of(ATTENTION_BACKENDS),
     "cuda_graph_max_bs": _POSITIVE,
-    "prefill_cuda_graph_max_tokens": _Rule(
-        ("0 (no prefill graphs)", "a positive integer"), lambda v: v >= 0
+    "prefill_cuda_graph_max_tokens": Rule(
+        ("0 (no prefill graphs)", "a positive integer"), minimum=0
     ),
     "tp_size": _POSITIVE,
     "dp_size": _POSITIVE,
-    "load_balance_method": _one_of(LOAD_BALANCE_METHODS),
-    "base_gpu_id": _Rule(("a non-negative integer",), lambda v: v >= 0),
+    "load_balance_method": one_of(LOAD_BALANCE_METHODS),
+    "base_gpu_id": Rule(("a non-negative integer",), minimum=0),
     "gpu_id_step": _POSITIVE,
-    "log_level": _one_of(LOG_LEVELS, fold_case=True),
+    "log_level": one_of(LOG_LEVELS, fold_case=True),
     "stream_interval": _POSITIVE,
+    "max_loras_per_batch": _POSITIVE,
+    "max_lora_rank": _POSITIVE,
 }
-
-_RULES["max_loras_per_batch"] = _POSITIVE
-_RULES["max_lora_rank"] = _POSITIVE
 _LORA_COLLECTIONS = ("lora_paths", "lora_target_modules")
-_ANNOTATIONS = typing.get_type_hints(ServerArgs)
-_TYPE_WORDS = {
-    bool: ("True", "False"),
-    int: ("an integer",),
-    float: ("a number",),
-    str: ("a string",),
-}
-
-
-def _check_argument(name: str, value: Any) -> None:
-    """ValueError naming `name` unless `value` is of its annotated type and within its rule."""
-    kind, optional = _annotated(_ANNOTATIONS[name])
-    if value is None and optional:
-        return
-    rule = _RULES.get(name)
-    if _is_a(value, kind) and (rule is None or rule.accepts(value)):
-        return
-    allowed = (rule.allowed if rule else _TYPE_WORDS[kind]) + (("None",) if optional else ())
-    message = f"{name} must be {_alternatives(allowed)}, got {value!r} ({type(value).__name__})"
-    close = (
-        difflib.get_close_matches(value.lower(), rule.choices, n=1)
-        if rule and isinstance(value, str)
-        else []
-    )
-    raise ValueError(message + (f"; did you mean {close[0]!r}?" if close else "."))
-
-
-def _annotated(hint: Any) -> tuple[type, bool]:
-    """An argument's type and whether it may be None, from its annotation: `T` or `T | None`."""
-    members = typing.get_args(hint) or (hint,)
-    # NOTE: every argument is one bool, int, float or str, optionally None
-    (kind,) = (m for m in members if m is not type(None))
-    return kind, type(None) in members
-
-
-def _is_a(value: Any, kind: type) -> bool:
-    """Strict: True is no int, 1 no bool, "8" no int; an int is a float (as Python's typing has it)."""
-    if isinstance(value, bool):
-        return kind is bool
-    return isinstance(value, (int, float) if kind is float else kind)
-
-
-def _alternatives(words: tuple[str, ...]) -> str:
-    return " or ".join(words) if len(words) <= 2 else f"{', '.join(words[:-1])} or {words[-1]}"
+# the arguments that take one of a few names (ServerArgs.choices())
+_CHOSEN = ("dtype", "kv_cache_dtype", "attention_backend", "load_format", "schedule_policy",
+           "quantization", "load_balance_method")  # fmt: skip
+# every argument's rule, in field order: what __post_init__ checks, and what ServerArgs.rules() gives
+_TABLE = table(ServerArgs, _RULES, annotated_types(ServerArgs))
