@@ -100,7 +100,7 @@ class Rule:
 
 
 def one_of(choices: tuple[str, ...], fold_case: bool = False) -> Rule:
-    return Rule((f"one of {', '.join(map(repr, choices))}",), choices, fold_case)
+    return Rule((f"one of {', '.join(map(repr, choices))}",), choices, fold_case, types=(str,))
 
 
 def table(cls: type, rules: dict[str, Rule], types: dict[str, tuple[type, ...]]) -> dict[str, Rule]:

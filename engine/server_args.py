@@ -9,7 +9,9 @@ CUDA-graph limits, the random seed — so every process reads the same settled a
 ``get_server_info()`` shows them. What is derived from several arguments is a property, never a
 stored copy. Three values stay open because only the model folder or the device can settle them:
 ``context_length`` (None: the model's), ``max_total_tokens`` (None: sized from memory at
-start-up) and ``max_running_requests`` (None: from that pool, by ``running_requests_for``).
+start-up) and ``max_running_requests`` (None: from that pool, by ``running_requests_for``); and
+two because only the LoRA adapters read at start can: ``max_lora_rank`` and
+``lora_target_modules`` (``lora_rank_for``, ``lora_targets_for``, which the scheduler asks).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 QUANTIZATIONS = ("fp8", "compressed-tensors")
 # how a data-parallel engine picks the scheduler group of a request (engine/frontend/dp_balance.py)
 LOAD_BALANCE_METHODS = ("prefix_aware", "shortest_queue", "round_robin")
+# the projections a LoRA adapter may target, by their Hugging Face names (engine/lora/)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_MAX_LORA_RANK = 64  # max_lora_rank with no adapter at start to take it from
 
 DEFAULT_MEM_FRACTION_STATIC = 0.85  # of GPU memory for weights + KV pool
 # max_running_requests left to the engine: a request row per TOKENS_PER_REQUEST_ROW tokens of
@@ -115,8 +120,9 @@ class ServerArgs:
     enable_lora: bool | None = None  # None: True when lora_paths are given
     lora_paths: list | dict | None = None
     max_loras_per_batch: int = 8  # adapter slots on the device: distinct adapters in one batch
-    max_lora_rank: int | None = None  # None: the largest rank of lora_paths (64 without them)
-    lora_target_modules: list | None = None  # None: those of lora_paths (all seven without them)
+    max_lora_rank: int | None = None  # None: lora_rank_for (lora_paths' largest rank, or 64)
+    # None: lora_targets_for (those of lora_paths, or all LORA_TARGET_MODULES); "all": all of them
+    lora_target_modules: list | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -160,8 +166,6 @@ class ServerArgs:
             )
 
     def _check_lora(self) -> None:
-        from engine.lora import TARGET_MODULES
-
         paths = self.lora_paths
         if paths is not None:
             if isinstance(paths, dict):
@@ -184,11 +188,11 @@ class ServerArgs:
                     f"lora_target_modules must be a list of module names, got {targets!r} "
                     f"({type(targets).__name__})"
                 )
-            unknown = [t for t in targets if t not in (*TARGET_MODULES, "all")]
+            unknown = [t for t in targets if not _TABLE["lora_target_modules"].items.accepts(t)]
             if unknown:
                 raise ValueError(
                     f"lora_target_modules {unknown} are not supported; allowed: "
-                    f"{', '.join(TARGET_MODULES)} or 'all'"
+                    f"{', '.join(LORA_TARGET_MODULES)} or 'all'"
                 )
         if self.enable_lora is False and paths:
             raise ValueError("lora_paths are given but enable_lora=False: drop one of them")
@@ -212,6 +216,23 @@ class ServerArgs:
     @property
     def lora_enabled(self) -> bool:
         return bool(self.enable_lora) or bool(self.lora_paths)
+
+    def lora_rank_for(self, ranks: list[int]) -> int:
+        """max_lora_rank, given the ranks of the adapters read at start (lora_paths): the
+        argument if given, else the largest of them, DEFAULT_MAX_LORA_RANK without any."""
+        return self.max_lora_rank or max(ranks, default=DEFAULT_MAX_LORA_RANK)
+
+    def lora_targets_for(self, targets_of: list[tuple[str, ...]]) -> tuple[str, ...]:
+        """The target modules served, in LORA_TARGET_MODULES' order, given those of each adapter
+        read at start: lora_target_modules if given ("all": every one), else all those adapters
+        target, every one without any adapter."""
+        targets = self.lora_target_modules
+        if targets is None or "all" in targets:
+            if not targets_of or "all" in (targets or []):
+                targets = LORA_TARGET_MODULES
+            else:
+                targets = {t for found in targets_of for t in found}
+        return tuple(t for t in LORA_TARGET_MODULES if t in targets)
 
     @property
     def lora_adapters(self) -> dict[str, str]:
@@ -388,6 +409,7 @@ _RULES: dict[str, Rule] = {
     "stream_interval": _POSITIVE,
     "max_loras_per_batch": _POSITIVE,
     "max_lora_rank": _POSITIVE,
+    "lora_target_modules": Rule(items=one_of((*LORA_TARGET_MODULES, "all"))),
 }
 _LORA_COLLECTIONS = ("lora_paths", "lora_target_modules")
 # the arguments that take one of a few names (ServerArgs.choices())

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# the projections an adapter may target, by their Hugging Face names (NOTE: here, in a module
-# without torch: ServerArgs checks lora_target_modules against it in the caller's process)
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the projections an adapter may target, under the name engine/bench.py reads here: decided
+# with the engine's other arguments (engine/server_args.py)
+from engine.server_args import LORA_TARGET_MODULES as TARGET_MODULES
+
+__all__ = ["TARGET_MODULES", "LoraAdapterResult"]
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.lora import TARGET_MODULES
 from engine.model_config import ModelConfig
+from engine.server_args import LORA_TARGET_MODULES
 
 _TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
@@ -67,7 +67,7 @@ class LoraAdapter:
         alpha = float(config.get("lora_alpha", rank))
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         weights = _read_weights(folder, model, rank)
-        targets = tuple(sorted({module for _, module in weights}, key=TARGET_MODULES.index))
+        targets = tuple(sorted({module for _, module in weights}, key=LORA_TARGET_MODULES.index))
         return cls(name, str(folder), rank, scaling, targets, weights)
 
 
@@ -86,10 +86,10 @@ def _read_weights(
                     if match is None:
                         raise ValueError(f"{file.name}: tensor {key!r} is not a LoRA A or B weight")
                     layer, module, half = int(match[1]), match[2], match[3]
-                    if module not in TARGET_MODULES:
+                    if module not in LORA_TARGET_MODULES:
                         raise ValueError(
                             f"{file.name}: target module {module!r} is not supported; supported: "
-                            f"{', '.join(TARGET_MODULES)}"
+                            f"{', '.join(LORA_TARGET_MODULES)}"
                         )
                     halves[layer, module, half] = f.get_tensor(key).float()
         except ValueError:

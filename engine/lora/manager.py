@@ -23,7 +23,6 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from engine.lora import TARGET_MODULES
 from engine.lora.adapter import LoraAdapter
 from engine.lora.layer import LoraBatch, LoraLinear
 from engine.model_config import ModelConfig
@@ -32,8 +31,6 @@ from engine.tensor_parallel import tp_rank
 from kernels.lora import LORA_BLOCK_M, lora_max_blocks
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_RANK = 64  # max_lora_rank without lora_paths to infer it from
 
 # fused projections of the models, their parts (adapter modules) in the fused order, and
 # whether they are row-parallel
@@ -55,14 +52,9 @@ class LoraManager:
             name: LoraAdapter.from_folder(name, path, config)
             for name, path in args.lora_adapters.items()
         }
-        self.max_rank = args.max_lora_rank or max(
-            (a.rank for a in initial.values()), default=DEFAULT_MAX_RANK
-        )
-        targets = args.lora_target_modules
-        if targets is None or "all" in targets:
-            found = {t for a in initial.values() for t in a.targets}
-            targets = TARGET_MODULES if not initial or "all" in (targets or []) else found
-        self.targets = tuple(t for t in TARGET_MODULES if t in targets)
+        # (what the adapters read at start settle: ServerArgs decides how)
+        self.max_rank = args.lora_rank_for([a.rank for a in initial.values()])
+        self.targets = args.lora_targets_for([a.targets for a in initial.values()])
         self.num_slots = args.max_loras_per_batch
         self.slots: list[str | None] = [None] * self.num_slots
         self.adapters: dict[str, LoraAdapter] = {}

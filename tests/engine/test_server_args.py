@@ -197,6 +197,28 @@ def test_max_running_requests_follows_the_pool_unless_given(pool_tokens, given, 
     assert args.cuda_graph_max_bs == min(1024, args.max_request_rows)
 
 
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize(
+    ("given", "ranks", "targets_of", "rank", "targets"),
+    [
+        ({}, [], [], 64, ALL_TARGETS),  # no adapter at start: the defaults
+        ({}, [8, 16], [("v_proj",), ("q_proj", "v_proj")], 16, ("q_proj", "v_proj")),
+        ({"max_lora_rank": 4, "lora_target_modules": ["up_proj", "q_proj"]}, [8], [("q_proj",)],
+         4, ("q_proj", "up_proj")),  # given: kept, in the engine's order
+        ({"lora_target_modules": ["all"]}, [8], [("q_proj",)], 8, ALL_TARGETS),
+    ],
+)  # fmt: skip
+def test_lora_rank_and_targets_follow_the_adapters_at_start_unless_given(
+    given, ranks, targets_of, rank, targets
+):
+    """What only the adapters read at start can settle, ServerArgs still decides."""
+    args = ServerArgs.from_kwargs(model_path="m", enable_lora=True, **given)
+    assert args.lora_rank_for(ranks) == rank
+    assert args.lora_targets_for(targets_of) == targets
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [({"stream_interval": "x"}, "stream_interval"), ({"random_seed": "abc"}, "random_seed")],
