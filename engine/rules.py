@@ -74,7 +74,8 @@ class Rule:
 
     def json_schema(self) -> dict[str, Any]:
         """The rule as JSON-schema keywords: type, enum, bounds, "not" (the integers between
-        `also` and the minimum), pattern, minLength, items; None is not among them."""
+        `also` and the minimum), pattern, minLength, items. None is not among them, nor is
+        `finite` (JSON has no infinities), nor `fold_case` (the enum offers the spellings)."""
         kinds = [_JSON_TYPES[t] for t in self.types if not (t is int and float in self.types)]
         schema: dict[str, Any] = {"type": kinds[0] if len(kinds) == 1 else kinds}
         if self.choices:

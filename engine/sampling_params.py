@@ -1,4 +1,8 @@
-"""Per-request sampling parameters, validated with SGLang's rules before anything is queued."""
+"""Per-request sampling parameters, validated with SGLang's rules before anything is queued.
+
+Each parameter's range is a rule of the table `SamplingParams.rules()` (engine/rules.py), which
+verify() checks and the flows' sampling section derives its form from.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.rules import Rule, table
 
 # A temperature below this samples greedily, as in SGLang.
 _GREEDY_EPS = 1e-6
@@ -63,47 +69,34 @@ class SamplingParams:
         sp.verify()
         return sp
 
+    @staticmethod
+    def rules() -> dict[str, Rule]:
+        """Every parameter a caller may pass, {name: Rule}: its types, default and range, as
+        verify() checks them (engine/rules.py). Forms elsewhere (the flows' config) derive
+        theirs from it, so they cannot disagree with the engine."""
+        return dict(_TABLE)
+
     # ------------------------------------------------------------------ validation
     def verify(self) -> None:
         """SGLang's rules; every message names the field, the allowed range and the value."""
-        if not math.isfinite(self.temperature) or self.temperature < 0.0:
-            raise ValueError(
-                f"temperature must be non-negative and finite, got {self.temperature}."
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.top_k < 1 and self.top_k != -1:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}."
-            )
-        if self.max_new_tokens is not None and self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
-        most = self.max_new_tokens if self.max_new_tokens is not None else math.inf
-        if not 0 <= self.min_new_tokens <= most:
-            raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}."
-            )
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
-        if self.stream_interval is not None and self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
+        for name in _RANGES:
+            if name != "stop_token_ids":  # (below, after the rules between parameters)
+                self._check_range(name)
         if sum(g is not None for g in (self.json_schema, self.regex, self.ebnf)) > 1:
             raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
         if any(not s for s in self.stop_strings):
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}.")
-        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}."
-            )
+        self._check_range("stop_token_ids")
         self._refuse_unbuilt()
+
+    def _check_range(self, name: str) -> None:
+        rule, value = _TABLE[name], getattr(self, name)
+        if value is None and rule.optional:
+            return
+        most = self.max_new_tokens if self.max_new_tokens is not None else math.inf
+        if not rule.accepts(value) or (name == "min_new_tokens" and value > most):
+            words = rule.words().format(max_new_tokens=self.max_new_tokens)
+            raise ValueError(f"{name} must be {words}, got {value}.")
 
     def _refuse_unbuilt(self) -> None:
         """Refuse, by name, what this version does not do yet, rather than silently ignore it."""
@@ -182,6 +175,25 @@ _USER_FIELDS: dict[str, tuple[type, ...]] = {
     "custom_params": (dict, type(None)),
     "stream_interval": (int, type(None)),
 }
+# SGLang's range of each parameter that has one, in the order verify() checks them (the message
+# says `allowed`); its types come from _USER_FIELDS, its default from its field
+_RANGES: dict[str, Rule] = {
+    "temperature": Rule(("non-negative and finite",), minimum=0, finite=True),
+    "top_p": Rule(("in (0, 1]",), minimum=0, maximum=1, exclusive_minimum=True),
+    "min_p": Rule(("in [0, 1]",), minimum=0, maximum=1),
+    "top_k": Rule(("-1 (disable)", "at least 1"), minimum=1, also=(-1,)),
+    "frequency_penalty": Rule(("in [-2, 2]",), minimum=-2, maximum=2),
+    "presence_penalty": Rule(("in [-2, 2]",), minimum=-2, maximum=2),
+    "repetition_penalty": Rule(("in (0, 2]",), minimum=0, maximum=2, exclusive_minimum=True),
+    "max_new_tokens": Rule(("at least 0",), minimum=0),
+    # NOTE: and at most max_new_tokens, a rule between two parameters (verify checks it)
+    "min_new_tokens": Rule(("in [0, max_new_tokens({max_new_tokens})]",), minimum=0),
+    "n": Rule(("at least 1",), minimum=1),
+    "stream_interval": Rule(("at least 1",), minimum=1),
+    "stop_token_ids": Rule(("non-negative token ids",), items=Rule(types=(int,), minimum=0)),
+}
+# every parameter a caller may pass, in field order: what verify() checks, what rules() gives
+_TABLE = table(SamplingParams, _RANGES, _USER_FIELDS)
 
 
 def _token_id(key: Any) -> int | None:

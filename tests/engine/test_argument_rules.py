@@ -1,20 +1,20 @@
-"""The tables of the engine's rules (engine/rules.py): `ServerArgs.rules()` holds every argument,
-with its field's own type and default, and what the engine checks is what the table's JSON schema
-says, value for value, so a form built from the table (the flows' config) refuses exactly what
-the engine refuses."""
+"""The tables of the engine's rules (engine/rules.py): `ServerArgs.rules()` holds every argument
+and `SamplingParams.rules()` every sampling parameter a caller may pass, each with its field's
+own default, and what the engine checks is what the table's JSON schema says, value for value,
+so a form built from a table (the flows' config) refuses exactly what the engine refuses."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 
 import jsonschema
 import pytest
 
-from engine import ServerArgs
+from engine import SamplingParams, ServerArgs
 
 RULES = ServerArgs.rules()
+SAMPLING = SamplingParams.rules()
 
 
 def test_every_argument_has_its_rule_with_its_fields_type_and_default():
@@ -50,10 +50,8 @@ def _probes(rule) -> list:
     edges = [e for e in (rule.minimum, rule.maximum) if e is not None] + list(rule.also) + [0]
     if rule.types == (int,):
         return sorted({int(e) + d for e in edges for d in (-2, -1, 0, 1, 2)})
-    return sorted({e + d for e in edges for d in (-1, -0.5, -1e-9, 0, 1e-9, 0.5, 1)}) + [
-        math.inf,
-        -math.inf,
-    ]
+    # (no infinities: JSON has none, so a schema is never asked; `finite` is the engine's alone)
+    return sorted({e + d for e in edges for d in (-1, -0.5, -1e-9, 0, 1e-9, 0.5, 1)})
 
 
 # NOTE: not log_level, which takes any case (its schema's enum offers the spellings), nor
@@ -95,3 +93,48 @@ def test_the_schema_of_a_rule_with_values_below_its_range():
         "exclusiveMaximum": 1,
     }
     assert RULES["dtype"].json_schema() == {"type": "string", "enum": list(RULES["dtype"].choices)}
+
+
+def test_every_sampling_parameter_has_its_rule_with_its_fields_default():
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    assert set(SAMPLING) == set(defaults) - {"stop_ids"}  # (the engine's own, not a caller's)
+    for name, rule in SAMPLING.items():
+        assert rule.name == name and rule.default == defaults[name] and not rule.required
+
+
+SAMPLING_CHECKED = [
+    (name, value)
+    for name, rule in SAMPLING.items()
+    if rule.types in ((int,), (int, float)) and (rule.minimum, rule.maximum) != (None, None)
+    for value in _probes(rule)
+]
+
+
+@pytest.mark.parametrize(("name", "value"), SAMPLING_CHECKED)
+def test_the_sampling_check_accepts_what_the_tables_schema_accepts(name, value):
+    """(min_new_tokens' bound by max_new_tokens, a rule between two parameters, is no schema's.)"""
+    schema = SAMPLING[name].json_schema()
+    try:
+        jsonschema.validate(value, schema)
+        by_schema = True
+    except jsonschema.ValidationError:
+        by_schema = False
+    try:
+        SamplingParams.from_dict({"max_new_tokens": None, name: value})
+        by_engine = True
+    except ValueError:
+        by_engine = False
+    assert by_engine == by_schema, (schema, value)
+
+
+def test_the_sampling_schemas_of_a_gap_and_of_items():
+    assert SAMPLING["top_k"].json_schema() == {
+        "type": "integer",
+        "minimum": -1,
+        "not": {"const": 0},
+    }
+    assert SAMPLING["stop_token_ids"].json_schema() == {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0},
+    }
+    assert SAMPLING["stop"].json_schema() == {"type": ["string", "array"]}
