@@ -1,5 +1,5 @@
-"""The shared-prefix workload from text through `gristmill run`, beside `engine.bench` of the
-same shape from token ids (GPU; not a test).
+"""The shared-prefix workload from text through `gristmill run`, beside `python -m bench` of
+the same shape from token ids (GPU; not a test).
 
     PYTHONPATH=. python scripts/bench_flow_prefix.py --rows 1000 --prefix-tokens 2000
 
@@ -8,7 +8,7 @@ row holds a short item (about --item-tokens tokens); every row generates --outpu
 (ignore_eos). The model is a shipped architecture's config with dummy weights and the demo
 model's tokenizer (scripts/bench_flow_dp.py: model_folder). The flow's generate step
 (summary.json: generate_seconds) includes the caller's rendering and tokenizing of every row;
-engine.bench passes token ids, so the ratio is what text costs a user.
+`python -m bench` passes token ids, so the ratio is what text costs a user.
 
 `--paths` splits that cost on one engine in this process (no Prefect): the same rows as token
 ids in one call, as text in one call, and as text one row per request through the flows' own
@@ -47,7 +47,7 @@ def text_of(tokens: int, tokenizer, rng: random.Random) -> str:
 
 def bench_from_ids(args: argparse.Namespace, work: Path) -> dict:
     out = work / "bench.json"
-    cmd = [sys.executable, "-m", "engine.bench", "--model-config", args.model_config,
+    cmd = [sys.executable, "-m", "bench", "--model-config", args.model_config,
            "--num-prompts", str(args.rows), "--shared-prefix-len", str(args.prefix_tokens),
            "--input-len", str(args.item_tokens), "--output-len", str(args.output_len),
            "--json", str(out)]  # fmt: skip
@@ -57,13 +57,13 @@ def bench_from_ids(args: argparse.Namespace, work: Path) -> dict:
     }
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"engine.bench failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        raise SystemExit(f"bench failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     return json.loads(out.read_text())
 
 
 def compare_paths(model: Path, instruction: str, rows: Path, args: argparse.Namespace) -> None:
     """One engine, three callers of the same rows, then the ids again on an engine without a
-    tokenizer (engine.bench's): the table of `--paths` (the module's doc)."""
+    tokenizer (bench's): the table of `--paths` (the module's doc)."""
     import asyncio
     import logging
     import time
@@ -179,9 +179,9 @@ def main() -> None:
     flow = run(work / "run.yaml", 1, work)
     bench = bench_from_ids(args, work)
     ratio = flow["generate_seconds"] / float(bench["wall time (s)"])
-    print("| workload | rows | prompt tokens / row | wall (s) | vs engine.bench |")
+    print("| workload | rows | prompt tokens / row | wall (s) | vs bench |")
     print("| --- | --- | --- | --- | --- |")
-    print(f"| engine.bench, token ids | {args.rows} | {args.prefix_tokens + args.item_tokens} | "
+    print(f"| bench, token ids | {args.rows} | {args.prefix_tokens + args.item_tokens} | "
           f"{bench['wall time (s)']} | 1.00x |")  # fmt: skip
     print(f"| gristmill run, text: generate step | {flow['rows']} | "
           f"{flow['prompt_tokens'] / flow['rows']:.0f} | {flow['generate_seconds']:.2f} | "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import make_workload
+from bench.floor import make_workload
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
 from engine.scheduler.output import outputs_to_send

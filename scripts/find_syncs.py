@@ -18,7 +18,8 @@ import warnings
 import torch
 
 import engine.runner.model_runner as model_runner
-from engine.bench import dummy_folder, make_workload
+from bench.floor import make_workload
+from bench.throughput import dummy_folder
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
 from engine.runner.launched_step import LaunchedStep

@@ -16,7 +16,7 @@ fi
 # The image sets PYTHONDONTWRITEBYTECODE=1: without this, every process would compile Prefect and
 # gristmill from source (import prefect: 3.8 s, against 1.4-1.9 s compiled), where a user's
 # `pip install` compiles at install time and Python caches the rest on its first import.
-python3 -m compileall -q -j 16 /tmp/site flows engine kernels deployments demo >/dev/null 2>&1
+python3 -m compileall -q -j 16 /tmp/site flows engine kernels bench deployments demo >/dev/null 2>&1
 if [ -f .fi/flashinfer-slim.tgz ]; then  # optional: FlashInfer unpacked beside the wheels
   mkdir -p /tmp/site && tar xzf .fi/flashinfer-slim.tgz -C /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .fi/*.whl 2>&1 | grep -v WARNING
@@ -32,9 +32,9 @@ tests() {
     || { [ $? -ge 124 ] && echo "timed out after ${TEST_TIMEOUT:-3600} s" >>"$OUT/$s.log"; }
   grep -E "^(ERROR|FAILED)|^E  |passed|failed|error" "$OUT/$s.log" | tail -25
 }
-# A benchmark step: engine.bench's table, also as $OUT/<step>.json (which `regress` sums up).
+# A benchmark step: bench's table (python -m bench), also as $OUT/<step>.json (which `regress` sums up).
 bench() {
-  python3 -m engine.bench "$@" --json "$OUT/$s.json" 2>&1 | grep "^|\|Error\|error"
+  python3 -m bench "$@" --json "$OUT/$s.json" 2>&1 | grep "^|\|Error\|error"
 }
 W1="--model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024"
 W2="--model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256"
@@ -101,22 +101,22 @@ run_step() {
                 --len 1024 --kernels 0:2,300:310 --engine-args '{"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}' \
                 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tee "$OUT/$s.log" | tail -45 ;;
       flashinfer) tests tests/engine/test_flashinfer_backend.py tests/kernels/test_kv_indices.py -s ;;
-      w1-flashinfer) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
+      w1-flashinfer) python3 -m bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
                 --engine-args '{"attention_backend": "flashinfer"}' --json "$OUT/w1-flashinfer.json" 2>&1 | grep "^|\|Error" ;;
       splits) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_decode_splits.py 2>&1 | tail -8 ;;
-      w1-profile) GRISTMILL_PROFILE=$OUT/w1.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 2>&1 | grep "^|"
+      w1-profile) GRISTMILL_PROFILE=$OUT/w1.prof python3 -m bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 2>&1 | grep "^|"
                   python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(22)" "$OUT/w1.prof" | tail -32 ;;
       latency) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_run_latency.py --chat --imports --timeline 2>&1 | grep -v "^Loading\|WARNING" | tail -150 ;;
       startup) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/startup_phases.py 2>&1 | tail -30 ;;
       lora) tests tests/engine/test_lora.py tests/kernels/test_lora.py -s ;;
-      w1-lora) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
+      w1-lora) python3 -m bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
                 --lora-adapters 4 --lora-rank 16 --json "$OUT/w1-lora.json" 2>&1 | grep "^|" ;;
       fp8) tests tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_quant.py tests/engine/test_fp8_weights.py \
                 tests/engine/test_fp8_gpu.py -s
            grep "^|" "$OUT/$s.log" ;;
       vl) tests tests/engine/test_vision_language.py tests/engine/test_qwen2_5_vl_vision.py tests/engine/test_images.py tests/engine/test_mrope.py -n 4 ;;
       vl-profile) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_vision.py 2>&1 | tail -30 ;;
-      vl-bench) python3 -m engine.bench_images --model-config qwen2.5-vl-3b --num-images 1000 --image-size 448 --output-len 64 \
+      vl-bench) python3 -m bench.images --model-config qwen2.5-vl-3b --num-images 1000 --image-size 448 --output-len 64 \
                 --json "$OUT/vl-bench.json" 2>&1 | grep "^|\|Error" ;;
       fp8-kernels) tests tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_quant.py tests/kernels/test_v_groups.py ;;
       fp8-splits) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --splits --hq 16 2>&1 | tail -12 ;;
@@ -124,33 +124,33 @@ run_step() {
            grep "^|\|prompts," "$OUT/$s.log" ;;
       fp8-decode) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --hq 16 2>&1 | tail -14 ;;
       fp8-decode-mix) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --hq 16 --mix 2>&1 | tail -14 ;;
-      w1-fp8) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
+      w1-fp8) python3 -m bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
                 --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' --json "$OUT/w1-fp8.json" 2>&1 | grep "^|" ;;
-      w2-fp8) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \
+      w2-fp8) python3 -m bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \
                 --engine-args '{"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}' --json "$OUT/w2-fp8.json" 2>&1 | grep "^|" ;;
-      w2-fp8kv) python3 -m engine.bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \
+      w2-fp8kv) python3 -m bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \
                 --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' --json "$OUT/w2-fp8kv.json" 2>&1 | grep "^|" ;;
       w1) bench $W1 ;;
-      w1-peer) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --peer transformers --json "$OUT/w1-peer.json" 2>&1 | grep "^|" ;;
+      w1-peer) python3 -m bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --peer transformers --json "$OUT/w1-peer.json" 2>&1 | grep "^|" ;;
       w2) bench $W2 ;;
       prefix-off) bench $PREFIX --engine-args '{"disable_radix_cache": true}' ;;
-      queue) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 2000 --input-len 100:1024 --output-len 256 \
+      queue) python3 -m bench --model-config qwen3-0.6b --num-prompts 2000 --input-len 100:1024 --output-len 256 \
                 --json "$OUT/queue.json" 2>&1 | grep "^|" ;;
-      fewshot) for flag in false true; do python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 \
+      fewshot) for flag in false true; do python3 -m bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 \
                 --num-prefixes 8 --input-len 50 --output-len 64 \
                 --engine-args "{\"disable_radix_cache\": $flag}" --json "$OUT/fewshot-$flag.json" 2>&1 | grep "^|"; done ;;
-      prefix-plain) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
+      prefix-plain) python3 -m bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
                 --engine-args '{"disable_shared_prefix_attention": true}' --json "$OUT/prefix-plain.json" 2>&1 | grep "^|" ;;
-      prefix-profile) GRISTMILL_PROFILE=$OUT/prefix.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 \
+      prefix-profile) GRISTMILL_PROFILE=$OUT/prefix.prof python3 -m bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 \
                 --input-len 50 --output-len 64 2>&1 | grep "^|"
                   profile "$OUT/prefix.prof" ;;
-      queue-profile) GRISTMILL_PROFILE=$OUT/queue.prof python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 2000 --input-len 100:1024 \
+      queue-profile) GRISTMILL_PROFILE=$OUT/queue.prof python3 -m bench --model-config qwen3-0.6b --num-prompts 2000 --input-len 100:1024 \
                 --output-len 256 2>&1 | grep "^|"
                   profile "$OUT/queue.prof" ;;
       prefix-on) bench $PREFIX ;;
-      fewshot-on) python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --num-prefixes 8 \
+      fewshot-on) python3 -m bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --num-prefixes 8 \
                 --input-len 50 --output-len 64 --json "$OUT/fewshot-on.json" 2>&1 | grep "^|" ;;
-      prefix) for flag in false true; do python3 -m engine.bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
+      prefix) for flag in false true; do python3 -m bench --model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64 \
                 --engine-args "{\"disable_radix_cache\": $flag}" --json "$OUT/prefix-$flag.json" 2>&1 | grep "^|"; done ;;
     esac
 }

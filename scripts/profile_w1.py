@@ -19,8 +19,9 @@ from collections import defaultdict
 
 import torch
 
+from bench.floor import make_workload, measure_ceilings, weight_bytes
+from bench.throughput import dummy_folder
 from engine.batch.forward_batch import ForwardMode
-from engine.bench import dummy_folder, make_workload, measure_ceilings, weight_bytes
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
 from engine.scheduler.scheduler import Scheduler

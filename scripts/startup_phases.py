@@ -14,8 +14,8 @@ import json
 import logging
 import time
 
+from bench.throughput import dummy_folder
 from engine import Engine
-from engine.bench import dummy_folder
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""A benchmark workload (engine/bench.py) and the least time any engine could take for it.
+"""A benchmark workload (bench/throughput.py) and the least time any engine could take for it.
 
 The floor of a workload: decode reads the weights once per step (at least max(output length)
 steps) plus each live sequence's KV per step, at the device's measured copy bandwidth; prefill

@@ -1,12 +1,12 @@
 """Offline throughput benchmark, in the manner of `sglang.bench_offline_throughput`.
 
-    python -m engine.bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024
-    python -m engine.bench --model /models/Llama-3.1-8B --num-prompts 1000 --input-len 1024 --output-len 256
+    python -m bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024
+    python -m bench --model /models/Llama-3.1-8B --num-prompts 1000 --input-len 1024 --output-len 256
 
 It prints one table: the workload, wall time, output and total tok/s, engine start-up, and the
 floor for this exact workload — decode bytes (weights once per decode step, plus every live
 sequence's KV per step) at the measured device-to-device copy bandwidth, plus prefill FLOPs at
-the measured matmul rate (engine/bench_floor.py) — and the fraction of that floor achieved. `--peer transformers`
+the measured matmul rate (bench/floor.py) — and the fraction of that floor achieved. `--peer transformers`
 runs the same prompts through transformers' continuous batching in the same process run.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import tempfile
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench_floor import (
+from bench.floor import (
     Workload,
     floor_seconds,
     make_workload,
@@ -33,7 +34,9 @@ from engine.model_config import ModelConfig
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import KV_CACHE_DTYPES
 
-CONFIGS = Path(__file__).parent / "model_configs"
+# the architectures engine/ ships (its package data), beside engine/model_config.py: a
+# benchmark's model with dummy weights
+CONFIGS = Path(inspect.getfile(ModelConfig)).with_name("model_configs")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +166,7 @@ def dummy_folder(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a Hugging Face model folder")
     src.add_argument(

@@ -8,14 +8,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.bench import (
-    Workload,
-    dummy_folder,
-    floor_seconds,
-    main,
-    make_workload,
-    weight_bytes,
-)
+from bench.floor import Workload, floor_seconds, make_workload, weight_bytes
+from bench.throughput import dummy_folder, main
 from engine.model_config import ModelConfig
 
 
@@ -127,8 +121,8 @@ def test_fp8_floor_reads_half_the_cache_and_weight_bytes(llama_dir):
 
 
 def test_image_bench_prints_the_split(tmp_path, capsys):
-    """engine.bench_images on a tiny Qwen2.5-VL: every image encoded once, and the table."""
-    from engine.bench_images import main as bench_images
+    """bench.images on a tiny Qwen2.5-VL: every image encoded once, and the table."""
+    from bench.images import main as bench_images
     from tests.tiny_models import make_tiny_vl_model
 
     folder = make_tiny_vl_model(tmp_path / "vl")

@@ -1,8 +1,8 @@
 """Image-captioning throughput on a vision-language model, with the time split between the
 vision tower and the rest (prefill and decode of the language model):
 
-    python -m engine.bench_images --model-config qwen2.5-vl-3b --num-images 1000 --image-size 448 --output-len 64
-    python -m engine.bench_images --model /models/Qwen2.5-VL-3B-Instruct --num-images 200
+    python -m bench.images --model-config qwen2.5-vl-3b --num-images 1000 --image-size 448 --output-len 64
+    python -m bench.images --model /models/Qwen2.5-VL-3B-Instruct --num-images 200
 
 Each request is one image in Qwen's chat format with a short instruction after it, greedy
 `--output-len` tokens (ignore_eos). The images are random pictures made here, all different,
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.bench import dummy_folder, print_table
+from bench.throughput import dummy_folder, print_table
 from engine.model_config import ModelConfig
 
 # Qwen2-VL's image processor as published (preprocessor_config.json of the Qwen2.5-VL folders)
@@ -110,7 +110,7 @@ def caller_seconds(config: ModelConfig, images: list) -> float:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.images", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a Qwen2.5-VL model folder")
     src.add_argument("--model-config", help="a shipped vision-language config, dummy weights")
