@@ -110,7 +110,9 @@ def caller_seconds(config: ModelConfig, images: list) -> float:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    ap = argparse.ArgumentParser(prog="python -m bench.images", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.images", description=__doc__.split("\n\n")[0]
+    )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a Qwen2.5-VL model folder")
     src.add_argument("--model-config", help="a shipped vision-language config, dummy weights")

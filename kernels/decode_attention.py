@@ -99,7 +99,7 @@ _BALANCE_TOKENS = 512
 # The launch a CUDA graph replays cannot see the lengths, so its grid has MAX_KV_SPLITS splits
 # and a split walks at least this many tokens: a 1000-token request uses 2 splits, an 8000-token
 # one 16, and the rest exit at once. On an H100 about 256-512 tokens per split was the best
-# fixed count for every batch size of scripts/bench_decode_splits.py.
+# fixed count for every batch size of bench/decode_splits.py.
 _GRAPH_SPLIT_TOKENS = 512
 # Stage 1 launch settings (tokens per tile, pipeline depth, warps), measured on an H100 (bf16,
 # D=128, Hkv 8 or 32, CUDA graphs): 64-token tiles and 3 stages were best or within 2% of best
@@ -111,21 +111,21 @@ _SMALL_BLOCK_N = 32
 _SMALL_NUM_STAGES = 2
 _NUM_WARPS = 4
 # Stage 1 with a float8 cache, 16-bit q and D <= 128: a float8 tile is half the bytes, so a
-# program walks twice the tokens per tile for as many bytes in flight. scripts/bench_fp8_decode.py
+# program walks twice the tokens per tile for as many bytes in flight. bench/fp8_decode.py
 # on an H100 (2026-11-26, Hkv 8, D 128, graph launch): 128 tokens x 3 stages x 4 warps was best
 # or within 2% of best from B=1 (L=32768: 1.04 TB/s of float8 K/V against 0.84 for 64-token
 # tiles) to B=256 (L=1024: 2.10, 1.54x the bf16 cache's tokens per second); 8 warps lost 20%.
 _FP8_DOT_BLOCK_N = 128
 _FP8_DOT_NUM_STAGES = 3
 # The same with V grouped (kernels/v_groups.py): (tokens per tile, stages, warps) by the number
-# of (request, kv head) pairs: the first entry whose bound is above it. scripts/bench_fp8_decode.py
+# of (request, kv head) pairs: the first entry whose bound is above it. bench/fp8_decode.py
 # --mix on an H100 (2026-11-26, Hq 16 / Hkv 8, D 128, lengths 200-2048, graph launch), TB/s of
 # float8 K/V for B = 16 / 32 / 64 / 96 / 128 / 192 / 256: 1.04 1.41 1.83 1.97 2.20 2.31 2.36, each
 # within 5% of the best of 9 settings, against 0.97 1.22 1.74 1.86 1.99 2.06 2.10 with V in rows.
 # Fewer, longer programs want more warps each; at B=256 the 4-warp 64-token tile read 2.00.
 _FP8_GROUPED_TILES = ((256, (128, 3, 2)), (1024, (64, 3, 2)), (1 << 62, (32, 3, 1)))
 # The same, two kv heads a program (module docstring: packed heads), when the rows of both
-# groups fit _PACKED_MAX_ROWS: (tokens per tile, stages, warps). scripts/bench_fp8_decode.py
+# groups fit _PACKED_MAX_ROWS: (tokens per tile, stages, warps). bench/fp8_decode.py
 # --mix on an H100 (2026-11-27, Hq 16 / Hkv 8, D 128, graph launch), TB/s of float8 K/V for
 # B = 16 / 32 / 64 / 96 / 128 / 192 / 256: 1.09 1.45 1.96 2.11 2.29 2.43 2.49, against one head
 # a program (_FP8_GROUPED_TILES) 1.04 1.41 1.82 1.96 2.19 2.30 2.35 (Hq 32: +3-8% likewise); four

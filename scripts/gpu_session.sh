@@ -90,24 +90,24 @@ run_step() {
       prefix-rr-dp[0-9]*) bench $PREFIX --engine-args "{\"dp_size\": ${s#prefix-rr-dp}, \"load_balance_method\": \"round_robin\"}" ;;
       l70-tp[0-9]*) bench $L70 --engine-args "{\"tp_size\": ${s#l70-tp}}" ;;
       l70-fp8-tp[0-9]*) bench $L70 --engine-args "{\"tp_size\": ${s#l70-fp8-tp}, \"quantization\": \"fp8\"}" ;;
-      flow-prefix) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_flow_prefix.py 2>&1 | tail -6 ;;
-      flow-paths) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_flow_prefix.py --paths 2>&1 | grep "^|" ;;
-      flow-prefix-profile) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_flow_prefix.py --profile $OUT/flow.prof 2>&1 | grep -v "^\[transformers\]" | tail -60 ;;
-      flow-dp) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_flow_dp.py --rows 20000 --dp 1 "$GPUS" 2>&1 | tail -8 ;;
-      w1-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -60 ;;
-      w1-fp8-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' \
+      flow-prefix) python3 -m bench.flow_prefix 2>&1 | tail -6 ;;
+      flow-paths) python3 -m bench.flow_prefix --paths 2>&1 | grep "^|" ;;
+      flow-prefix-profile) python3 -m bench.flow_prefix --profile $OUT/flow.prof 2>&1 | grep -v "^\[transformers\]" | tail -60 ;;
+      flow-dp) python3 -m bench.flow_dp --rows 20000 --dp 1 "$GPUS" 2>&1 | tail -8 ;;
+      w1-steps) python3 -m bench.profile_w1 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -60 ;;
+      w1-fp8-steps) python3 -m bench.profile_w1 --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' \
                 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tee "$OUT/$s.log" | tail -45 ;;
-      w2-fp8-steps) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_w1.py --model-config llama-3.1-8b --num-prompts 256 \
+      w2-fp8-steps) python3 -m bench.profile_w1 --model-config llama-3.1-8b --num-prompts 256 \
                 --len 1024 --kernels 0:2,300:310 --engine-args '{"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}' \
                 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tee "$OUT/$s.log" | tail -45 ;;
       flashinfer) tests tests/engine/test_flashinfer_backend.py tests/kernels/test_kv_indices.py -s ;;
       w1-flashinfer) python3 -m bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
                 --engine-args '{"attention_backend": "flashinfer"}' --json "$OUT/w1-flashinfer.json" 2>&1 | grep "^|\|Error" ;;
-      splits) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_decode_splits.py 2>&1 | tail -8 ;;
+      splits) python3 -m bench.decode_splits 2>&1 | tail -8 ;;
       w1-profile) GRISTMILL_PROFILE=$OUT/w1.prof python3 -m bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 2>&1 | grep "^|"
                   python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(22)" "$OUT/w1.prof" | tail -32 ;;
-      latency) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_run_latency.py --chat --imports --timeline 2>&1 | grep -v "^Loading\|WARNING" | tail -150 ;;
-      startup) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/startup_phases.py 2>&1 | tail -30 ;;
+      latency) python3 -m bench.run_latency --chat --imports --timeline 2>&1 | grep -v "^Loading\|WARNING" | tail -150 ;;
+      startup) python3 -m bench.startup_phases 2>&1 | tail -30 ;;
       lora) tests tests/engine/test_lora.py tests/kernels/test_lora.py -s ;;
       w1-lora) python3 -m bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
                 --lora-adapters 4 --lora-rank 16 --json "$OUT/w1-lora.json" 2>&1 | grep "^|" ;;
@@ -115,15 +115,15 @@ run_step() {
                 tests/engine/test_fp8_gpu.py -s
            grep "^|" "$OUT/$s.log" ;;
       vl) tests tests/engine/test_vision_language.py tests/engine/test_qwen2_5_vl_vision.py tests/engine/test_images.py tests/engine/test_mrope.py -n 4 ;;
-      vl-profile) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/profile_vision.py 2>&1 | tail -30 ;;
+      vl-profile) python3 -m bench.profile_vision 2>&1 | tail -30 ;;
       vl-bench) python3 -m bench.images --model-config qwen2.5-vl-3b --num-images 1000 --image-size 448 --output-len 64 \
                 --json "$OUT/vl-bench.json" 2>&1 | grep "^|\|Error" ;;
       fp8-kernels) tests tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_quant.py tests/kernels/test_v_groups.py ;;
-      fp8-splits) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --splits --hq 16 2>&1 | tail -12 ;;
+      fp8-splits) python3 -m bench.fp8_decode --splits --hq 16 2>&1 | tail -12 ;;
       fp8-accuracy) tests tests/engine/test_fp8_gpu.py -s
            grep "^|\|prompts," "$OUT/$s.log" ;;
-      fp8-decode) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --hq 16 2>&1 | tail -14 ;;
-      fp8-decode-mix) PYTHONPATH=.:${PYTHONPATH:-} python3 scripts/bench_fp8_decode.py --hq 16 --mix 2>&1 | tail -14 ;;
+      fp8-decode) python3 -m bench.fp8_decode --hq 16 2>&1 | tail -14 ;;
+      fp8-decode-mix) python3 -m bench.fp8_decode --hq 16 --mix 2>&1 | tail -14 ;;
       w1-fp8) python3 -m bench --model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024 \
                 --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' --json "$OUT/w1-fp8.json" 2>&1 | grep "^|" ;;
       w2-fp8) python3 -m bench --model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256 \

@@ -8,7 +8,7 @@ copy of its own. Padding columns are a harmless request: position 0, slot 0 (the
 page), the table's padding row (all slot 0) and length 1.
 
 The host fills a pinned copy of the buffer and sends it in one copy. On a virtualised GPU host
-every CUDA call costs 5-13 us (scripts/bench_host_ops.py), so a step makes as few as it can:
+every CUDA call costs 5-13 us (bench/host_ops.py), so a step makes as few as it can:
 the pinned buffers are made once and used in turn, with no event of their own.
 
 NOTE: a pinned buffer is rewritten three decode launches after its last use. By then the

@@ -1,7 +1,7 @@
 """The host's cost of one scheduler step at a large batch, with the model's forward stubbed out.
 
-    PYTHONPATH=. python scripts/bench_step_host.py                       # 256 running, 1000 queued
-    PYTHONPATH=. python scripts/bench_step_host.py --shared-prefix-len 2000 --input-len 50
+    python -m bench.step_host  # 256 running, 1000 queued
+    python -m bench.step_host --shared-prefix-len 2000 --input-len 50
 
 On a GPU the scheduler launches step N+1 while the device runs step N, so the step's host
 work (planning, building the batch's columns, the logits step's bookkeeping, reading the
@@ -22,17 +22,19 @@ from pathlib import Path
 import torch
 
 from bench.floor import make_workload
+from bench.host import TINY_LLAMA
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
 from engine.scheduler.output import outputs_to_send
 from engine.scheduler.profile import HostProfile, time_phase
 from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
-from scripts.bench_host import TINY_LLAMA
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.step_host", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--running", type=int, default=256, help="max_running_requests")
     ap.add_argument("--input-len", default="100:1024")
@@ -40,7 +42,7 @@ def main() -> None:
     ap.add_argument("--shared-prefix-len", type=int, default=0)
     ap.add_argument("--num-prefixes", type=int, default=1)
     ap.add_argument("--engine-args", default="{}", help="JSON of extra ServerArgs")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.manual_seed(0)
     folder = tempfile.mkdtemp(prefix="gristmill-step-host-")
     (Path(folder) / "config.json").write_text(json.dumps(TINY_LLAMA))

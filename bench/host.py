@@ -1,7 +1,7 @@
 """The scheduler's host cost per generated token, against the length of the waiting queue.
 
-    PYTHONPATH=. python scripts/bench_host.py                     # 200 and 2000 queued requests
-    PYTHONPATH=. python scripts/bench_host.py --shared-prefix-len 512 --queued 200,2000
+    python -m bench.host            # 200 and 2000 queued requests
+    python -m bench.host --shared-prefix-len 512 --queued 200,2000
 
 Runs the scheduler of the engine in this process (no children, no IPC) on a tiny Llama with
 random weights on the CPU, with `max_running_requests` fixed, so every run decodes the same
@@ -96,8 +96,8 @@ def run(folder: str, queued: int, a: argparse.Namespace, profile: HostProfile | 
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.host", description=__doc__.split("\n\n")[0])
     ap.add_argument("--queued", default="200,2000", help="waiting-queue lengths to compare")
     ap.add_argument("--running", type=int, default=64, help="max_running_requests")
     ap.add_argument("--input-len", default="64:128")
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--shared-prefix-len", type=int, default=0)
     ap.add_argument("--pool-tokens", type=int, default=65536)
     ap.add_argument("--engine-args", default="{}", help="JSON of extra ServerArgs")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the numbers are about the host path, not CPU matmuls
     folder = tempfile.mkdtemp(prefix="gristmill-bench-host-")

@@ -1,12 +1,12 @@
 """The shared-prefix workload from text through `gristmill run`, beside `python -m bench` of
 the same shape from token ids (GPU; not a test).
 
-    PYTHONPATH=. python scripts/bench_flow_prefix.py --rows 1000 --prefix-tokens 2000
+    python -m bench.flow_prefix --rows 1000 --prefix-tokens 2000
 
 The instruction (about --prefix-tokens tokens of text) is in the config's template and each
 row holds a short item (about --item-tokens tokens); every row generates --output-len tokens
 (ignore_eos). The model is a shipped architecture's config with dummy weights and the demo
-model's tokenizer (scripts/bench_flow_dp.py: model_folder). The flow's generate step
+model's tokenizer (bench/flow_dp.py: model_folder). The flow's generate step
 (summary.json: generate_seconds) includes the caller's rendering and tokenizing of every row;
 `python -m bench` passes token ids, so the ratio is what text costs a user.
 
@@ -26,8 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_flow_dp import ROOT, model_folder, run  # noqa: E402
+from bench.flow_dp import ROOT, model_folder, run
 
 WORDS = (
     "label the sentiment of each review as positive negative or neutral and explain nothing "
@@ -144,10 +143,12 @@ COUNTERS = {
 }  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.flow_prefix", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--rows", type=int, default=1000)
     ap.add_argument("--prefix-tokens", type=int, default=2000)
     ap.add_argument("--item-tokens", type=int, default=50)
@@ -157,7 +158,7 @@ def main() -> None:
     ap.add_argument(
         "--paths", action="store_true", help="also compare the caller's paths in-process"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="gristmill-flow-prefix-"))
     model = model_folder(args.model_config, work)
     tokenizer = AutoTokenizer.from_pretrained(model)

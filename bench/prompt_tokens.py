@@ -8,11 +8,12 @@ through PromptTokens.encode_batch; and, for comparison, (d) one batch call of th
 the whole prompts. Every way's ids are checked against (a). Prints a markdown table of prompts/s
 (best of 3 runs; a fresh PromptTokens per run, so each run finds the instruction itself).
 
-    PYTHONPATH=. python scripts/bench_prompt_tokens.py
+    python -m bench.prompt_tokens
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
 from collections.abc import Callable
@@ -64,7 +65,10 @@ def best_of(runs: int, work: Callable[[], list[list[int]]]) -> tuple[float, list
     return best, ids
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        prog="python -m bench.prompt_tokens", description=__doc__.split("\n\n")[0]
+    ).parse_args(argv)
     tok = byte_level_bpe()
     texts = prompts(random.Random(1))
     whole_s, reference = best_of(3, lambda: [tok.encode(p) for p in texts])

@@ -1,7 +1,7 @@
 """How long a small `gristmill run` takes, whole command, with and without a resident engine and
 a Prefect server kept up: the loop of someone trying a prompt on 20 rows.
 
-    PYTHONPATH=. python scripts/bench_run_latency.py [--model-config qwen3-0.6b] [--rows 20]
+    python -m bench.run_latency [--model-config qwen3-0.6b] [--rows 20]
         [--chat] [--imports] [--timeline]
 
 The model has dummy weights of a shipped architecture (engine/model_configs/) and the demo
@@ -33,15 +33,17 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.run_latency", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--model-config", default="qwen3-0.6b")
     ap.add_argument("--rows", type=int, default=20)
     ap.add_argument("--port", type=int, default=4299)
     ap.add_argument("--chat", action="store_true", help="chat prompts (the tokenizer's template)")
     ap.add_argument("--imports", action="store_true", help="the slowest imports of a run")
     ap.add_argument("--timeline", action="store_true", help="where a run's main thread is")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="gristmill-latency-"))
     config = _config(work, a.model_config, a.rows, a.chat)
     env = {

@@ -1,7 +1,7 @@
 """Where the Qwen2.5-VL vision tower's device time goes (the bench's "vision tower" share):
 one forward of a batch of 448x448 images on the 3B model's tower, bf16, random weights.
 
-    PYTHONPATH=. python scripts/profile_vision.py [--images 64]
+    python -m bench.profile_vision [--images 64]
 
 Prints the time a forward, its matmul TFLOP/s, and torch.profiler's largest CUDA kernels.
 """
@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
+from bench.throughput import CONFIGS
 from engine.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_vision")
     ap.add_argument("--images", type=int, default=64)
     ap.add_argument("--size", type=int, default=448)
-    args = ap.parse_args()
-    config = json.loads((Path("engine/model_configs") / "qwen2.5-vl-3b.json").read_text())
+    args = ap.parse_args(argv)
+    config = json.loads((CONFIGS / "qwen2.5-vl-3b.json").read_text())
     with torch.device("cuda"):
         torch.set_default_dtype(torch.bfloat16)
         tower = Qwen2_5_VisionTransformer(config["vision_config"]).eval()

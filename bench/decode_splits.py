@@ -6,10 +6,12 @@ pieces that the GPU can balance. The launch a CUDA graph captures cannot see the
 has 16 splits of at least N tokens each ("graph >=N"). Prints one table (effective TB/s of
 K/V read, CUDA graphs).
 
-    python scripts/bench_decode_splits.py
+    python -m bench.decode_splits
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import triton
@@ -55,7 +57,10 @@ def graph_time(fn) -> float:
 FLOORS = (128, 256, 512, 1024)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        prog="python -m bench.decode_splits", description=__doc__.split("\n\n")[0]
+    ).parse_args(argv)
     rows = []
     for batch, lo, hi in [(256, 100, 2048), (128, 100, 2048), (64, 500, 4096), (16, 100, 8192)]:
         args, nbytes = case(batch, lo, hi)

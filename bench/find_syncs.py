@@ -2,7 +2,7 @@
 with PyTorch's sync debug mode on after start-up, and prints each distinct synchronising call
 with the engine frames that led to it, and how often.
 
-    PYTHONPATH=. python scripts/find_syncs.py [--shared-prefix-len 2000 --input-len 50 --output-len 64]
+    python -m bench.find_syncs [--shared-prefix-len 2000 --input-len 50 --output-len 64]
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.find_syncs")
     ap.add_argument("--model-config", default="qwen3-0.6b")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--input-len", default="50")
@@ -44,7 +44,7 @@ def main() -> None:
         "--profile-prefill", type=int, default=0, metavar="N",
         help="print the N functions with the most own time in the prefill forwards (cProfile)",
     )  # fmt: skip
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     folder = dummy_folder(a.model_config)
     args = ServerArgs.from_kwargs(
         model_path=str(folder), load_format="dummy", skip_tokenizer_init=True

@@ -1,6 +1,6 @@
 """What the host's building blocks of a scheduler step cost on this machine, in µs per call.
 
-    PYTHONPATH=. python scripts/bench_host_ops.py        # a CUDA device (else the CPU rows only)
+    python -m bench.host_ops  # a CUDA device (else the CPU rows only)
 
 A decode step's host work is a few hundred of these: numpy operations on the batch's columns,
 Python passes over its requests, tensor views, CUDA API calls (copies, event records, a graph
@@ -10,6 +10,7 @@ change to the step is planned against this table from the machine that runs it.
 
 from __future__ import annotations
 
+import argparse
 import time
 from operator import attrgetter
 
@@ -107,7 +108,10 @@ def torch_ops(dev: torch.device) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        prog="python -m bench.host_ops", description=__doc__.split("\n\n")[0]
+    ).parse_args(argv)
     ops = python_ops()
     if torch.cuda.is_available():
         ops |= torch_ops(torch.device("cuda"))

@@ -7,7 +7,7 @@ enough for the instruction. The run is `python -m flows.cli run` in a subprocess
 resident memory is the kernel's high-water mark (VmHWM) of that process, read until it ends
 (the engine's own processes are not in it).
 
-    PYTHONPATH=. python scripts/bench_run_memory.py --rows 20000 60000
+    python -m bench.run_memory --rows 20000 60000
 
 `--prep-rows N` also times prompt preparation alone, in this process, without an engine: the
 input summed up (preflight's pass), then streamed as the run streams it, each window's prompts
@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def build_model(folder: Path) -> Path:
@@ -138,13 +136,15 @@ def prep_rate(folder: Path, model: Path, rows: int, size: int) -> dict:
             "rows/s": round(rows / cpu)}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run_memory", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rows", type=int, nargs="*", default=[20000, 60000])
     parser.add_argument("--instruction-bytes", type=int, default=4500)
     parser.add_argument("--max-in-flight", type=int, default=256)
     parser.add_argument("--prep-rows", type=int, nargs="*", default=[])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.prep_rows:
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)

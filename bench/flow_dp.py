@@ -1,6 +1,6 @@
 """`gristmill run` of many rows on one engine of dp_size 1, 2, 4 ...: rows/s as a user sees them.
 
-    PYTHONPATH=. python scripts/bench_flow_dp.py --rows 20000 --dp 1 4
+    python -m bench.flow_dp --rows 20000 --dp 1 4
 
 Each run is the generate flow from a config, through the `gristmill` command (its temporary
 Prefect server included), over a JSONL of short arithmetic questions, on a model folder that
@@ -74,14 +74,16 @@ def run(config: Path, dp: int, work: Path, profile: Path | None = None) -> dict:
     return {"wall": wall, **summary}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.flow_dp", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--rows", type=int, default=20000)
     ap.add_argument("--dp", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--model-config", default="qwen3-0.6b")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-in-flight", type=int, default=4096)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="gristmill-flow-dp-"))
     model = model_folder(args.model_config, work)
     write_rows(work / "rows.jsonl", args.rows)

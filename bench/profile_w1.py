@@ -7,7 +7,7 @@ it; a step's floor is its bytes (weights once + every live sequence's KV) at the
 bandwidth. Decode steps are binned by batch size, so a per-step constant cost (launch gaps,
 small kernels) shows up as the small-batch bins' ratio and attention speed as the large ones'.
 
-    PYTHONPATH=. python scripts/profile_w1.py [--model-config qwen3-0.6b] [--kernels 0:4,310:330]
+    python -m bench.profile_w1 [--model-config qwen3-0.6b] [--kernels 0:4,310:330]
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from engine.scheduler.scheduler import Scheduler
 from engine.server_args import KV_CACHE_DTYPES, ServerArgs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_w1")
     ap.add_argument("--model-config", default="qwen3-0.6b")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--len", default="100:1024", help="input and output lengths")
@@ -38,7 +38,7 @@ def main() -> None:
     )
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--device", default="cuda")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     device = torch.device(a.device)
     path = dummy_folder(a.model_config)

@@ -1,7 +1,7 @@
 """Where an engine's start-up goes: each of its log lines (its children's included) with the
 seconds since Engine() was called.
 
-    PYTHONPATH=. python scripts/startup_phases.py [--model-config qwen3-0.6b] [ENGINE_ARGS_JSON]
+    python -m bench.startup_phases [--model-config qwen3-0.6b] [ENGINE_ARGS_JSON]
 
 Dummy weights of a shipped architecture. Run it twice on a fresh machine: the first start also
 compiles the Triton kernels (their cache, ~/.triton/cache, is empty), the second finds them.
@@ -18,11 +18,13 @@ from bench.throughput import dummy_folder
 from engine import Engine
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.startup_phases", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--model-config", default="qwen3-0.6b")
     ap.add_argument("engine_args", nargs="?", default="{}")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     started = time.time()
 
     class Since(logging.Formatter):
@@ -36,7 +38,9 @@ def main() -> None:
         model_path=dummy_folder(a.model_config), load_format="dummy", log_level="info",
         **json.loads(a.engine_args),
     )  # fmt: skip
-    print(f"{time.time() - started:7.2f} s  Engine() returned (startup_seconds {engine.startup_seconds:.2f})")
+    print(
+        f"{time.time() - started:7.2f} s  Engine() returned (startup_seconds {engine.startup_seconds:.2f})"
+    )
     t = time.time()
     engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4})
     print(f"first request: {time.time() - t:.2f} s")

@@ -7,9 +7,9 @@ engine's CUDA graphs replay (no lengths: MAX_KV_SPLITS splits of at least _GRAPH
 tokens). The pool is paged as the engine's (pages of 16 slots in random order), which a grouped V
 needs.
 
-    PYTHONPATH=. python scripts/bench_fp8_decode.py          # the sweep
-    PYTHONPATH=. python scripts/bench_fp8_decode.py --quick  # current settings only
-    PYTHONPATH=. python scripts/bench_fp8_decode.py --splits # _GRAPH_SPLIT_TOKENS, each cache
+    python -m bench.fp8_decode           # the sweep
+    python -m bench.fp8_decode --quick   # current settings only
+    python -m bench.fp8_decode --splits  # _GRAPH_SPLIT_TOKENS, each cache
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def row(name: str, cells: list[str]) -> None:
     print(name.ljust(34) + "".join(cells))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.fp8_decode")
     parser.add_argument("--quick", action="store_true", help="current settings only")
     parser.add_argument(
         "--splits", action="store_true", help="tokens per split of the graph launch"
@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument(
         "--grid", action="store_true", help="16 split programs or 4 (lengths <= 2048)"
     )
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     global SHAPES
     if opts.mix:
         SHAPES = MIXES

@@ -1,6 +1,6 @@
 """Host cost of launching one prefill layer's kernels, by kind and by how the token count varies.
 
-    PYTHONPATH=. python scripts/bench_launch.py          # a CUDA device
+    python -m bench.launch  # a CUDA device
 
 A prefill step launches each layer's kernels eagerly (decode replays CUDA graphs), and its
 token count changes every step. This times the host side of each launch (the device runs
@@ -11,6 +11,7 @@ specialisation) shows up as the difference. Qwen3-0.6B's shapes.
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
 
@@ -35,7 +36,10 @@ def host_us(fn, sizes: list[int]) -> float:
     return 1e6 * host / len(sizes)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        prog="python -m bench.launch", description=__doc__.split("\n\n")[0]
+    ).parse_args(argv)
     dev = torch.device("cuda")
     dt = torch.bfloat16
     big = 16384
