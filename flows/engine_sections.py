@@ -2,15 +2,19 @@
 (SGLang's sampling parameters). Their common fields are typed, with the engine's ranges and
 choices as JSON-schema constraints (the Prefect form refuses what the engine would), and the
 engine's other arguments pass through, checked by the engine's own rules in preflight.
+
+Nothing of a range, a choice or a default is typed here: each field's type comes from the
+engine's own table of rules (`ServerArgs.rules()`, `SamplingParams.rules()`: the rules the
+engine checks), and a description names the default that table gives.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from engine import ServerArgs
+from engine import SamplingParams, ServerArgs
 
 _RULES = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "not")
 
@@ -50,23 +54,55 @@ class _Open(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
-_CHOICES = ServerArgs.choices()  # the engine's own lists: forms offer what the engine takes
-Dtype = Literal[_CHOICES["dtype"]]
-KvCacheDtype = Literal[_CHOICES["kv_cache_dtype"]]
-AttentionBackend = Literal[_CHOICES["attention_backend"]]
+_ENGINE = ServerArgs.rules()
+_SAMPLING = SamplingParams.rules()
+_BOUNDS = {"minimum": "ge", "exclusiveMinimum": "gt", "maximum": "le", "exclusiveMaximum": "lt"}
+_KINDS = {"boolean": bool, "integer": int, "number": float, "string": str}
 
 
-def _not_zero(k: int) -> int:
-    if k == 0:
-        raise ValueError("top_k must be -1 (all tokens) or at least 1, got 0")
-    return k
+def _typed(rule: Any) -> Any:
+    """The pydantic type of a field that follows the engine's `rule` (engine/rules.py: Rule):
+    its choices a Literal; its range pydantic's bounds, which are the JSON schema's (the form's);
+    a value between the range and what is taken below it (top_k's -1) refused by the rule
+    itself, its "not" in the schema; a list's items typed alike."""
+    schema = rule.json_schema()
+    typed = {"type", "enum", "items", "not", *_BOUNDS}
+    assert set(schema) <= typed, f"{rule.name}: no type here for {set(schema) - typed}"
+    if "enum" in schema:
+        return Literal[tuple(schema["enum"])]
+    if "items" in schema:
+        return list[_typed(rule.items)]
+    bounds = {_BOUNDS[key]: value for key, value in schema.items() if key in _BOUNDS}
+    if "not" not in schema:
+        return Annotated[_KINDS[schema["type"]], Field(**bounds)]
+
+    def within(value: Any) -> Any:
+        if not rule.accepts(value):
+            raise ValueError(f"{rule.name} must be {rule.words()}, got {value}")
+        return value
+
+    extra = {"not": schema["not"]}
+    return Annotated[
+        _KINDS[schema["type"]], Field(**bounds, json_schema_extra=extra), AfterValidator(within)
+    ]
 
 
-# -1 or a positive count, as one integer field: a form renders a union as a choice of types,
-# and its unset (None) value as an error
-TopK = Annotated[
-    int, Field(ge=-1, json_schema_extra={"not": {"const": 0}}), AfterValidator(_not_zero)
-]
+def _engine(name: str) -> Any:
+    return _typed(_ENGINE[name])
+
+
+def _sampling(name: str) -> Any:
+    return _typed(_SAMPLING[name])
+
+
+def _default(rule: Any) -> str:
+    """A rule's default as a description says it: what None settles to, else its field's."""
+    value = rule.settled if rule.default is None else rule.default
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+_E = {name: _default(rule) for name, rule in _ENGINE.items()}
+_S = {name: _default(rule) for name, rule in _SAMPLING.items()}
 
 
 class EngineConfig(_Open):
@@ -74,26 +110,29 @@ class EngineConfig(_Open):
     The ranges here are the engine's own rules, so a form refuses what the engine would."""
 
     model_path: str = Field(description="a local Hugging Face model folder")
-    dtype: Dtype | None = Field(
-        None, description="of weights and activations; default auto: the model config's"
+    dtype: _engine("dtype") | None = Field(
+        None, description=f"of weights and activations; default {_E['dtype']}: the model config's"
     )
-    context_length: int | None = Field(
-        None, ge=1, description="tokens one request may hold; default: the model's maximum"
+    context_length: _engine("context_length") | None = Field(
+        None, description="tokens one request may hold; default: the model's maximum"
     )
-    max_running_requests: int | None = Field(
-        None, ge=1, description="requests generating at once; default: from the KV pool's size"
+    max_running_requests: _engine("max_running_requests") | None = Field(
+        None, description="requests generating at once; default: from the KV pool's size"
     )
-    max_total_tokens: int | None = Field(
-        None, ge=1, description="tokens the KV cache holds; default: from mem_fraction_static"
+    max_total_tokens: _engine("max_total_tokens") | None = Field(
+        None, description="tokens the KV cache holds; default: from mem_fraction_static"
     )
-    mem_fraction_static: float | None = Field(
-        None, gt=0, lt=1, description="share of GPU memory for weights and KV cache (0.85)"
+    mem_fraction_static: _engine("mem_fraction_static") | None = Field(
+        None,
+        description=f"share of GPU memory for weights and KV cache ({_E['mem_fraction_static']})",
     )
-    attention_backend: AttentionBackend | None = Field(
+    attention_backend: _engine("attention_backend") | None = Field(
         None, description="attention kernels; default triton on a GPU, torch on the CPU"
     )
-    kv_cache_dtype: KvCacheDtype | None = Field(
-        None, description="auto (the model's dtype), or float8: half the KV bytes (a GPU)"
+    kv_cache_dtype: _engine("kv_cache_dtype") | None = Field(
+        None,
+        description=f"{_E['kv_cache_dtype']} (the model's dtype), or float8: half the KV bytes "
+        "(a GPU)",
     )
 
 
@@ -102,35 +141,41 @@ class SamplingConfig(_Open):
     `sampling_seed` comes from the run's seed and the row's id, never from here. The ranges
     are the engine's (engine/sampling_params.py), so a form refuses what the engine would."""
 
-    temperature: float | None = Field(
-        None, ge=0, description="0: greedy; higher: more varied (default 1)"
+    temperature: _sampling("temperature") | None = Field(
+        None, description=f"0: greedy; higher: more varied (default {_S['temperature']})"
     )
-    top_p: float | None = Field(
-        None, gt=0, le=1, description="sample from the smallest set of tokens this likely (1)"
+    top_p: _sampling("top_p") | None = Field(
+        None, description=f"sample from the smallest set of tokens this likely ({_S['top_p']})"
     )
-    top_k: TopK | None = Field(
-        None, description="sample from the k likeliest tokens; -1: all (default)"
+    top_k: _sampling("top_k") | None = Field(
+        None, description=f"sample from the k likeliest tokens; {_S['top_k']}: all (default)"
     )
-    min_p: float | None = Field(
-        None, ge=0, le=1, description="drop tokens less likely than this times the top one (0)"
+    min_p: _sampling("min_p") | None = Field(
+        None, description=f"drop tokens less likely than this times the top one ({_S['min_p']})"
     )
-    max_new_tokens: int | None = Field(
-        None, ge=0, description="the most tokens generated per row (default 128)"
+    max_new_tokens: _sampling("max_new_tokens") | None = Field(
+        None, description=f"the most tokens generated per row (default {_S['max_new_tokens']})"
     )
-    min_new_tokens: int | None = Field(
-        None, ge=0, description="no stop before this many tokens (default 0)"
+    min_new_tokens: _sampling("min_new_tokens") | None = Field(
+        None, description=f"no stop before this many tokens (default {_S['min_new_tokens']})"
     )
-    frequency_penalty: float | None = Field(
-        None, ge=-2, le=2, description="lowers a token's logit per time it appeared (0)"
+    frequency_penalty: _sampling("frequency_penalty") | None = Field(
+        None,
+        description=f"lowers a token's logit per time it appeared ({_S['frequency_penalty']})",
     )
-    presence_penalty: float | None = Field(
-        None, ge=-2, le=2, description="lowers the logit of any token that appeared (0)"
+    presence_penalty: _sampling("presence_penalty") | None = Field(
+        None,
+        description=f"lowers the logit of any token that appeared ({_S['presence_penalty']})",
     )
-    repetition_penalty: float | None = Field(
-        None, gt=0, le=2, description="divides repeated tokens' logits; 1: none (default)"
+    repetition_penalty: _sampling("repetition_penalty") | None = Field(
+        None,
+        description=f"divides repeated tokens' logits; {_S['repetition_penalty']}: none (default)",
     )
+    # (a list only, of the engine's str or list: one input in the form)
     stop: list[str] | None = Field(None, description="strings that end a row's text")
-    stop_token_ids: list[NonNegativeInt] | None = Field(
+    stop_token_ids: _sampling("stop_token_ids") | None = Field(
         None, description="token ids that end a row's text (besides EOS)"
     )
-    ignore_eos: bool | None = Field(None, description="generate past the EOS token")
+    ignore_eos: _sampling("ignore_eos") | None = Field(
+        None, description="generate past the EOS token"
+    )

@@ -1,11 +1,17 @@
 """The flow configs' JSON schema (what the Prefect UI renders as a form, and what "Validate
 parameters" checks) carries the engine's ranges and choices, and pydantic refuses the same
 values: a bad value is refused in the form, before a run is created. Every field says what it
-is, in one line."""
+is, in one line.
+
+The ranges, choices and defaults are read from the engine's own tables (`ServerArgs.rules()`,
+`SamplingParams.rules()`), never typed here: a config field whose range, choices or default
+drifts from the engine's rule fails here."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import jsonschema
 import pytest
@@ -14,6 +20,7 @@ from pydantic import ValidationError
 from engine import SamplingParams, ServerArgs
 from flows.catalog import FLOWS
 from flows.config import RunConfig
+from flows.engine_sections import EngineConfig, SamplingConfig
 
 CONFIGS = [RunConfig, *(entry.config_class() for entry in FLOWS.values())]
 BASE = {
@@ -22,21 +29,46 @@ BASE = {
     "source": {"path": "rows.jsonl"},
     "prompt": {"template": "{{ text }}"},
 }
-# (section, field, a value the engine refuses, JSON-schema keys that say so)
+RULES = {"engine": ServerArgs.rules(), "sampling": SamplingParams.rules()}
+SECTIONS = {"engine": EngineConfig, "sampling": SamplingConfig}
+# what a field's rule says in a form (a string's non-emptiness and pattern are left to preflight,
+# which asks the engine itself: model_path is the only string field, and a path of any form)
+CONSTRAINTS = ("enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "not", "items")
+# the fields whose description names the engine's default
+NAMES_A_DEFAULT = {
+    "engine": ("dtype", "mem_fraction_static", "kv_cache_dtype"),
+    "sampling": ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty"),
+}  # fmt: skip
+EXPOSED = [(section, name) for section, model in SECTIONS.items() for name in model.model_fields]
+
+
+def _constraints(schema: dict) -> dict:
+    """What a schema says beyond its type: a list's items' constraints where they say any."""
+    said = {k: schema[k] for k in CONSTRAINTS if k in schema}
+    if "items" in said:
+        said["items"] = _constraints(said["items"])
+    return {k: v for k, v in said.items() if v != {}}
+
+
+def _refused(rule) -> list:
+    """Values just outside the rule, from its own bounds, gap, choices and items."""
+    schema = rule.json_schema()
+    step = 1 if schema["type"] == "integer" else 0.5
+    values = [schema[k] for k in ("exclusiveMinimum", "exclusiveMaximum") if k in schema]
+    values += [schema["minimum"] - step] if "minimum" in schema else []
+    values += [schema["maximum"] + step] if "maximum" in schema else []
+    values += [schema["not"]["const"]] if "not" in schema else []
+    values += ["nope"] if "enum" in schema else []
+    values += [[v] for v in _refused(rule.items)] if "items" in schema else []
+    return values
+
+
 REFUSED = [
-    ("sampling", "temperature", -1, {"minimum": 0}),
-    ("sampling", "top_p", 0, {"exclusiveMinimum": 0, "maximum": 1}),
-    ("sampling", "top_p", 1.5, {"exclusiveMinimum": 0, "maximum": 1}),
-    ("sampling", "min_p", 2, {"minimum": 0, "maximum": 1}),
-    ("sampling", "max_new_tokens", -1, {"minimum": 0}),
-    ("sampling", "min_new_tokens", -3, {"minimum": 0}),
-    ("sampling", "frequency_penalty", 2.5, {"minimum": -2, "maximum": 2}),
-    ("sampling", "presence_penalty", -2.5, {"minimum": -2, "maximum": 2}),
-    ("sampling", "repetition_penalty", 0, {"exclusiveMinimum": 0, "maximum": 2}),
-    ("engine", "mem_fraction_static", 1.5, {"exclusiveMinimum": 0, "exclusiveMaximum": 1}),
-    ("engine", "context_length", 0, {"minimum": 1}),
-    ("engine", "max_total_tokens", 0, {"minimum": 1}),
-    ("engine", "max_running_requests", -4, {"minimum": 1}),
+    (section, name, value)
+    for section, name in EXPOSED
+    if name in RULES[section]
+    for value in _refused(RULES[section][name])
 ]
 
 
@@ -47,11 +79,35 @@ def _property(schema: dict, section: str, field: str) -> dict:
     return next((a for a in prop.get("anyOf", [prop]) if a.get("type") != "null"), prop)
 
 
-@pytest.mark.parametrize("section, field, value, keys", REFUSED)
-def test_schema_carries_the_engines_ranges_and_pydantic_refuses_them(section, field, value, keys):
+@pytest.mark.parametrize(("section", "name"), EXPOSED)
+def test_every_field_of_an_engine_section_is_the_engines_rule(section, name):
+    """Its range, choices and items are the rule's, its type one the engine takes, and it is
+    unset by default (the engine's default), which its description names where it names one."""
+    rule = RULES[section][name]
+    expected = rule.json_schema()
+    kinds = expected["type"] if isinstance(expected["type"], list) else [expected["type"]]
     for config in (c for c in CONFIGS if section in c.model_fields):  # (a batch file: no sampling)
-        prop = _property(config.model_json_schema(), section, field)
-        assert {k: prop.get(k) for k in keys} == keys, (config.__name__, prop)
+        prop = _property(config.model_json_schema(), section, name)
+        assert _constraints(prop) == _constraints(expected), config.__name__
+        assert prop["type"] in kinds or (prop["type"] == "integer" and "number" in kinds)
+    field = SECTIONS[section].model_fields[name]
+    assert field.is_required() if rule.required else field.default is None
+    if name in NAMES_A_DEFAULT[section]:
+        default = rule.settled if rule.default is None else rule.default
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        assert re.search(rf"(?<![\w.-]){re.escape(shown)}(?![\w.])", field.description), shown
+
+
+def test_a_changed_engine_rule_would_show():
+    """The comparison above is not blind: a range that differs from the rule is caught."""
+    rule = RULES["sampling"]["top_p"].json_schema()
+    assert _constraints({**rule, "maximum": 2}) != _constraints(rule)
+    ids = RULES["sampling"]["stop_token_ids"].json_schema()
+    assert _constraints({**ids, "items": {"type": "integer"}}) != _constraints(ids)
+
+
+@pytest.mark.parametrize("section, field, value", REFUSED)
+def test_pydantic_and_the_engine_refuse_a_value_outside_the_rule(section, field, value):
     with pytest.raises(ValidationError, match=field):
         RunConfig.model_validate({**BASE, section: {**BASE.get(section, {}), field: value}})
     # and the engine itself refuses it too: the form is the first line, never a stricter one
@@ -60,6 +116,16 @@ def test_schema_carries_the_engines_ranges_and_pydantic_refuses_them(section, fi
             SamplingParams.from_dict({field: value}).verify_vocab(1000)
         else:
             ServerArgs.from_kwargs(model_path="/models/m", **{field: value})
+
+
+def test_the_refused_values_cover_the_ranges():
+    """(What REFUSED derives for the fields the old hand-written list named.)"""
+    assert ("sampling", "top_p", 0) in REFUSED and ("sampling", "top_p", 1.5) in REFUSED
+    assert ("sampling", "top_k", 0) in REFUSED and ("sampling", "top_k", -2) in REFUSED
+    assert ("engine", "mem_fraction_static", 1) in REFUSED
+    assert ("engine", "context_length", 0) in REFUSED
+    assert ("sampling", "stop_token_ids", [-1]) in REFUSED
+    assert not any(isinstance(v, float) and math.isnan(v) for _, _, v in REFUSED)
 
 
 def test_top_k_is_minus_one_or_positive():
