@@ -33,6 +33,7 @@ from engine.frontend.tokenizer_manager import TokenizerManager
 from engine.lora import LoraAdapterResult
 from engine.model_config import ModelConfig
 from engine.quantization import resolve_quantization
+from engine.runtime import messages
 from engine.server_args import LOAD_FORMATS, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -277,7 +278,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while requests run."""
-        return all(self.tokenizer_manager.control("flush_cache"))
+        return all(self.tokenizer_manager.control(messages.FlushCache()))
 
     # ------------------------------------------------------------------ LoRA adapters
     def load_lora_adapter(
@@ -289,15 +290,15 @@ class Engine:
         target the engine was not started for: ValueError naming it."""
         if not isinstance(lora_name, str) or not lora_name:
             raise ValueError(f"lora_name must be a non-empty string, got {lora_name!r}")
-        args = {"lora_name": lora_name, "lora_path": str(lora_path), "pinned": bool(pinned)}
-        loaded = self.tokenizer_manager.control("load_lora_adapter", args)[0]  # (every group's)
+        call = messages.LoadLoraAdapter(lora_name, str(lora_path), bool(pinned))
+        loaded = self.tokenizer_manager.control(call)[0]  # (every group's)
         self.tokenizer_manager.inputs.lora_adapters = dict(loaded)
         return LoraAdapterResult(True, "", loaded)
 
     def unload_lora_adapter(self, lora_name: str) -> LoraAdapterResult:
         """Unload an adapter; refused (ValueError) while requests that use it are queued or
         running. Its cached prefixes are freed."""
-        loaded = self.tokenizer_manager.control("unload_lora_adapter", {"lora_name": lora_name})[0]
+        loaded = self.tokenizer_manager.control(messages.UnloadLoraAdapter(lora_name))[0]
         self.tokenizer_manager.inputs.lora_adapters = dict(loaded)
         return LoraAdapterResult(True, "", loaded)
 
@@ -327,14 +328,11 @@ class Engine:
         # NOTE: the id is drawn here, not by a scheduler: every tensor-parallel rank must hold
         # the session under the same id, and the caller routes its turns by it
         session_id = session_id if session_id is not None else uuid.uuid4().hex
-        args = {
-            "capacity_of_str_len": capacity_of_str_len, "session_id": session_id,
-            "streaming": bool(streaming), "timeout": timeout,
-        }  # fmt: skip
+        call = messages.OpenSession(capacity_of_str_len, session_id, bool(streaming), timeout)
         groups = self.tokenizer_manager.groups
         rank, new = groups.session_group(session_id)  # (an id open there is refused, by name)
         try:
-            return self.tokenizer_manager.control("open_session", args, ranks=[rank])[0]
+            return self.tokenizer_manager.control(call, ranks=[rank])[0]
         except BaseException:
             if new:
                 groups.session_closed(session_id)
@@ -344,7 +342,7 @@ class Engine:
         """Close a session: its turns' KV is no longer kept for it (the cache may evict it)."""
         tm = self.tokenizer_manager
         rank = tm.groups.group_of_session(session_id)
-        tm.control("close_session", {"session_id": session_id}, ranks=[rank or 0])
+        tm.control(messages.CloseSession(session_id), ranks=[rank or 0])
         tm.groups.session_closed(session_id)
 
     # ------------------------------------------------------------------ weights and profiles
@@ -362,8 +360,8 @@ class Engine:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)} or None, got {load_format!r}"
             )
-        args = {"model_path": str(model_path), "load_format": load_format}
-        answers = self.tokenizer_manager.control("update_weights_from_disk", args, timeout=None)
+        call = messages.UpdateWeightsFromDisk(str(model_path), load_format)
+        answers = self.tokenizer_manager.control(call, timeout=None)
         # NOTE: every group loads the same folder, so they fail alike (the first refusal says why)
         success, message = next((a for a in answers if not a[0]), answers[0])
         if success:  # get_server_info names the weights in service, as SGLang's does
@@ -376,9 +374,9 @@ class Engine:
         floats, to check what is loaded."""
         if not isinstance(truncate_size, int) or truncate_size < 1:
             raise ValueError(f"truncate_size must be a positive integer, got {truncate_size!r}")
-        args = {"name": name, "truncate_size": truncate_size}
         tm = self.tokenizer_manager
-        return tm.control("get_weights_by_name", args, ranks=tm.groups.live[:1])[0]
+        call = messages.GetWeightsByName(name, truncate_size)
+        return tm.control(call, ranks=tm.groups.live[:1])[0]
 
     def start_profile(
         self,
@@ -394,18 +392,17 @@ class Engine:
         <rank>.trace.json.gz` (output_dir: else $SGLANG_TORCH_PROFILER_DIR, else /tmp);
         activities among "CPU" and "GPU". Open it in https://ui.perfetto.dev or chrome://tracing
         (engine/scheduler/trace.py)."""
-        args = {
-            "output_dir": output_dir, "num_steps": num_steps, "activities": activities,
-            "with_stack": with_stack, "record_shapes": record_shapes,
-            # (one name for every rank's file: each rank's clock would give its own)
-            "profile_id": profile_id or f"{time.time():.0f}",
-        }  # fmt: skip
-        self.tokenizer_manager.control("start_profile", args)
+        # (one name for every rank's file: each rank's clock would give its own)
+        profile_id = profile_id or f"{time.time():.0f}"
+        call = messages.StartProfile(
+            output_dir, num_steps, activities, with_stack, record_shapes, profile_id
+        )
+        self.tokenizer_manager.control(call)
 
     def stop_profile(self) -> str:
         """Stop the trace that start_profile() began and write it; the path of rank 0's file
         (dp rank k's, for k > 0, ends -DP-k-TP-0.trace.json.gz)."""
-        return self.tokenizer_manager.control("stop_profile", timeout=None)[0]
+        return self.tokenizer_manager.control(messages.StopProfile(), timeout=None)[0]
 
     def get_server_info(self) -> dict[str, Any]:
         """The settled arguments and the model's config, with what the schedulers report:
@@ -413,7 +410,7 @@ class Engine:
         with dp_size 1), `dp_ranks` each group's devices, pool and whether it is in service;
         the top-level device and sizes are dp rank 0's."""
         tm = self.tokenizer_manager
-        states = tm.control("get_info")
+        states = tm.control(messages.GetInfo())
         for rank, state in zip(tm.groups.live, states):
             state["dp_rank"] = rank
         return {

@@ -35,6 +35,7 @@ from engine.runtime.messages import (
     AbortReq,
     BatchOut,
     ChildError,
+    ControlCall,
     ControlReply,
     ControlReq,
     LogMsg,
@@ -226,12 +227,11 @@ class TokenizerManager:
     # ------------------------------------------------------------------ control calls
     def control(
         self,
-        kind: str,
-        args: dict[str, Any] | None = None,
+        call: ControlCall,
         timeout: float | None = _CONTROL_TIMEOUT_S,
         ranks: list[int] | None = None,
     ) -> list[Any]:
-        """Each data-parallel group's answer to a control request (engine/scheduler/process.py),
+        """Each data-parallel group's answer to a management call (engine/scheduler/control.py),
         in rank order: the groups `ranks`, or every live one. Raises the first error among them.
         A timeout of None waits as long as the schedulers work on it (a failure still ends the
         wait: _fail and _group_failed answer the pending controls with the error)."""
@@ -243,10 +243,10 @@ class TokenizerManager:
             cid = next(self._control_ids)
             self._controls[cid] = pending
             for rank in pending.ranks:
-                self.groups.send(rank, ControlReq(kind, cid, args or {}))
+                self.groups.send(rank, ControlReq(cid, call))
         if not pending.done.wait(timeout):
             self._controls.pop(cid, None)
-            raise RuntimeError(f"the scheduler did not answer {kind!r} within {timeout:.0f}s")
+            raise RuntimeError(f"the scheduler did not answer {call.kind!r} within {timeout:.0f}s")
         return pending.values()
 
     # ------------------------------------------------------------------ receiving

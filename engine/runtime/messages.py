@@ -5,14 +5,19 @@ detokenizer --BatchOut--> tokenizer manager
 The scheduler also answers ControlReq and reports Ready directly to the tokenizer manager; any
 child reports ChildError and forwards its log records (LogMsg) there too.
 
+A management call (flush_cache, the weights, LoRA adapters, sessions, profiles, server info) is
+one ControlCall type, with the arguments of the Engine method of its name: the Engine builds
+it, and the scheduler answers it by its type (engine/scheduler/control.py).
+
 NOTE: no process's working objects travel: the scheduler builds its own `Req` from a
 TokenizedRequest, and the caller keeps its own per-request state.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -126,15 +131,91 @@ class AbortReq:
     rid: str
 
 
+# ---------------------------------------------------------------------- management calls
+class ControlCall:
+    """A management call: the Engine method of its name, as a message (its fields are that
+    method's arguments, SGLang's names). A scheduler answers it with a ControlReply."""
+
+    # NOTE: a call that waits for idle (a weight update) runs once the requests received before
+    # it have finished, and what arrives after it waits for it (engine/scheduler/process.py)
+    waits_for_idle: ClassVar[bool] = False
+
+    @property
+    def kind(self) -> str:
+        """What the call is, in words for messages: FlushCache -> 'flush_cache'."""
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+
+
+@dataclass(frozen=True)
+class FlushCache(ControlCall):
+    """Empty the prefix cache; refused (False) while requests run."""
+
+
+@dataclass(frozen=True)
+class GetInfo(ControlCall):
+    """get_server_info(); a scheduler answers with its counters and queues."""
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromDisk(ControlCall):
+    model_path: str
+    load_format: str | None = None
+
+    waits_for_idle: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class GetWeightsByName(ControlCall):
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass(frozen=True)
+class LoadLoraAdapter(ControlCall):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class UnloadLoraAdapter(ControlCall):
+    lora_name: str
+
+
+@dataclass(frozen=True)
+class OpenSession(ControlCall):
+    capacity_of_str_len: int
+    session_id: str | None = None  # (the Engine draws one for None, before it is sent on)
+    streaming: bool = False
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class CloseSession(ControlCall):
+    session_id: str
+
+
+@dataclass(frozen=True)
+class StartProfile(ControlCall):
+    output_dir: str | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_id: str | None = None  # (the Engine names one for None: every rank's file alike)
+
+
+@dataclass(frozen=True)
+class StopProfile(ControlCall):
+    """Stop the trace start_profile began and write it; the path of its file."""
+
+
 @dataclass
 class ControlReq:
-    """A request the scheduler answers with a ControlReply of the same id: 'flush_cache',
-    'get_info', 'update_weights_from_disk', 'get_weights_by_name', 'start_profile',
-    'stop_profile'; `args` are the keyword arguments of the Engine method of that name."""
+    """A management call for a scheduler, which answers with a ControlReply of the same id."""
 
-    kind: str
     id: int
-    args: dict[str, Any] = field(default_factory=dict)
+    call: ControlCall
 
 
 @dataclass

@@ -86,24 +86,10 @@ class EmbeddingScheduler:
     def flush_cache(self) -> bool:
         return not self.has_work()  # there is no prefix cache to empty
 
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple:
-        raise ValueError("update_weights_from_disk serves generation engines in this version")
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        raise ValueError("get_weights_by_name serves generation engines in this version")
-
-    def load_lora_adapter(self, **kwargs) -> dict:
-        raise ValueError("LoRA adapters serve generation engines in this version")
-
-    unload_lora_adapter = load_lora_adapter
-
-    def open_session(self, **kwargs) -> str:
-        raise ValueError("sessions are for generation engines; this one embeds")
-
-    def close_session(self, session_id: str) -> None:
-        raise ValueError("sessions are for generation engines; this one embeds")
+    # (the management calls an embedding engine refuses: engine/scheduler/control.py)
 
     def state(self) -> dict:
+        """Counters and queue lengths for get_server_info()."""
         s = self.stats
         return {
             "num_running_reqs": len(self._inflight.reqs) if self._inflight else 0,

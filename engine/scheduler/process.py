@@ -29,6 +29,7 @@ from engine.runtime.messages import (
     SessionTimeout,
     TokenizedRequest,
 )
+from engine.scheduler.control import SchedulerControls
 from engine.scheduler.embedding import EmbeddingScheduler
 from engine.scheduler.output import outputs_to_send
 from engine.scheduler.profile import HostProfile
@@ -40,12 +41,6 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000
 _SESSION_CHECK_SECONDS = 1.0
-# controls the scheduler answers with its method of the same name (the Engine's, too)
-_SCHEDULER_CONTROLS = frozenset({
-    "flush_cache", "update_weights_from_disk", "get_weights_by_name", "load_lora_adapter",
-    "unload_lora_adapter", "open_session", "close_session",
-})  # fmt: skip
-_WHEN_IDLE = frozenset({"update_weights_from_disk"})  # controls that wait for running requests
 _GC_YOUNG_THRESHOLD = 20_000  # allocations between young collections (Python: 700)
 
 
@@ -74,6 +69,9 @@ class SchedulerProcess:
         self.scheduler = scheduler_cls(args, model_config, device)
         self.held: deque[object] = deque()  # messages behind a control that waits for idle
         self.trace = TorchTrace()  # start_profile / stop_profile
+        self.controls = SchedulerControls.of(
+            self.scheduler, self.trace, self.tp.rank, config.dp_rank
+        )
         self._sessions_checked = time.monotonic()
         self.tp.barrier()  # every rank loaded before the engine is ready
         self._reply(
@@ -115,10 +113,10 @@ class SchedulerProcess:
     def _receive(self, msg: object) -> None:
         """Handle a message now, or hold it behind a control that waits for an idle engine.
 
-        NOTE: a control in _WHEN_IDLE (a weight update) runs once the requests already
+        NOTE: a control that waits_for_idle (a weight update) runs once the requests already
         received have finished; what arrives after it is held until it has run, in order, so
         no request sees half-updated weights and each runs on the weights of its arrival."""
-        waits = isinstance(msg, ControlReq) and msg.kind in _WHEN_IDLE
+        waits = _waits_for_idle(msg)
         if self.held or (waits and self.scheduler.has_work()):
             self.held.append(msg)
         else:
@@ -137,7 +135,7 @@ class SchedulerProcess:
     def _release_held(self) -> None:
         while self.held:
             msg = self.held[0]
-            if isinstance(msg, ControlReq) and msg.kind in _WHEN_IDLE and self.scheduler.has_work():
+            if _waits_for_idle(msg) and self.scheduler.has_work():
                 return
             self._handle(self.held.popleft())
 
@@ -151,26 +149,15 @@ class SchedulerProcess:
         elif isinstance(msg, SessionTimeout):
             for session_id in msg.session_ids:
                 logger.info("session %s closed: idle past its timeout", session_id)
-                self.scheduler.close_session(session_id)
+                self.scheduler.sessions.close(session_id)
         elif isinstance(msg, ControlReq):
             try:
-                value = self._control(msg.kind, msg.args)
+                value = self.controls.answer(msg.call)
             except (ValueError, RuntimeError, TypeError) as e:  # the caller's to raise, not ours
                 value = e
             self._reply(ControlReply(msg.id, value, self.dp_rank))
         else:
             raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
-
-    def _control(self, kind: str, args: dict) -> object:
-        if kind in _SCHEDULER_CONTROLS:
-            return getattr(self.scheduler, kind)(**args)
-        if kind == "get_info":
-            return self.scheduler.state()
-        if kind == "start_profile":
-            return self.trace.start(self.tp.rank, self.dp_rank, **args)
-        if kind == "stop_profile":
-            return self.trace.stop()
-        raise ValueError(f"unknown control request {kind!r}")
 
     def _send(self, reqs: list[Req]) -> None:
         outputs = outputs_to_send(reqs, self.stream_interval)
@@ -182,6 +169,10 @@ class SchedulerProcess:
             return
         with self.send_lock:
             self.to_tokenizer.send_pyobj(msg)
+
+
+def _waits_for_idle(msg: object) -> bool:
+    return isinstance(msg, ControlReq) and msg.call.waits_for_idle
 
 
 def _quiet_gc() -> None:

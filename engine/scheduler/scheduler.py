@@ -145,51 +145,7 @@ class Scheduler:
         if req.session_id is not None:
             self.sessions.finished(req)
 
-    # ------------------------------------------------------------------ LoRA adapters
-    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
-        self._lora().load(lora_name, lora_path, pinned)
-        return self.lora_adapters()
-
-    def unload_lora_adapter(self, lora_name: str) -> dict:
-        """Refused while a queued or running request uses it, or an open session holds KV of
-        it; its cached prefixes go with it (an adapter loaded later under the name differs)."""
-        lora = self._lora()
-        users = [
-            r for r in (*self.queues.waiting, *self.queues.admitted()) if r.lora_name == lora_name
-        ]
-        if users:
-            raise ValueError(
-                f"lora_name {lora_name!r} is used by {len(users)} queued or running request(s); "
-                "unload it once they have finished"
-            )
-        tree = self.kv.tree
-        if tree is not None and tree.namespace_locked(lora_name):
-            raise ValueError(
-                f"lora_name {lora_name!r} has KV held by an open session: close it first"
-            )
-        lora.unload(lora_name)
-        if tree is not None:
-            tree.drop_namespace(lora_name)
-        return self.lora_adapters()
-
-    def lora_adapters(self) -> dict:
-        lora = self.runner.lora
-        return {name: a.path for name, a in lora.adapters.items()} if lora else {}
-
-    def _lora(self):
-        if self.runner.lora is None:
-            raise ValueError(
-                "this engine serves no LoRA adapters: start it with enable_lora=True or lora_paths"
-            )
-        return self.runner.lora
-
-    # ------------------------------------------------------------------ sessions
-    def open_session(self, **kwargs) -> str:
-        return self.sessions.open(**kwargs)
-
-    def close_session(self, session_id: str) -> None:
-        self.sessions.close(session_id)
-
+    # ------------------------------------------------------------------ aborts, idle, the cache
     def _abort(self, rid: str, message: str) -> None:
         """Abort a request of the scheduler's own accord; the next step reports it."""
         req = self.abort_request(rid, message)
@@ -218,7 +174,8 @@ class Scheduler:
         return bool(q.waiting or q.running or q.chunked or self._inflight or self._refused)
 
     def flush_cache(self) -> bool:
-        """Empty the prefix cache; refused while requests are queued or running."""
+        """Empty the prefix cache; refused while requests are queued or running. (The other
+        management calls are answered between steps by engine/scheduler/control.py.)"""
         if self.has_work():
             logger.warning(
                 "cache not flushed: %d request(s) are queued or running",
@@ -228,50 +185,6 @@ class Scheduler:
         self.sessions.drop_kv()  # (their next turns prefill their history again)
         self.kv.flush()
         return True
-
-    def update_weights_from_disk(
-        self, model_path: str, load_format: str | None = None
-    ) -> tuple[bool, str]:
-        """Another checkpoint of the model's shapes into service; (success, message), as SGLang.
-
-        NOTE: runs with no request queued or running: the scheduler process holds the call
-        (and what arrives after it) until the requests in flight have finished. The prefix
-        cache is emptied: its KV was computed with the old weights."""
-        assert not self.has_work(), "weights are swapped only on an idle engine"
-        try:
-            self.runner.update_weights(model_path, load_format)
-        except ValueError as e:
-            return False, f"Failed to update weights: {e}. The weights in service are unchanged."
-        self.sessions.drop_kv()
-        self.kv.flush()
-        logger.info("weights updated from %s", model_path)
-        return True, "Succeeded to update model weights."
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        return self.runner.weights_by_name(name, truncate_size)
-
-    def state(self) -> dict:
-        """Counters and queue lengths for get_server_info()."""
-        s = self.stats
-        prefill = s.prefill_tokens_computed + s.prefill_tokens_cached
-        return {
-            "num_running_reqs": self.queues.num_running,
-            "num_waiting_reqs": len(self.queues.waiting),
-            "open_sessions": len(self.sessions.open_sessions),
-            "kv_free_tokens": self.kv.free_tokens,
-            "kv_total_tokens": self.max_total_tokens,
-            "prefix_cache_tokens": self.kv.cached_tokens,
-            **s.counters(),
-            "cache_hit_rate": s.prefill_tokens_cached / prefill if prefill else 0.0,
-            "gen_throughput": s.generated_tokens / s.busy_seconds if s.busy_seconds else 0.0,
-            "overlap_schedule": self.overlap,
-            "cuda_graph_max_bs": self.runner.graphs.max_bs if self.runner.graphs else 0,
-            "prefill_graph_max_tokens": (
-                self.runner.prefill_graphs.max_tokens if self.runner.prefill_graphs else 0
-            ),
-            **self.runner.allocator_counters(),
-            **self.runner.image_counters(),
-        }
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
