@@ -1,7 +1,7 @@
 """The layout's rules, checked on the source itself (ARCHITECTURE.md states them).
 
 The import graph is built with `ast` from every import statement of every module of
-engine/, flows/ and kernels/: those at the top, under `if TYPE_CHECKING:` and inside
+engine/, flows/, kernels/ and bench/: those at the top, under `if TYPE_CHECKING:` and inside
 functions alike, since each is a dependency a reader has to follow. An edge goes to the module
 an import names (`from a.b import c` names a.b.c when that is a module, else a.b).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "flows", "kernels")
+PACKAGES = ("engine", "flows", "kernels", "bench")
 MAX_MODULE_LINES = 450
 
 
@@ -105,7 +105,7 @@ def test_the_graph_sees_every_kind_of_import():
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert len(graph) > 80, "the graph should hold every module of engine/, flows/, kernels/"
+    assert len(graph) > 80, "the graph should hold every module of the four packages"
     cycles = find_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
@@ -126,7 +126,22 @@ def test_flows_use_the_engine_only_through_its_public_names():
     assert not {m: t for m, t in reaching_in.items() if t}, "flows import engine internals"
 
 
-@pytest.mark.parametrize("package", ["engine", "flows"])
+def test_nothing_imports_the_benchmarks():
+    """bench/ is the top of the graph: it may use engine/, flows/ and kernels/, internals
+    included, and none of them may use it (a library that imports its benchmarks has them as
+    part of the library)."""
+    graph = import_graph()
+    assert any(t.startswith("engine") for t in graph["bench.throughput"]), "bench is in the graph"
+    upward = {
+        module: sorted(t for t in targets if t.split(".")[0] == "bench")
+        for module, targets in graph.items()
+        if module.split(".")[0] != "bench"
+    }
+    upward = {m: t for m, t in upward.items() if t}
+    assert not upward, f"modules of engine/, flows/ or kernels/ that import bench/: {upward}"
+
+
+@pytest.mark.parametrize("package", ["engine", "flows", "bench"])
 def test_no_module_is_past_the_size_where_it_asks_to_be_split(package):
     sizes = {
         name: len(path.read_text().splitlines())
