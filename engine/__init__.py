@@ -2,8 +2,9 @@
 
 Besides the Engine, the names here are what other code (the flows) may use of the engine:
 its argument and sampling-parameter validators, the model-folder reader, and the tokenizer
-loader, so that a config can be checked without starting an engine; and resident engines
-(engine/resident/): started once, attached to by later runs.
+loader, so that a config can be checked without starting an engine; resident engines
+(engine/resident/): started once, attached to by later runs; and EngineAPI (engine/api.py),
+the Protocol both an Engine and a ResidentEngine satisfy, to type against.
 
 NOTE: each name is imported when it is first asked for (PEP 562). `from engine import
 ServerArgs` loads no torch, so a process that only checks a config or attaches to a resident
@@ -16,6 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.api import EngineAPI
     from engine.frontend.engine import Engine
     from engine.model_config import ModelConfig
     from engine.resident import ResidentEngine, resident_engines, start_resident, stop_resident
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "Engine": "engine.frontend.engine",
+    "EngineAPI": "engine.api",
     "ModelConfig": "engine.model_config",
     "ResidentEngine": "engine.resident",
     "SamplingParams": "engine.sampling_params",
@@ -36,6 +39,7 @@ _WHERE = {
 }
 __all__ = [
     "Engine",
+    "EngineAPI",
     "ModelConfig",
     "ResidentEngine",
     "SamplingParams",

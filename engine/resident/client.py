@@ -8,8 +8,9 @@
 
 A ResidentEngine serves generate / async_generate (not streamed), flush_cache,
 get_server_info and the Engine's management methods (weights, LoRA adapters, sessions,
-profiles: protocol.ENGINE_METHODS) as Engine does, so code written for an Engine runs on
-it. Its requests are batched with those of every other client of the same engine.
+profiles) as Engine does: both are an EngineAPI (engine/api.py), whose methods build the
+messages a ResidentEngine sends, so code written for an Engine runs on it. Its requests are
+batched with those of every other client of the same engine.
 
 An I/O thread owns the socket (ZMQ sockets belong to one thread): callers hand it requests
 through an in-process queue, and it puts each reply on its caller's Channel, which blocking
@@ -35,8 +36,10 @@ from typing import Any
 import zmq
 
 import engine.resident.protocol as protocol
+from engine.api import EngineAPI
 from engine.frontend.results import Channel
 from engine.resident.registry import ResidentRecord, new_record, records, remove
+from engine.runtime.messages import ControlCall, GenerateArgs
 from engine.server_args import ServerArgs
 from engine.tokenization import load_tokenizer
 
@@ -47,7 +50,7 @@ _START_TIMEOUT_S = 1800.0
 _STOP_TIMEOUT_S = 60.0
 
 
-class ResidentEngine:
+class ResidentEngine(EngineAPI):
     def __init__(self, record: ResidentRecord) -> None:
         if record.state != "ready" or not record.alive():
             raise RuntimeError(f"resident engine {record.id} is not running ({record.state})")
@@ -66,76 +69,36 @@ class ResidentEngine:
         self._io.start()
 
     # ------------------------------------------------------------------ the Engine's API
-    def generate(self, prompt: Any = None, sampling_params: Any = None, **kwargs: Any) -> Any:
+    # (generate, async_generate and the management methods: EngineAPI's, which build the
+    # messages these send to the resident engine)
+    def run_generate(self, args: GenerateArgs) -> Any:
         channel = Channel()
-        call_id = self._submit(
-            protocol.GENERATE, _generate_args(prompt, sampling_params, kwargs), channel
-        )
+        call_id = self._submit(protocol.GENERATE, _not_streamed(args), channel)
         try:
             return _value(channel.get())
         except BaseException:
             self._send(protocol.ABORT, call_id)
             raise
 
-    async def async_generate(
-        self, prompt: Any = None, sampling_params: Any = None, **kwargs: Any
-    ) -> Any:
-        """As Engine.async_generate; cancelling the awaiting task aborts the request."""
+    async def async_run_generate(self, args: GenerateArgs) -> Any:
+        """As Engine's; cancelling the awaiting task aborts the request."""
         channel = Channel(asyncio.get_running_loop())
-        args = _generate_args(prompt, sampling_params, kwargs)
-        call_id = self._submit(protocol.GENERATE, args, channel)
+        call_id = self._submit(protocol.GENERATE, _not_streamed(args), channel)
         try:
             return _value(await channel.aget())
         except BaseException:
             self._send(protocol.ABORT, call_id)
             raise
 
-    def flush_cache(self) -> bool:
-        return bool(self._control(protocol.FLUSH_CACHE))
-
-    # the Engine's management methods, run by the resident engine (engine/frontend/engine.py
-    # says what each does): weights, LoRA adapters, sessions and profiles of every client
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> Any:
-        return self._call(
-            "update_weights_from_disk", model_path=model_path, load_format=load_format
-        )
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
-        return self._call("get_weights_by_name", name=name, truncate_size=truncate_size)
-
-    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> Any:
-        return self._call(
-            "load_lora_adapter", lora_name=lora_name, lora_path=lora_path, pinned=pinned
-        )
-
-    def unload_lora_adapter(self, lora_name: str) -> Any:
-        return self._call("unload_lora_adapter", lora_name=lora_name)
-
-    def open_session(self, capacity_of_str_len: int, **kwargs: Any) -> Any:
-        return self._call("open_session", capacity_of_str_len=capacity_of_str_len, **kwargs)
-
-    def close_session(self, session_id: str) -> Any:
-        return self._call("close_session", session_id=session_id)
-
-    def start_profile(self, **kwargs: Any) -> Any:
-        return self._call("start_profile", **kwargs)
-
-    def stop_profile(self) -> Any:
-        return self._call("stop_profile")
-
-    def _call(self, method: str, **kwargs: Any) -> Any:
-        return self._control(protocol.CALL, (method, kwargs))
-
-    def get_server_info(self) -> dict[str, Any]:
-        """Engine.get_server_info() of the resident engine, with "resident": its id, pid,
-        uptime, and the requests it has served (to every client)."""
-        return self._control(protocol.INFO)
+    def run_control(self, call: ControlCall) -> Any:
+        """A management call, run by the resident engine on its Engine (of every client)."""
+        return self._request(protocol.CONTROL, call)
 
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
         """The engine tokenizer's apply_chat_template, run in the resident engine's process: a
         list of conversations renders in one round trip, and this process loads no tokenizer
         (nor transformers, a second to import)."""
-        return self._control(protocol.CHAT_TEMPLATE, (conversation, kwargs))
+        return self._request(protocol.CHAT_TEMPLATE, (conversation, kwargs))
 
     @property
     def tokenizer(self) -> Any:
@@ -160,14 +123,8 @@ class ResidentEngine:
         self._outbox.close(linger=0)
         self._ctx.term()
 
-    def __enter__(self) -> ResidentEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
     # ------------------------------------------------------------------ calls
-    def _control(self, op: str, payload: Any = None) -> Any:
+    def _request(self, op: str, payload: Any = None) -> Any:
         channel = Channel()
         self._submit(op, payload, channel)
         return _value(channel.get())
@@ -244,10 +201,10 @@ class ResidentEngine:
             channel.put((0, "error", error))
 
 
-def _generate_args(prompt: Any, sampling_params: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    if kwargs.get("stream"):
+def _not_streamed(args: GenerateArgs) -> GenerateArgs:
+    if args.stream:
         raise ValueError("stream=True is not served by a resident engine; call without it")
-    return {"prompt": prompt, "sampling_params": sampling_params, **kwargs}
+    return args
 
 
 def _value(item: tuple[int, str, Any]) -> Any:

@@ -28,6 +28,7 @@ import zmq.asyncio
 import engine.resident.protocol as protocol
 from engine.frontend.engine import Engine
 from engine.resident.registry import ResidentRecord, remove, take_lock
+from engine.runtime.messages import ControlCall, GenerateArgs, GetInfo
 
 logger = logging.getLogger("engine.resident")
 
@@ -86,24 +87,14 @@ class ResidentServer:
                 task = self.tasks.get((client, call_id))
                 if task is not None:
                     task.cancel()  # the engine aborts the request and frees its pages
-            elif op == protocol.INFO:
-                await self._reply(client, call_id, self.info)
-            elif op == protocol.FLUSH_CACHE:
-                await self._reply(client, call_id, self.engine.flush_cache)
-            elif op == protocol.CALL:
-                method, kwargs = body
-                if method not in protocol.ENGINE_METHODS:
-                    error = TypeError(f"a resident engine does not serve {method!r}")
-                    await self._send(client, protocol.error_reply(call_id, error))
-                else:
-                    call = functools.partial(getattr(self.engine, method), **kwargs)
-                    await self._reply(client, call_id, call)
+            elif op == protocol.CONTROL:
+                await self._reply(client, call_id, functools.partial(self._control, body))
             elif op == protocol.CHAT_TEMPLATE:
                 await self._reply(client, call_id, functools.partial(self._chat_template, *body))
 
-    async def _generate(self, client: bytes, call_id: int, kwargs: dict[str, Any]) -> None:
+    async def _generate(self, client: bytes, call_id: int, args: GenerateArgs) -> None:
         try:
-            result = await self.engine.async_generate(**kwargs)
+            result = await self.engine.async_run_generate(args)
             reply = (protocol.RESULT, call_id, result)
             self.requests_served += len(result) if isinstance(result, list) else 1
         except asyncio.CancelledError:
@@ -120,6 +111,13 @@ class ResidentServer:
             await self._send(client, (protocol.RESULT, call_id, value))
         except Exception as e:
             await self._send(client, protocol.error_reply(call_id, e))
+
+    def _control(self, call: ControlCall) -> Any:
+        """A management call, run on the Engine by its type; get_server_info adds this
+        process's own "resident" section."""
+        if not isinstance(call, ControlCall):
+            raise TypeError(f"a resident engine does not serve {call!r}")
+        return self.info() if isinstance(call, GetInfo) else self.engine.run_control(call)
 
     def _chat_template(self, conversation: Any, kwargs: dict[str, Any]) -> Any:
         tokenizer = self.engine.tokenizer

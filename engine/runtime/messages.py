@@ -7,7 +7,8 @@ child reports ChildError and forwards its log records (LogMsg) there too.
 
 A management call (flush_cache, the weights, LoRA adapters, sessions, profiles, server info) is
 one ControlCall type, with the arguments of the Engine method of its name: the Engine builds
-it, and the scheduler answers it by its type (engine/scheduler/control.py).
+it (engine/api.py), a resident engine's client sends it over its socket, and each layer answers
+it by its type (engine/frontend/engine.py, engine/scheduler/control.py).
 
 NOTE: no process's working objects travel: the scheduler builds its own `Req` from a
 TokenizedRequest, and the caller keeps its own per-request state.
@@ -89,6 +90,29 @@ class TokenizedRequest:
         if self.logprob_start_len < 0:
             return self.prompt_len - 1
         return min(self.logprob_start_len, self.prompt_len - 1)
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """One generate() / async_generate() call's arguments as the caller gave them, unchecked:
+    what both hand the engine that runs them (engine/api.py), and what a resident engine's
+    client sends it. `unsupported`: the other keyword arguments, which the engine refuses."""
+
+    prompt: str | list[str] | None = None
+    sampling_params: dict | list[dict] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+    session_params: dict | list[dict] | None = None
+    lora_path: str | list[str | None] | None = None
+    image_data: Any = None
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    unsupported: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
