@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from engine.runtime.messages import (
     CloseSession,
@@ -38,6 +38,8 @@ from engine.runtime.messages import (
 )
 
 if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+: only the type checker reads it
+
     from engine.lora import LoraAdapterResult
 
 
