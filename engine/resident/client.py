@@ -54,6 +54,12 @@ class ResidentEngine(EngineAPI):
     def __init__(self, record: ResidentRecord) -> None:
         if record.state != "ready" or not record.alive():
             raise RuntimeError(f"resident engine {record.id} is not running ({record.state})")
+        if not record.speaks_our_protocol:
+            raise RuntimeError(
+                f"resident engine {record.id} was started by another version of gristmill "
+                f"(protocol {record.protocol}, this one speaks {protocol.VERSION}): stop it with "
+                f"`gristmill engine stop {record.id}` and start it again"
+            )
         self.record = record
         self.server_args = ServerArgs.from_kwargs(**record.args)
         self._tokenizer: Any = None

@@ -16,6 +16,12 @@ turn it into an error row and go on), a TypeError a wrong call, anything else a 
 
 from __future__ import annotations
 
+# NOTE: bump when a message changes shape. A record keeps the version its engine speaks
+# (registry.ResidentRecord.protocol); a client refuses an engine of another version, and the
+# flows start their own engine beside it, so an upgrade never talks past a running old engine.
+# 1: management calls by method name; 2: GenerateArgs and ControlCall messages.
+VERSION = 2
+
 GENERATE, ABORT, CHAT_TEMPLATE, CONTROL = "generate", "abort", "chat_template", "control"
 RESULT, ERROR = "result", "error"
 

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.resident import protocol
+
 # ipc:// endpoints are Unix socket paths, which the OS limits to ~107 bytes
 _MAX_SOCKET_PATH = 100
 
@@ -53,6 +55,7 @@ class ResidentRecord:
     ready_seconds: float | None = None  # from the ask to ready
     error: str | None = None  # why it failed to start
     info: dict[str, Any] = field(default_factory=dict)  # device, pool, pids of its children
+    protocol: int = 1  # the socket protocol it speaks (protocol.VERSION; older records lack it)
 
     @property
     def endpoint(self) -> str:
@@ -61,6 +64,12 @@ class ResidentRecord:
     @property
     def log(self) -> Path:
         return Path(self.folder) / "log"
+
+    @property
+    def speaks_our_protocol(self) -> bool:
+        """Whether this gristmill's clients can talk to it (an engine started by another
+        version may not understand them)."""
+        return self.protocol == protocol.VERSION
 
     def alive(self) -> bool:
         """Whether the engine's process still runs (it holds its lock)."""
@@ -92,7 +101,9 @@ def new_record(args: dict[str, Any], labels: dict[str, Any], name: str | None) -
         folder.mkdir(mode=0o700)
     except FileExistsError:
         raise ValueError(f"a resident engine named {engine_id!r} exists already") from None
-    record = ResidentRecord(engine_id, str(folder), args, labels, started=time.time())
+    record = ResidentRecord(
+        engine_id, str(folder), args, labels, started=time.time(), protocol=protocol.VERSION
+    )
     record.save()
     return record
 

@@ -91,6 +91,12 @@ class ResidentServer:
                 await self._reply(client, call_id, functools.partial(self._control, body))
             elif op == protocol.CHAT_TEMPLATE:
                 await self._reply(client, call_id, functools.partial(self._chat_template, *body))
+            else:  # a client of another version: an answer, never a silent wait
+                error = RuntimeError(
+                    f"this resident engine speaks protocol {protocol.VERSION} and does not "
+                    f"know {op!r}: the client is of another version of gristmill"
+                )
+                await self._send(client, protocol.error_reply(call_id, error))
 
     async def _generate(self, client: bytes, call_id: int, args: GenerateArgs) -> None:
         try:

@@ -6,9 +6,12 @@ flows/test_resident.py.)"""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import pickle
 import time
 
 import pytest
+import zmq
 from transformers import AutoTokenizer
 
 from engine import ResidentEngine, resident_engines, start_resident, stop_resident
@@ -100,5 +103,26 @@ def test_a_resident_engine_serves_the_engines_management_methods(llama_dir, tmp_
             assert len(norm) == 4
             with pytest.raises(ValueError, match="not open"):
                 engine.close_session(sid)
+        _check_other_versions_are_answered(record)
     finally:
         stop_resident(record)
+
+
+def _check_other_versions_are_answered(record):
+    """An engine and a client of different versions (an upgrade while an engine stays up) fail
+    with a reason on both sides, never a silent wait."""
+    with pytest.raises(RuntimeError, match="another version of gristmill"):
+        ResidentEngine(dataclasses.replace(record, protocol=record.protocol - 1))
+    ctx = zmq.Context()
+    try:
+        old_client = ctx.socket(zmq.DEALER)
+        old_client.setsockopt(zmq.LINGER, 0)
+        old_client.connect(record.endpoint)
+        old_client.send(pickle.dumps(("call", 7, ("flush_cache", {}))))  # version 1's message
+        assert old_client.poll(30_000), "the engine never answered an unknown message"
+        kind, call_id, error_kind, message = pickle.loads(old_client.recv())
+        assert (kind, call_id, error_kind) == ("error", 7, "RuntimeError")
+        assert "does not know 'call'" in message
+        old_client.close()
+    finally:
+        ctx.term()
