@@ -131,8 +131,8 @@ def dummy_adapters(cfg: ModelConfig, count: int, rank: int) -> dict[str, str]:
     seven projections: {name: folder}."""
     from safetensors.torch import save_file
 
-    from engine.lora import TARGET_MODULES
     from engine.lora.adapter import _shape
+    from engine.server_args import LORA_TARGET_MODULES as TARGET_MODULES
 
     adapters = {}
     gen = torch.Generator().manual_seed(0)

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# the projections an adapter may target, under the name engine/bench.py reads here: decided
-# with the engine's other arguments (engine/server_args.py)
-from engine.server_args import LORA_TARGET_MODULES as TARGET_MODULES
-
-__all__ = ["TARGET_MODULES", "LoraAdapterResult"]
+__all__ = ["LoraAdapterResult"]
 
 
 @dataclass(frozen=True)

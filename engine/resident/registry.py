@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.resident import protocol
+import engine.resident.protocol as protocol
 
 # ipc:// endpoints are Unix socket paths, which the OS limits to ~107 bytes
 _MAX_SOCKET_PATH = 100

@@ -51,7 +51,7 @@ def run_child(role: str, config_path: str, process: type[ChildProcess]) -> int:
     root = logging.getLogger()
     root.handlers[:] = [ForwardingLogHandler(to_tokenizer, send_lock)]
     root.setLevel(config.args.log_level.upper())
-    # (what it cost to get here, mostly imports: scripts/startup_phases.py shows it)
+    # (what it cost to get here, mostly imports: bench/startup_phases.py shows it)
     logging.getLogger(__name__).info("%s process up, its imports done", role)
     started = False
     try:
