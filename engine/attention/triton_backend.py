@@ -30,7 +30,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionLayer
 from engine.batch.forward_batch import ForwardBatch, ForwardMode
-from engine.batch.shared_prefix import MAX_SHARED_PREFIXES, SharedPrefix
+from engine.batch.prefix_groups import MAX_SHARED_PREFIXES, SharedPrefix
 from engine.transfer import to_device
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention, extend_block_m, extend_tiles, tile_capacity

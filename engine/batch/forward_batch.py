@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.batch.shared_prefix import SharedPrefix
+    from engine.batch.prefix_groups import SharedPrefix
     from engine.memory.kv_pool import KVPool
 
 
 @dataclass
 class ImageBatch:
     """A vision-language model's inputs beyond the tokens, for one prefill (built by
-    engine/runner/images.py; decode steps need none: the model keeps each request's delta)."""
+    engine/runner/image_embedder.py; decode steps need none: the model keeps each request's delta)."""
 
     rope_positions: torch.Tensor  # [3, T] int64: each token's (t, h, w) M-RoPE positions
     rope_deltas: torch.Tensor  # [B] int64: each request's generated-token position offset

@@ -47,7 +47,7 @@ class Req:
         self.session_id = (request.session_params or {}).get("id")
         self.lora_name = request.lora_name  # its LoRA adapter; its prefixes are cached apart
         # its images (a vision-language model), and their embeddings while its prompt prefills
-        # (engine/runner/images.py: computed at the first chunk that needs them, then dropped)
+        # (engine/runner/image_embedder.py: computed at the first chunk that needs them, then dropped)
         self.images = request.images
         self.image_embeds: Any = None
         # drawn tokens that end the request by length whatever they are

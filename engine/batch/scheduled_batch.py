@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.batch.forward_batch import ForwardMode
+from engine.batch.prefix_groups import SharedPrefix
 from engine.batch.req import Req
-from engine.batch.shared_prefix import SharedPrefix
 
 
 @dataclass

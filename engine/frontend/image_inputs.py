@@ -4,7 +4,7 @@
 and resizing free the GIL, and a batch of a thousand images is mostly that work), keeping the
 error of a bad image for its request; `build` then expands one prompt's image slots and gives
 its images their prefix-cache keys and M-RoPE positions. The pieces are in
-engine/frontend/images.py and engine/multimodal/.
+engine/frontend/image_preprocessing.py and engine/multimodal/.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from engine.model_config import VISION_LANGUAGE_ARCHITECTURES, ModelConfig
 from engine.runtime.messages import ImageInputs
 
 if TYPE_CHECKING:
-    from engine.frontend.images import ImageProcessor
+    from engine.frontend.image_preprocessing import ImageProcessor
 
 _THREADS = 8  # threads that decode and preprocess a call's images
 
@@ -44,7 +44,7 @@ class ImageInputsBuilder:
         raises it in that request's turn, where the request is named)."""
         if image_data is None:
             return [[] for _ in range(n)]
-        from engine.frontend.images import ImageProcessor, normalize_image_data
+        from engine.frontend.image_preprocessing import ImageProcessor, normalize_image_data
 
         lists = normalize_image_data(image_data, n, is_batch)
         if not any(lists):
@@ -68,7 +68,7 @@ class ImageInputsBuilder:
         return out
 
     def _prepare_one(self, k: int, raw: Any) -> PreparedImage | ValueError:
-        from engine.frontend.images import image_hash, load_image
+        from engine.frontend.image_preprocessing import image_hash, load_image
 
         try:
             picture = load_image(raw, f"image_data[{k}]")
@@ -82,7 +82,7 @@ class ImageInputsBuilder:
     ) -> tuple[list[int], ImageInputs]:
         """The prompt's ids with each image slot expanded to its image's tokens, and the
         request's ImageInputs."""
-        from engine.frontend.images import expand_image_tokens
+        from engine.frontend.image_preprocessing import expand_image_tokens
         from engine.multimodal.mrope import mrope_positions
 
         if isinstance(images, ValueError):

@@ -1,6 +1,6 @@
 """Qwen2.5-VL: the Qwen2 decoder with multimodal RoPE, fed image embeddings by a vision tower.
 
-A prefill with images: the runner (engine/runner/images.py) has the vision tower encode the
+A prefill with images: the runner (engine/runner/image_embedder.py) has the vision tower encode the
 images whose tokens the step prefills (`encode_images`, engine/models/qwen2_5_vl_vision.py) and
 hands the model an ImageBatch: which of the batch's token rows are image tokens, their
 embeddings, and every token's three M-RoPE positions. The model embeds the tokens, puts the

@@ -37,7 +37,7 @@ from engine.quantization.fp8 import check_device
 from engine.runner.batch_builder import build_forward_batch
 from engine.runner.cuda_graph import DecodeCudaGraphs
 from engine.runner.decode_inputs import DecodeInputs
-from engine.runner.images import ImageEmbedder
+from engine.runner.image_embedder import ImageEmbedder
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model, reload_weights
 from engine.runner.logits_step import LogitsStep

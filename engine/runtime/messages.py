@@ -30,8 +30,8 @@ SESSION_PARAMS = ("id", "rid", "offset", "replace", "drop_previous_output")
 
 @dataclass(frozen=True, eq=False)
 class ImageInputs:
-    """A request's images, decoded and preprocessed by the caller (engine/frontend/images.py)
-    for a vision-language model; the scheduler's runner encodes them (engine/runner/images.py).
+    """A request's images, decoded and preprocessed by the caller (engine/frontend/image_preprocessing.py)
+    for a vision-language model; the scheduler's runner encodes them (engine/runner/image_embedder.py).
 
     NOTE: image k's tokens are the k-th run of the model's image token in input_ids, and the
     vision tower's output rows come in the same order: output row j is the embedding of the

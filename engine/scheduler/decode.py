@@ -16,13 +16,13 @@ from operator import attrgetter, is_
 import numpy as np
 
 from engine.batch.forward_batch import ForwardMode
+from engine.batch.prefix_groups import SharedPrefix
 from engine.batch.req import Req
 from engine.batch.scheduled_batch import ScheduledBatch
-from engine.batch.shared_prefix import SharedPrefix
 from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate
+from engine.scheduler.prefix_grouping import shared_prefixes
 from engine.scheduler.queues import RequestQueues
-from engine.scheduler.shared_prefix import shared_prefixes
 from engine.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)

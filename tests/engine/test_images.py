@@ -1,4 +1,4 @@
-"""The caller's half of `image_data` (engine/frontend/images.py).
+"""The caller's half of `image_data` (engine/frontend/image_preprocessing.py).
 
 The reference for pixels and token counts is transformers: `Qwen2VLImageProcessorPil` (what
 `AutoImageProcessor` gives for a Qwen2.5-VL folder without torchvision) and the full
@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from engine.frontend.images import (
+from engine.frontend.image_preprocessing import (
     ImageProcessor,
     expand_image_tokens,
     image_hash,

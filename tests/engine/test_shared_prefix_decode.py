@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import engine.attention.triton_backend as triton_backend
-import engine.scheduler.shared_prefix as shared_prefix
-from engine.batch.shared_prefix import SharedPrefix
+import engine.scheduler.prefix_grouping as prefix_grouping
+from engine.batch.prefix_groups import SharedPrefix
 from tests.engine.core import InProcessCore
 from tests.tiny_models import (
     guess_like_sglang,
@@ -30,7 +30,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True}
 def short_prefixes(monkeypatch):
     # the tiny model's prompts are short: group prefixes from 24 tokens (the engine's floor is
     # 256, where grouping starts to pay on a GPU)
-    monkeypatch.setattr(shared_prefix, "MIN_SHARED_PREFIX_TOKENS", 24)
+    monkeypatch.setattr(prefix_grouping, "MIN_SHARED_PREFIX_TOKENS", 24)
 
 
 def few_shot_prompts() -> tuple[list[list[int]], list[list[int]]]:
@@ -130,12 +130,12 @@ def test_groups_are_the_prefixes_that_save_the_most_reads():
     own = [_Node(950, 1, block_a), _Node(960, 1, block_a), _Node(940, 1, block_a)]
     own += [_Node(720, 1, block_b), _Node(730, 1, block_b), _Node(310, 1, system)]
     reqs = [_Req(node, row) for row, node in enumerate(own)]
-    groups = shared_prefix.shared_prefixes(reqs)
+    groups = prefix_grouping.shared_prefixes(reqs)
     # the blocks save 900 x 2 + 700 x 1 reads, the system prompt for all six 300 x 5
     assert groups == [SharedPrefix(900, [0, 1, 2], 0), SharedPrefix(700, [3, 4], 3)]
     # what this batch shares counts, not what other requests hold: request 0 meets no one of
     # block A here, but shares the system prompt with request 5
-    assert shared_prefix.shared_prefixes([reqs[5], reqs[0]]) == [SharedPrefix(300, [0, 1], 5)]
+    assert prefix_grouping.shared_prefixes([reqs[5], reqs[0]]) == [SharedPrefix(300, [0, 1], 5)]
 
 
 def test_one_instruction_is_one_group_though_its_items_start_alike():
@@ -146,7 +146,7 @@ def test_one_instruction_is_one_group_though_its_items_start_alike():
     instruction = _Node(2000, 1000, root)
     words = [_Node(2003, 34, instruction) for _ in range(30)]
     reqs = [_Req(_Node(2050, 1, words[i % 30]), i) for i in range(1000)]
-    groups = shared_prefix.shared_prefixes(reqs)
+    groups = prefix_grouping.shared_prefixes(reqs)
     assert groups == [SharedPrefix(2000, list(range(1000)), 0)]
 
 
@@ -158,12 +158,12 @@ def _brute_force_savings(reqs) -> int:
     below: dict[_Node, set[int]] = {}
     for i, req in enumerate(reqs):
         node = req.last_node
-        while node.parent is not None and node.depth >= shared_prefix.MIN_SHARED_PREFIX_TOKENS:
+        while node.parent is not None and node.depth >= prefix_grouping.MIN_SHARED_PREFIX_TOKENS:
             below.setdefault(node, set()).add(i)
             node = node.parent
     nodes = [n for n, members in below.items() if len(members) > 1]
     best = 0
-    for k in range(1, min(len(nodes), shared_prefix.MAX_SHARED_PREFIXES) + 1):
+    for k in range(1, min(len(nodes), prefix_grouping.MAX_SHARED_PREFIXES) + 1):
         for chosen in itertools.combinations(nodes, k):
             if any(below[a] & below[b] for a, b in itertools.combinations(chosen, 2)):
                 continue  # one under the other: a request would be in two groups
@@ -184,7 +184,7 @@ def test_groups_save_as_many_reads_as_the_best_choice(seed):
     reqs = [_Req(_Node(rng.choice(nodes).depth + 5, 1, rng.choice(nodes)), i) for i in range(12)]
     for req in reqs:  # (a request's own node lies below the node it was drawn under)
         req.last_node.depth = req.last_node.parent.depth + 5
-    groups = shared_prefix.shared_prefixes(reqs)
+    groups = prefix_grouping.shared_prefixes(reqs)
     saved = sum(g.length * (len(g.members) - 1) for g in groups)
     assert saved == _brute_force_savings(reqs)
     for g in groups:  # each group's requests do share its prefix

@@ -18,8 +18,8 @@ node, nothing proportional to a prompt's length or to the waiting queue.
 
 from __future__ import annotations
 
+from engine.batch.prefix_groups import MAX_SHARED_PREFIXES, SharedPrefix
 from engine.batch.req import Req
-from engine.batch.shared_prefix import MAX_SHARED_PREFIXES, SharedPrefix
 
 # A prefix shorter than this is cheaper to read per request than to group (the grouped path
 # adds a merge of two partial results per request).

@@ -1,11 +1,12 @@
-"""A group of decode requests that share a cached prefix (found by engine/scheduler/shared_prefix.py,
-read once per group by the triton backend's decode attention)."""
+"""A group of decode requests that share a cached prefix (found by
+engine/scheduler/prefix_grouping.py, read once per group by the triton backend's decode
+attention)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Groups per decode step (engine/scheduler/shared_prefix.py): the decode CUDA graphs size the
+# Groups per decode step (engine/scheduler/prefix_grouping.py): the decode CUDA graphs size the
 # attention's work items for this many.
 MAX_SHARED_PREFIXES = 8
 
