@@ -9,8 +9,8 @@ written as the Batch API's output file. The flow of `gristmill batch` and of `fl
     input: requests.jsonl
     output: results.jsonl
 
-Lines for /v1/chat/completions, /v1/completions and /v1/embeddings (flows/batch_requests.py)
-get OpenAI's response bodies (flows/batch_responses.py). It runs the steps of every gristmill
+Lines for /v1/chat/completions, /v1/completions and /v1/embeddings (flows/openai/requests.py)
+get OpenAI's response bodies (flows/openai/responses.py). It runs the steps of every gristmill
 flow, and so is resumable as they are: each answer lands in a checkpoint shard under
 `<output_dir>/<run_name>/<fingerprint>/` keyed by its custom_id, a rerun answers only the
 lines no shard has, and the output file is written once every line is answered, in input
@@ -40,11 +40,11 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import Field, model_validator
 
-from flows.batch_answers import Job, answer, prepare_jobs
-from flows.batch_requests import BatchRequest, read_batch
 from flows.config import ConfigError, EngineConfig, RunBase
 from flows.generation import Generated, answer_rows
 from flows.identity import PERFORMANCE_ARGS, model_identity
+from flows.openai.answers import Job, answer, prepare_jobs
+from flows.openai.requests import BatchRequest, read_batch
 from flows.paths import absolute_paths
 from flows.pipeline import configure, init_engine, shutdown
 from flows.plan import RunPlan

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from flows.batch_requests import (
+from flows.openai.requests import (
     LineError,
     chat_conversation,
     completion_prompts,
@@ -17,7 +17,7 @@ from flows.batch_requests import (
     sampling_params,
     top_logprobs,
 )
-from flows.batch_responses import embedding_body, error_line
+from flows.openai.responses import embedding_body, error_line
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]

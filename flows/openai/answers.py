@@ -15,7 +15,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from flows.batch_requests import (
+from flows.config import EngineConfig
+from flows.images import image_placeholder
+from flows.openai.requests import (
     BatchRequest,
     LineError,
     chat_conversation,
@@ -24,7 +26,7 @@ from flows.batch_requests import (
     sampling_params,
     top_logprobs,
 )
-from flows.batch_responses import (
+from flows.openai.responses import (
     chat_body,
     completion_body,
     embedding_body,
@@ -33,8 +35,6 @@ from flows.batch_responses import (
     output_line,
     usage_of,
 )
-from flows.config import EngineConfig
-from flows.images import image_placeholder
 
 RENDER_BATCH = 1024  # conversations per chat-template call
 

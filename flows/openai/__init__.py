@@ -1,0 +1,3 @@
+"""OpenAI Batch API files, for the flow of flows/openai_batch.py: a request line read, checked
+and mapped to sampling parameters (requests.py), a line through the engine (answers.py), and
+OpenAI's output lines and bodies (responses.py)."""
