@@ -62,7 +62,8 @@ VISION_MODEL_DIR = Path(__file__).resolve().parent / "vision_model"
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 # never in a prompt (the model takes no videos), but Qwen2.5-VL's config needs a video token id
 VIDEO_PAD = "<|video_pad|>"
-# one image's slot in a prompt, as flows/images.py's image_placeholder reads it from the folder
+# one image's slot in a prompt, as image_placeholder (flows/inputs/image_column.py) reads it
+# from the folder
 IMAGE_SLOT = VISION_START + IMAGE_PAD + VISION_END
 COLOUR_QUESTION = "What colour is the shape? Answer red, green, blue or yellow."
 

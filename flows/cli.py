@@ -350,7 +350,7 @@ _LONG = ("prompt", "text", "output")  # (output: an OpenAI batch line)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from flows.hf_datasets import export_dataset
+    from flows.inputs.hf_datasets import export_dataset
 
     folder = run_folders(args.run_dir)[0]
     output = CheckpointStore.at(folder).output_path

@@ -28,7 +28,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from flows.images import resolve_image
+from flows.inputs.image_column import resolve_image
 from flows.progress import Progress
 from flows.rows import output_column, refused_row, result_row
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from flows.config import RunConfig
+from flows.inputs.sources import content_digest
 from flows.preflight import Checked
-from flows.sources import content_digest
 
 # Engine arguments that change speed or memory, never a row's tokens.
 PERFORMANCE_ARGS = frozenset({
@@ -61,7 +61,7 @@ def run_identity(config: RunConfig, checked: Checked) -> dict[str, Any]:
         identity["lora"] = [config.lora, config.lora_column]
     if adapters := adapters_identity(engine_args):
         identity["adapters"] = adapters
-    if config.prompt.image_column is not None:  # the pictures themselves (flows/images.py)
+    if config.prompt.image_column is not None:  # the pictures themselves (inputs/image_column.py)
         identity["images"] = checked.images_digest
     return identity
 

@@ -128,7 +128,7 @@ def check_batch(config: OpenAIBatchConfig) -> tuple[BatchChecked, dict[str, Any]
     tokenizer_path = check_engine(engine, problems)
     generates = not engine.arguments().get("is_embedding")
     if generates and "chat" in kinds and tokenizer_path:
-        from flows.prompts import has_chat_template
+        from flows.inputs.prompts import has_chat_template
 
         if not has_chat_template(tokenizer_path):
             problems.append(("input", f"it has /v1/chat/completions lines and the tokenizer in "

@@ -35,16 +35,16 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import EngineConfig, RunConfig
 from flows.generation import Generated, RequestOptions, generate_rows
-from flows.images import image_placeholder
+from flows.inputs.image_column import image_placeholder
+from flows.inputs.prompts import ChatTemplate, PromptRenderer
+from flows.inputs.sources import input_for_run
 from flows.interrupts import Interrupted, interrupted, stop_softly
 from flows.merge import ordered_chunks
 from flows.parallel import generate_in_parallel
 from flows.plan import Finish, Finisher, RunPlan, Work, plan_requests
 from flows.progress import Progress, artifact_key
-from flows.prompts import ChatTemplate, PromptRenderer
 from flows.resident import open_engine
 from flows.run_lock import lock_run, unlock_run
-from flows.sources import input_for_run
 from flows.store import CheckpointStore, write_parquet_chunks
 
 

@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flows.config import RunConfig
-from flows.input_summary import joined
+from flows.inputs.prompts import PromptRenderer
+from flows.inputs.summary import joined
 from flows.preflight import Checked
-from flows.prompts import PromptRenderer
 from flows.rows import input_columns, output_schema, work_table
 from flows.store import CheckpointStore, row_seed
 
@@ -51,7 +51,7 @@ class RunPlan:
 
 class Rows(Protocol):
     """An input's rows as a run reads them: their schema, and the rows again in input order, a
-    batch at a time (flows/input_summary.py: Input)."""
+    batch at a time (flows/inputs/summary.py: Input)."""
 
     schema: pa.Schema
 

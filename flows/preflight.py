@@ -1,7 +1,7 @@
 """Check a config against the world before any engine starts: files, model folder, engine and
 sampling rules, and the whole input (every line parses and decodes, ids are present and
 unique, the columns the config names exist, there is a row). The input streams past once
-(flows/sources.py: load_input); what the checks need of its rows they tally as it passes
+(flows/inputs/sources.py: load_input); what the checks need of its rows they tally as it passes
 (`_tallies`: a column's adapter names, its bad chat messages, its pictures' digest). Every
 problem is collected and raised as one ConfigError that names each field, so a user fixes a
 config in one round, not one error at a time.
@@ -23,10 +23,10 @@ import pyarrow.compute as pc
 
 from flows.config import ConfigError, EngineConfig, RunConfig
 from flows.gpus import engine_gpus
-from flows.images import ImagesDigest
-from flows.input_summary import Input, Tallies, column_of, id_problems
-from flows.prompts import chat_messages, has_chat_template, template_names
-from flows.sources import TEXT_FORMATS, load_input
+from flows.inputs.image_column import ImagesDigest
+from flows.inputs.prompts import chat_messages, has_chat_template, template_names
+from flows.inputs.sources import TEXT_FORMATS, load_input
+from flows.inputs.summary import Input, Tallies, column_of, id_problems
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Checked:
     columns: list[str]
     source_format: str
     tokenizer_path: str
-    images_digest: str | None = None  # of prompt.image_column's pictures (flows/images.py)
+    images_digest: str | None = None  # of prompt.image_column's pictures (inputs/image_column.py)
 
 
 def preflight(config: RunConfig) -> Checked:
@@ -152,7 +152,7 @@ def _check_sampling(config: RunConfig, problems: list[tuple[str, str]]) -> None:
 
 def _check_source(config: RunConfig, problems: list[tuple[str, str]]) -> Input | None:
     """The input summed up, every row read once (the summary stays for the run:
-    flows/sources.py), or None."""
+    flows/inputs/sources.py), or None."""
     try:
         loaded = load_input(config.source, _tallies(config))
     except ConfigError as e:
@@ -297,7 +297,7 @@ class _BadMessages:
 
 
 class _Images(ImagesDigest):
-    """The digest of a column's pictures, row by row (flows/images.py)."""
+    """The digest of a column's pictures, row by row (flows/inputs/image_column.py)."""
 
     def __init__(self, column: str, base: Path) -> None:
         super().__init__(base)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flows.config import EngineConfig
-from flows.images import image_placeholder
+from flows.inputs.image_column import image_placeholder
 from flows.openai.requests import (
     BatchRequest,
     LineError,

@@ -33,7 +33,7 @@ from demo.train_vision import (
     train,
 )
 from engine import Engine
-from flows.images import image_placeholder
+from flows.inputs.image_column import image_placeholder
 from tests.flows.fixtures import run_config_with
 
 ROOT = Path(__file__).resolve().parents[2]

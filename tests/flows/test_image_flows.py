@@ -15,7 +15,7 @@ from engine import Engine
 from flows.annotate import annotate
 from flows.config import ConfigError, load_config
 from flows.identity import run_identity
-from flows.images import image_placeholder
+from flows.inputs.image_column import image_placeholder
 from flows.pipeline import generate_batch
 from flows.preflight import preflight
 from tests.flows.fixtures import base_config, lent_engine, run_folder, write_jsonl

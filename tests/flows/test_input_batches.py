@@ -1,5 +1,5 @@
-"""The input read a batch at a time (flows/input_batches.py, flows/sources.py): the same rows,
-types, counts, digest and error messages as a read of each whole file.
+"""The input read a batch at a time (flows/inputs/batches.py, flows/inputs/sources.py): the
+same rows, types, counts, digest and error messages as a read of each whole file.
 
 The reference is pyarrow's own whole-file readers (read_json, read_csv, read_table, and
 concat_tables for a folder) and hashlib over the files' bytes, called here. The batches are
@@ -27,21 +27,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import flows.input_batches
+import flows.inputs.batches
+import flows.inputs.sources
 import flows.plan
-import flows.sources
 from flows.config import ConfigError, SourceConfig
-from flows.input_summary import id_problems
-from flows.sources import content_digest, load_input
+from flows.inputs.sources import content_digest, load_input
+from flows.inputs.summary import id_problems
 
 
 @pytest.fixture(autouse=True)
 def small_batches(monkeypatch):
-    monkeypatch.setattr(flows.input_batches, "READ_BYTES", 97)
-    monkeypatch.setattr(flows.input_batches, "CSV_BLOCK", 61)
-    flows.sources._loaded.clear()
+    monkeypatch.setattr(flows.inputs.batches, "READ_BYTES", 97)
+    monkeypatch.setattr(flows.inputs.batches, "CSV_BLOCK", 61)
+    flows.inputs.sources._loaded.clear()
     yield
-    flows.sources._loaded.clear()
+    flows.inputs.sources._loaded.clear()
 
 
 def whole(paths: list[Path], fmt: str, encoding: str = "utf-8") -> pa.Table:
@@ -150,7 +150,7 @@ def test_a_folder_of_files_of_other_types_reads_as_their_concatenation(tmp_path)
     pq.write_table(pa.table({"k": [0.5] * 5, "d": pa.array(["p"] * 5).dictionary_encode()}),
                    pq_folder / "b.parquet")  # fmt: skip
     files = sorted(pq_folder.glob("*.parquet"))
-    with mock.patch.object(flows.input_batches, "BATCH_ROWS", 4):
+    with mock.patch.object(flows.inputs.batches, "BATCH_ROWS", 4):
         assert streamed(SourceConfig(path=pq_folder)).equals(whole(files, "parquet"))
 
 
@@ -175,7 +175,7 @@ def test_a_saved_dataset_streams_its_rows_in_order(tmp_path):
     folder = tmp_path / "ds"
     datasets.Dataset.from_list(rows).shuffle(seed=1).save_to_disk(str(folder))
     reference = datasets.load_from_disk(str(folder)).with_format("arrow")[:]
-    with mock.patch("flows.hf_datasets.BATCH_ROWS", 7):
+    with mock.patch("flows.inputs.hf_datasets.BATCH_ROWS", 7):
         loaded = load_input(SourceConfig(path=folder, id_column="qid"))
         batches = list(loaded.batches())
     assert len(batches) == 8 and pa.concat_tables(batches).equals(reference)
@@ -199,7 +199,7 @@ def test_counts_and_digest_are_the_whole_files(tmp_path):
     for name in ("a.jsonl", "sub/b.jsonl"):
         sha.update(name.encode() + b"\0" + (folder / name).read_bytes())
     assert loaded.digest == sha.hexdigest()
-    flows.sources._loaded.clear()
+    flows.inputs.sources._loaded.clear()
     assert content_digest(SourceConfig(path=folder)) == sha.hexdigest(), "hashed without parsing"
     latin = SourceConfig(path=folder / "a.jsonl", encoding="latin-1")
     expected = hashlib.sha256(
@@ -220,7 +220,7 @@ def refused(source: SourceConfig) -> list[tuple[str, str]]:
 def test_a_bad_line_far_into_a_large_file_is_named_by_its_line(tmp_path, monkeypatch):
     """Past the first batch of the real batch size (16 MiB): the lines before it stream, the
     line that fails is found by reading the file again."""
-    monkeypatch.setattr(flows.input_batches, "READ_BYTES", 16 << 20)
+    monkeypatch.setattr(flows.inputs.batches, "READ_BYTES", 16 << 20)
     line = json.dumps({"qid": "q", "text": "w" * 1000})
     count = (20 << 20) // len(line)
     path = tmp_path / "big.jsonl"
@@ -325,7 +325,7 @@ def _valid(table: pa.Table) -> bool:
 
 
 def _agree(path: Path, fmt: str, read_bytes: int) -> None:
-    flows.sources._loaded.clear()
+    flows.inputs.sources._loaded.clear()
     try:
         expected = whole([path], fmt)
     except pa.ArrowException:
@@ -335,9 +335,9 @@ def _agree(path: Path, fmt: str, read_bytes: int) -> None:
         # invalid array: the values are then its read of the whole file in the types it chose
         options = pa_json.ParseOptions(explicit_schema=expected.schema)
         expected = pa_json.read_json(path, parse_options=options)
-    with mock.patch.object(flows.input_batches, "READ_BYTES", read_bytes):
+    with mock.patch.object(flows.inputs.batches, "READ_BYTES", read_bytes):
         # (a CSV block holds a whole row: pyarrow refuses a row straddling two blocks)
-        with mock.patch.object(flows.input_batches, "CSV_BLOCK", max(read_bytes, 64)):
+        with mock.patch.object(flows.inputs.batches, "CSV_BLOCK", max(read_bytes, 64)):
             if expected is None:
                 with pytest.raises(ConfigError):
                     load_input(SourceConfig(path=path))
@@ -374,8 +374,8 @@ def test_any_csv_reads_as_the_whole_file_or_fails_as_it(cells, read_bytes):
 def test_work_windows_do_not_depend_on_the_batches(llama_dir, tmp_path, monkeypatch):
     """The work tables of a run over an input of many small batches are those of one batch."""
     from flows.config import load_config
+    from flows.inputs.prompts import PromptRenderer
     from flows.plan import plan_requests
-    from flows.prompts import PromptRenderer
     from tests.flows.fixtures import base_config, question_rows, write_jsonl
 
     source = write_jsonl(tmp_path / "q.jsonl", question_rows(50))
@@ -384,8 +384,8 @@ def test_work_windows_do_not_depend_on_the_batches(llama_dir, tmp_path, monkeypa
     done = pa.array([f"q{i:04d}" for i in range(0, 50, 3)])
 
     def work_rows(read_bytes: int) -> list[dict]:
-        flows.sources._loaded.clear()
-        monkeypatch.setattr(flows.input_batches, "READ_BYTES", read_bytes)
+        flows.inputs.sources._loaded.clear()
+        monkeypatch.setattr(flows.inputs.batches, "READ_BYTES", read_bytes)
         loaded = load_input(config.source)
         renderer = PromptRenderer(config.prompt, {}, None)
         work = plan_requests(config, loaded, loaded.row_ids(), done, renderer)

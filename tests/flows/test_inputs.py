@@ -12,16 +12,16 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-import flows.input_batches
+import flows.inputs.batches
 import flows.plan
 from flows.config import PromptConfig, SourceConfig, load_config
 from flows.identity import run_identity
-from flows.input_summary import row_ids
+from flows.inputs.prompts import PromptRenderer, template_names
+from flows.inputs.sources import content_digest, input_for_run, load_input, read_rows
+from flows.inputs.summary import row_ids
 from flows.plan import plan_requests
 from flows.preflight import preflight
 from flows.progress import Progress
-from flows.prompts import PromptRenderer, template_names
-from flows.sources import content_digest, input_for_run, load_input, read_rows
 from tests.flows.fixtures import base_config, expected_prompt, question_rows, write_jsonl
 
 ROWS = [{"qid": "a", "text": "x", "n": 1}, {"qid": "b", "text": "y", "n": 2}]
@@ -140,9 +140,9 @@ def test_the_input_is_read_once_per_run_and_again_once_it_changes(llama_dir, tmp
     source = write_jsonl(tmp_path / "q.jsonl", question_rows(5))
     config = load_config(base_config(llama_dir, source, tmp_path))
     reads = []
-    open_input = flows.input_batches.open_input
+    open_input = flows.inputs.batches.open_input
     monkeypatch.setattr(
-        flows.input_batches, "open_input", lambda p: reads.append(p) or open_input(p)
+        flows.inputs.batches, "open_input", lambda p: reads.append(p) or open_input(p)
     )
 
     checked = preflight(config)  # by `gristmill run`, then again by the flow's configure step
@@ -269,7 +269,7 @@ def test_requests_skip_done_ids_and_share_a_rows_prompt_across_batches(
 def test_prompts_render_as_jinja_renders_them(template):
     import jinja2
 
-    from flows.prompts import _ENV
+    from flows.inputs.prompts import _ENV
 
     rows = [{"text": "hi", "star rating": 5}, {"text": None, "star rating": 1}]
     renderer = PromptRenderer(PromptConfig(template=template), {"choices": ["x", "y"]}, None)

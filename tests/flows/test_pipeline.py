@@ -124,7 +124,7 @@ def test_prompts_render_as_the_engine_takes_rows_not_all_up_front(
     one render batch; the merged output is still every row once, in input order."""
     import flows.generation
     import flows.plan
-    from flows.prompts import PromptRenderer
+    from flows.inputs.prompts import PromptRenderer
 
     monkeypatch.setattr(flows.plan, "RENDER_BATCH", 16)
     counts = {"rendered": 0, "finished": 0, "ahead": []}

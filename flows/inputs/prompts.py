@@ -66,7 +66,7 @@ class PromptRenderer:
         if self.chat and chat_template is None:
             raise ValueError("prompt.chat needs the tokenizer's chat template")
         # rows with an image (prompt.image_column): the model's image slot, where the template
-        # writes {{ image }}, else before the text; a row without one gets neither (flows/images.py)
+        # writes {{ image }}, else before the text; a row without one gets neither (image_column.py)
         self.image_column = prompt.image_column if image_placeholder is not None else None
         self.image_placeholder = image_placeholder or ""
         self.image_first = "image" not in template_names(prompt.template or "")

@@ -4,7 +4,7 @@ In: `source.path` may be a folder that `Dataset.save_to_disk` / `DatasetDict.sav
 wrote (opened with `datasets.load_from_disk`, which memory-maps its Arrow files, and read a
 batch at a time; `source.split` picks a split of a DatasetDict, default `train`), or a folder of Parquet shards named by split as the Hub lays them out
 (`data/train-00000-of-00002.parquet`, ...), whose files of `source.split` datasets' own
-split patterns pick (flows/sources.py then reads them as any Parquet folder).
+split patterns pick (flows/inputs/sources.py then reads them as any Parquet folder).
 
 Out: `gristmill export RUN --to hf-dataset DIR` writes a run's merged output as a dataset
 that `datasets.load_from_disk(DIR)` opens, with the rows and columns of output.parquet.

@@ -1,7 +1,7 @@
 """One input file: its bytes decoded (JSONL and CSV, in `source.encoding`) and parsed with
 pyarrow, or, when that fails, the message that names the file, the real line, the column and
 the value. pyarrow names a row within a block, not a line of the file, so only a file that does
-not read is read again with Python's json or csv module to find the line (flows/sources.py
+not read is read again with Python's json or csv module to find the line (flows/inputs/sources.py
 reads the input through here).
 """
 

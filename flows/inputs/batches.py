@@ -4,7 +4,7 @@ Two passes read a file. The scan (`FileScan`, preflight's) hashes its bytes, dec
 yields its rows as they parse, each batch in the types its own bytes give; after it, `rows` and
 `schema` are what pyarrow's read of the whole file gives. The read (`read_file`, the run's)
 yields the rows again in that schema. Why a file does not scan is worded by the whole-file
-reader of flows/input_file.py (`word_problem`), which names the line: only a bad file is read
+reader of flows/inputs/file.py (`word_problem`), which names the line: only a bad file is read
 whole, and its message is the one a whole read gives.
 
 Why the scan settles a schema instead of trusting pyarrow's streaming readers: they fix each
@@ -37,7 +37,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from flows.input_file import Unreadable, codec_name, parse_file
+from flows.inputs.file import Unreadable, codec_name, parse_file
 
 # NOTE: bytes read at a time (a JSONL batch is about this much text): not more, as with 16 MiB
 # pieces a scan's peak grew with the file (freed pieces fragment the heap: +66 MB from 29 MB of
@@ -45,7 +45,7 @@ from flows.input_file import Unreadable, codec_name, parse_file
 READ_BYTES = 4 << 20
 CSV_BLOCK = 1 << 20  # bytes of CSV text per batch (pyarrow's default)
 BATCH_ROWS = 65_536  # rows of a Parquet batch
-# NOTE: as flows/input_file.py reads a whole CSV: quoted fields may hold line breaks
+# NOTE: as flows/inputs/file.py reads a whole CSV: quoted fields may hold line breaks
 _CSV_PARSE = pa_csv.ParseOptions(newlines_in_values=True)
 # pyarrow's CSV inference tries these types in turn (arrow/csv/inference_internal.h), and a
 # whole-file read gives a column the first that converts every value of it
@@ -104,7 +104,7 @@ class _Bytes:
                 yield chunk
 
     def unless_blank(self) -> Iterator[bytes] | None:
-        """chunks(), or None if the bytes are all whitespace (flows/input_file.py reads no rows
+        """chunks(), or None if the bytes are all whitespace (flows/inputs/file.py reads no rows
         of them): a blank start is read to its end or its first other byte, in the same read."""
         chunks, start = self.chunks(), []
         for chunk in chunks:
@@ -126,7 +126,7 @@ def is_blank(path: Path) -> bool:
 
 def _utf8(chunks: Iterator[bytes], encoding: str) -> Iterator[bytes]:
     """The text as UTF-8 bytes, decoded piece by piece: UnicodeDecodeError where a byte does not
-    decode (never a binary column), as flows/input_file.py decodes the whole file."""
+    decode (never a binary column), as flows/inputs/file.py decodes the whole file."""
     same = codec_name(encoding) == "utf-8"
     decoder = codecs.getincrementaldecoder(encoding)()
     for chunk in chunks:
@@ -338,7 +338,7 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 def word_problem(path: Path, name: str, fmt: str, encoding: str, error: Exception) -> str:
-    """Why a file does not read, in today's words (flows/input_file.py, which reads it whole:
+    """Why a file does not read, in today's words (flows/inputs/file.py, which reads it whole:
     only a bad file is), else the error of the batch that failed."""
     if isinstance(error, CannotRead):
         return f"cannot read {name}: {error}"

@@ -1,5 +1,5 @@
 """Rows with an image: `prompt.image_column` names an input column whose value goes to the
-engine as the row's `image_data` (a vision-language model: engine/frontend/images.py).
+engine as the row's `image_data` (a vision-language model: engine/frontend/image_inputs.py).
 
 A value is a file path (a relative one is read from the input file's folder), an http(s) or
 data URL, a base64 string, or bytes (a Parquet binary column); null or empty: a text-only row.

@@ -5,14 +5,14 @@ A row's id is its `id_column` value as a string, or else its 0-based position in
 Positions are stable because the input's content hash is part of the run's fingerprint: a
 changed file gets a new run folder, so old ids never meet new rows.
 
-`load_input` sums the input up in one streaming pass (flows/input_batches.py reads each file a
+`load_input` sums the input up in one streaming pass (flows/inputs/batches.py reads each file a
 piece at a time): it hashes the bytes (the dataset's identity), decodes them in
 `source.encoding` (JSONL and CSV; a text column never comes out as bytes), parses and counts the
 rows, settles the schema a whole-file read would give, and keeps the ids and what the checks
-tally (flows/input_summary.py: `Input`). A file that does not read is a ConfigError naming the
+tally (flows/inputs/summary.py: `Input`). A file that does not read is a ConfigError naming the
 file, its line (Parquet: its row), the column and the value: pyarrow's errors name a row within
 a block, not a line of the file, so only then is the file read again, whole, by
-flows/input_file.py to find the line. preflight sums the input up; the run that follows (its
+flows/inputs/file.py to find the line. preflight sums the input up; the run that follows (its
 fingerprint, prepare_prompts) uses that summary while the files are unchanged, and streams the
 rows again as it renders their prompts (`Input.batches`).
 """
@@ -28,21 +28,21 @@ from typing import Any
 import pyarrow as pa
 
 from flows.config import ConfigError, SourceConfig
-from flows.hf_datasets import (
-    is_saved_dataset,
-    open_saved_dataset,
-    saved_dataset_digest,
-    split_files,
-)
-from flows.input_batches import (
+from flows.inputs.batches import (
     FileScan,
     file_stat,
     hash_file,
     is_blank,
     word_problem,
 )
-from flows.input_file import codec_name
-from flows.input_summary import (
+from flows.inputs.file import codec_name
+from flows.inputs.hf_datasets import (
+    is_saved_dataset,
+    open_saved_dataset,
+    saved_dataset_digest,
+    split_files,
+)
+from flows.inputs.summary import (
     HF_DATASET,
     Ids,
     Input,
@@ -68,7 +68,7 @@ def source_files(source: SourceConfig) -> list[Path]:
     if not path.is_dir():
         raise ValueError(f"file not found: {path}")
     if is_saved_dataset(path):
-        return [path]  # (opened by datasets: flows/hf_datasets.py)
+        return [path]  # (opened by datasets: flows/inputs/hf_datasets.py)
     if source.split is not None:  # a folder laid out as on the Hub: the split's files
         return split_files(path, source.split)
     # a folder: its data files of one format, skipping hidden and _-prefixed ones (_SUCCESS, ...)

@@ -1,4 +1,4 @@
-"""What a run keeps of its input without holding its rows (flows/sources.py sums it up): its
+"""What a run keeps of its input without holding its rows (flows/inputs/sources.py sums it up): its
 files and their row counts, the schema of all their rows, the digest of its bytes, and what the
 checks tallied as the rows streamed past, the ids among them; `Input.batches` streams the rows
 again, a batch at a time, for the prompts (flows/plan.py).
@@ -23,11 +23,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flows.config import ConfigError, SourceConfig
-from flows.hf_datasets import open_saved_dataset, saved_dataset_batches
-from flows.input_batches import conform, file_stat, read_file
-from flows.input_file import read_text, row_lines
+from flows.inputs.batches import conform, file_stat, read_file
+from flows.inputs.file import read_text, row_lines
+from flows.inputs.hf_datasets import open_saved_dataset, saved_dataset_batches
 
-HF_DATASET = "hf-dataset"  # a save_to_disk folder (flows/hf_datasets.py)
+HF_DATASET = "hf-dataset"  # a save_to_disk folder (flows/inputs/hf_datasets.py)
 
 
 class Tally(Protocol):
