@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 
 from flows import engine_cli
 from flows.interrupts import EXIT_INTERRUPTED
-from flows.store import CheckpointStore
+from flows.outputs.store import CheckpointStore
 
 # `gristmill run` with no config: the built-in demo model on its held-out arithmetic questions
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo-evaluate.yaml"

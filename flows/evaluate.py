@@ -26,9 +26,9 @@ from pydantic import Field, field_validator, model_validator
 
 from flows.annotate import match_choice
 from flows.config import RunConfig, Section
+from flows.outputs.rows import output_column
 from flows.pipeline import run_steps
 from flows.plan import Finisher
-from flows.rows import output_column
 
 
 class EvaluateSpec(Section):

@@ -29,8 +29,8 @@ from typing import Any
 import pyarrow as pa
 
 from flows.inputs.image_column import resolve_image
+from flows.outputs.rows import output_column, refused_row, result_row
 from flows.progress import Progress
-from flows.rows import output_column, refused_row, result_row
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class RequestOptions:
 
 
 async def request(engine: Any, row: dict[str, Any], options: RequestOptions) -> dict[str, Any]:
-    """One work row through the engine: its output row (flows/rows.py)."""
+    """One work row through the engine: its output row (flows/outputs/rows.py)."""
     try:
         result = await engine.async_generate(
             prompt=row["prompt"],

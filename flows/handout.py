@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flows.store import CheckpointStore
+from flows.outputs.store import CheckpointStore
 
 _PART = "part-"  # a claim's target: the part that took the batch
 

@@ -45,13 +45,13 @@ from flows.generation import Generated, answer_rows
 from flows.identity import PERFORMANCE_ARGS, model_identity
 from flows.openai.answers import Job, answer, prepare_jobs
 from flows.openai.requests import BatchRequest, read_batch
+from flows.outputs.store import row_seed, write_file, write_parquet
 from flows.paths import absolute_paths
 from flows.pipeline import configure, init_engine, shutdown
 from flows.plan import RunPlan
 from flows.preflight import check_engine
 from flows.progress import Progress, artifact_key
 from flows.run_lock import unlock_run
-from flows.store import row_seed, write_file, write_parquet
 
 # An output row of the checkpoint store: one per input line (NOTE: the on-disk format)
 SCHEMA = pa.schema([

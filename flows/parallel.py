@@ -57,10 +57,10 @@ from flows.config import RunConfig
 from flows.generation import Generated
 from flows.handout import Handout
 from flows.interrupts import Interrupted, interrupted, stop_softly
+from flows.outputs.store import CheckpointStore
 from flows.parts import STOP_POLL_SECONDS, generate_part
 from flows.plan import RunPlan, Work
 from flows.progress import Progress
-from flows.store import CheckpointStore
 
 if TYPE_CHECKING:
     from prefect_dask import DaskTaskRunner

@@ -4,8 +4,8 @@
 
 One engine per flow run stays resident from init_engine to shutdown, and shutdown runs whether
 or not a step failed. The steps hand on what they decided as a RunPlan and a Work (flows/plan.py).
-Rows land in the checkpoint store (flows/store.py) as they finish, so a rerun of the same config
-after a crash, a failure or a cancel does only the rows still missing.
+Rows land in the checkpoint store (flows/outputs/store.py) as they finish, so a rerun of the same
+config after a crash, a failure or a cancel does only the rows still missing.
 With `parallel.workers` > 1 (or a Dask `parallel.address`) no engine runs in the flow's process:
 generate hands the rows to engines on Dask workers (flows/parallel.py), which write the same
 shards, and collect merges and checks them as it does its own.
@@ -39,13 +39,13 @@ from flows.inputs.image_column import image_placeholder
 from flows.inputs.prompts import ChatTemplate, PromptRenderer
 from flows.inputs.sources import input_for_run
 from flows.interrupts import Interrupted, interrupted, stop_softly
-from flows.merge import ordered_chunks
+from flows.outputs.merge import ordered_chunks
+from flows.outputs.store import CheckpointStore, write_parquet_chunks
 from flows.parallel import generate_in_parallel
 from flows.plan import Finish, Finisher, RunPlan, Work, plan_requests
 from flows.progress import Progress, artifact_key
 from flows.resident import open_engine
 from flows.run_lock import lock_run, unlock_run
-from flows.store import CheckpointStore, write_parquet_chunks
 
 
 # ---------------------------------------------------------------------- the flow
@@ -118,7 +118,8 @@ def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
     if fresh and store.folder.exists():
         logger.warning("--fresh: deleting the earlier results in %s", store.folder)
         shutil.rmtree(store.folder)
-    with _relay_to(logger, "flows.store"):  # crash leftovers and a changed config, in the run log
+    # crash leftovers and a changed config, in the run log
+    with _relay_to(logger, "flows.outputs.store"):
         scan = store.open()
     rows = input_for_run(config.source)
     renderer = PromptRenderer(
@@ -191,7 +192,8 @@ def collect(
     plan: RunPlan, work: Work, generated: Generated, finish: Finish | None
 ) -> dict[str, Any]:
     """Merge the shards into one Parquet file in input order, streamed a chunk at a time
-    (flows/merge.py), check every row is there exactly once, and publish the run's summary."""
+    (flows/outputs/merge.py), check every row is there exactly once, and publish the run's
+    summary."""
     logger = get_run_logger()
     config, store = plan.config, plan.store
     finisher = finish(config) if finish is not None else Finisher()

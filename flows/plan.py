@@ -18,9 +18,9 @@ import pyarrow.compute as pc
 from flows.config import RunConfig
 from flows.inputs.prompts import PromptRenderer
 from flows.inputs.summary import joined
+from flows.outputs.rows import input_columns, output_schema, work_table
+from flows.outputs.store import CheckpointStore, row_seed
 from flows.preflight import Checked
-from flows.rows import input_columns, output_schema, work_table
-from flows.store import CheckpointStore, row_seed
 
 # Prompts rendered per call: a resident engine renders chat templates in one round trip each
 RENDER_BATCH = 1024

@@ -35,10 +35,10 @@ from typing import Any
 from flows.catalog import FLOWS
 from flows.config import RunConfig
 from flows.identity import run_identity
+from flows.outputs.store import CheckpointStore
 from flows.paths import absolute_paths
 from flows.plan import RunPlan
 from flows.preflight import preflight
-from flows.store import CheckpointStore
 
 
 @dataclass

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from flows.store import CheckpointStore, fingerprint, row_seed, write_parquet
+from flows.outputs.store import CheckpointStore, fingerprint, row_seed, write_parquet
 from tests.flows.fixtures import alter_the_first_value_of, corrupt_a_page_of, wait_until
 
 IDENTITY = {"model": "tiny", "sampling": {"temperature": 0}, "template": "{q}", "seed": 1}
@@ -52,7 +52,7 @@ def test_crash_leftovers_are_reported_set_aside_and_redone(tmp_path, caplog):
     torn = store.write_shard(_rows(range(3, 6)))
     torn.write_bytes(torn.read_bytes()[:40])  # a shard cut short
     (store.shards_dir / ".shard-abc.parquet.1234.tmp").write_bytes(b"half")
-    with caplog.at_level(logging.WARNING, logger="flows.store"):
+    with caplog.at_level(logging.WARNING, logger="flows.outputs.store"):
         scan = store.open()
     assert scan.done_ids == {"0", "1", "2"} and scan.shards == [good]
     assert len(scan.problems) == 2 and len(caplog.records) == 2
@@ -67,7 +67,7 @@ def test_changed_config_writes_beside_the_old_results(tmp_path, caplog):
     old.open()
     old_shard = old.write_shard(_rows(range(4)))
     before = old_shard.read_bytes()
-    with caplog.at_level(logging.WARNING, logger="flows.store"):
+    with caplog.at_level(logging.WARNING, logger="flows.outputs.store"):
         new = CheckpointStore(tmp_path, "run", {**IDENTITY, "sampling": {"temperature": 0.7}})
         assert new.open().done_ids == set()
     assert new.folder != old.folder and new.folder.parent == old.folder.parent
@@ -102,7 +102,7 @@ def test_sigkill_while_writing_leaves_only_whole_shards(tmp_path):
     """A writer killed at a random moment: after a scan every shard is whole and no temp file remains."""
     script = textwrap.dedent(f"""
         import sys
-        from flows.store import CheckpointStore
+        from flows.outputs.store import CheckpointStore
         store = CheckpointStore({str(tmp_path)!r}, "run", {IDENTITY!r})
         store.open()
         print("ready", flush=True)
@@ -170,7 +170,7 @@ def test_one_writer_at_a_time_and_a_dead_writer_holds_nothing(tmp_path):
     second.unlock()
     script = f"""
 import os, signal
-from flows.store import CheckpointStore
+from flows.outputs.store import CheckpointStore
 CheckpointStore({str(tmp_path)!r}, "run", {IDENTITY!r}).lock()
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -210,7 +210,7 @@ def test_a_shard_with_a_corrupt_page_is_set_aside_and_redone_though_its_ids_read
     # only a checksum tells this shard is not whole: it reads, another text than was written
     assert pq.read_table(altered)["text"][0].as_py() == "y" + first[1:]
 
-    with caplog.at_level(logging.WARNING, logger="flows.store"):
+    with caplog.at_level(logging.WARNING, logger="flows.outputs.store"):
         scan = store.open()  # a rerun
     assert scan.shards == [good] and scan.done_ids == {str(i) for i in range(10)}
     for shard in (broken, altered):

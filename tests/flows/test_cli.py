@@ -107,7 +107,7 @@ def test_a_rerun_sets_aside_a_shard_with_a_corrupt_page_and_redoes_its_rows(
         def emit(self, record: logging.LogRecord) -> None:
             said.append(record.getMessage())
 
-    store_log, handler = logging.getLogger("flows.store"), Said()
+    store_log, handler = logging.getLogger("flows.outputs.store"), Said()
     store_log.addHandler(handler)
     try:
         assert main(["run", str(config_file)]) == 0

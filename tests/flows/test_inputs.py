@@ -209,7 +209,7 @@ def test_progress_says_how_many_rows_were_refused_and_why_at_the_first(caplog):
 
 
 def test_input_columns_named_like_the_flows_columns_are_kept_as_input_name(llama_dir, tmp_path):
-    from flows.rows import output_column
+    from flows.outputs.rows import output_column
     from flows.synthesize import SynthesizeConfig
 
     config = load_config(base_config(llama_dir, tmp_path / "q.jsonl", tmp_path))

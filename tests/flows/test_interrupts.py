@@ -38,8 +38,8 @@ import yaml
 
 from flows.cli import main
 from flows.config import load_config
+from flows.outputs.store import CheckpointStore
 from flows.pipeline import generate_batch
-from flows.store import CheckpointStore
 from tests.flows.fixtures import (
     base_config,
     engine_arguments,

@@ -1,6 +1,6 @@
-"""The streaming merge (flows/merge.py) against brute force: all shards read into one table and
-sorted by input position. Shards in finish order, in random order (which spills), an older
-shard without a column, and the exactly-once checks."""
+"""The streaming merge (flows/outputs/merge.py) against brute force: all shards read into one
+table and sorted by input position. Shards in finish order, in random order (which spills), an
+older shard without a column, and the exactly-once checks."""
 
 import random
 
@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flows.merge import ordered_chunks
-from flows.store import CheckpointStore
+from flows.outputs.merge import ordered_chunks
+from flows.outputs.store import CheckpointStore
 
 SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("n", pa.int64())])
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from flows.cli import main
-from flows.store import row_seed
+from flows.outputs.store import row_seed
 from tests.flows.fixtures import engine_arguments, flow_env, lent_engine, run_folder, wait_until
 from tests.tiny_models import SHARED_ENGINE_ARGS
 

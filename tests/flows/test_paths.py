@@ -10,10 +10,10 @@ from pathlib import Path
 
 from flows.config import load_config
 from flows.identity import run_identity
+from flows.outputs.store import fingerprint
 from flows.paths import absolute_paths
 from flows.preflight import preflight
 from flows.run_lock import lock_run, unlock_run
-from flows.store import fingerprint
 from tests.flows.fixtures import base_config
 
 

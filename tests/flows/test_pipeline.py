@@ -21,8 +21,8 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from engine import Engine
 from flows.cli import describe
 from flows.config import ConfigError, load_config
+from flows.outputs.store import CheckpointStore, row_seed
 from flows.pipeline import generate_batch
-from flows.store import CheckpointStore, row_seed
 from tests.flows.fixtures import (
     QUESTION_ROWS,
     base_config,

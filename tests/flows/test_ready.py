@@ -15,8 +15,8 @@ from flows.annotate import AnnotateSpec, constraint_params, match_choice
 from flows.catalog import FLOWS
 from flows.config import ConfigError, load_config
 from flows.evaluate import EvaluateSpec, extract_answer, is_correct
+from flows.outputs.store import row_seed
 from flows.preflight import preflight
-from flows.store import row_seed
 from tests.flows.fixtures import question_rows, write_jsonl
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -37,7 +37,7 @@ NOTE_BYTES = 24_000  # the big input: 12,000 rows of 24 KB, 275 MB
 # input (preflight, prepare_prompts, generate). Measured: 9 to 20 MB; the code before the
 # streaming reader, which held the input, added 551 MB (and 475 MB to its peak in all).
 BUDGET_MB = 48
-# ... and to the peak in all: collect's buffers (flows/merge.py: chunks of 32 MB, at most
+# ... and to the peak in all: collect's buffers (flows/outputs/merge.py: chunks of 32 MB, at most
 # 128 MB of rows waiting) are bounded, but the small run's output (69 MB) is too short to
 # fill them: a merge of these rows peaks ~100 MB higher from 6,000 rows on, then no higher.
 COLLECT_MB = 128

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from flows.store import CheckpointStore
+from flows.outputs.store import CheckpointStore
 
 CHUNK_BYTES = 32 << 20  # about this much of decoded rows per yielded chunk
 PENDING_BYTES = 128 << 20  # rows waiting for a later chunk kept in memory, beyond: spilled
