@@ -117,7 +117,7 @@ def prep_rate(folder: Path, model: Path, rows: int, size: int) -> dict:
     from flows.config import load_config
     from flows.inputs.prompts import PromptRenderer
     from flows.inputs.sources import input_for_run, load_input
-    from flows.plan import plan_requests
+    from flows.run.plan import plan_requests
 
     config = load_config(write_config(folder, model, rows, size, 256))
     tokens = PromptTokens(AutoTokenizer.from_pretrained(model))

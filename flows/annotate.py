@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 
 from flows.config import RunConfig, Section
 from flows.pipeline import run_steps
-from flows.plan import Finisher
+from flows.run.plan import Finisher
 
 
 class AnnotateSpec(Section):

@@ -13,7 +13,7 @@ class FlowEntry:
     flow_name: str
     config_name: str
     # the module's function that checks a config before its run folder is locked: config ->
-    # (what the checks learned, the run's identity); None: a batch run's (flows/run_lock.py)
+    # (what the checks learned, the run's identity); None: a batch run's (flows/run/lock.py)
     checks_name: str | None = None
 
     @property

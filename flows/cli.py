@@ -45,8 +45,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flows import engine_cli
-from flows.interrupts import EXIT_INTERRUPTED
 from flows.outputs.store import CheckpointStore
+from flows.run.interrupts import EXIT_INTERRUPTED
 
 # `gristmill run` with no config: the built-in demo model on its held-out arithmetic questions
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo-evaluate.yaml"
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------- run
 def _run(args: argparse.Namespace) -> int:
-    from flows.interrupts import ctrl_c_stops_the_run
+    from flows.run.interrupts import ctrl_c_stops_the_run
 
     with ctrl_c_stops_the_run():
         try:
@@ -129,8 +129,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_config(args: argparse.Namespace) -> int:
     from flows.catalog import FLOWS
-    from flows.prefect_server import prefect_api
-    from flows.run_lock import lock_run, unlock_run
+    from flows.run.lock import lock_run, unlock_run
+    from flows.run.prefect_server import prefect_api
 
     config = _load(args) if args.command == "run" else _batch_config(args)
     # the config checked and the folder locked in a second or two: before Prefect or an engine
@@ -204,7 +204,7 @@ def _error_of(state: Any) -> BaseException:
 def _report_failure(error: BaseException, debug: bool) -> int:
     """Say what went wrong and what to do about it; the exit code (see the module's doc)."""
     from flows.config import ConfigError
-    from flows.interrupts import Interrupted, interrupted
+    from flows.run.interrupts import Interrupted, interrupted
 
     if debug:
         traceback.print_exception(error, file=sys.stderr)

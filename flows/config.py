@@ -9,7 +9,7 @@
     parallel: {workers: 4, address: tcp://10.0.0.5:8786}  # optional: engines on many hosts
 
 The models check the shape of a config (types, unknown fields, ranges, template syntax);
-`flows.preflight` checks it against the world (files, the model folder, the engine's argument
+`flows.run.preflight` checks it against the world (files, the model folder, the engine's argument
 and sampling rules, the whole input: its lines, encoding, ids and columns). Both raise
 `ConfigError`, whose message names every bad field, so a config fails in one clear error
 before any engine starts.
@@ -157,12 +157,12 @@ class ParallelConfig(Section):
     batches of `batch_rows` as engines become free, so one that finishes early takes more and
     none waits for a slow one at the end; every engine writes shards into the same run folder,
     which must be on a filesystem all hosts share (every path of the config is made absolute
-    in the calling process: flows/paths.py). Each Dask worker is assumed to see only its own
+    in the calling process: flows/run/paths.py). Each Dask worker is assumed to see only its own
     GPUs (CUDA_VISIBLE_DEVICES set by the cluster, as dask-cuda does), so the engine section is
     used as given, and should run one thread.
 
     `workers` > 1 without an `address` starts a local cluster of `workers` processes for the
-    run, part i's engine on GPUs of its own (flows/gpus.py: base_gpu_id + i * gpus_per_worker
+    run, part i's engine on GPUs of its own (flows/run/gpus.py: base_gpu_id + i * gpus_per_worker
     onward). None of these fields changes a row, so none is in the fingerprint: a run resumes
     whatever its worker count was before.
     """

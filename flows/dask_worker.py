@@ -2,7 +2,7 @@
 `preload`, flows/parallel.py), before the worker takes a task.
 
 The workers are the run's own processes, in the terminal's process group: a Ctrl-C reaches
-them too. The run's main process decides what it means (flows/interrupts.py) and closes the
+them too. The run's main process decides what it means (flows/run/interrupts.py) and closes the
 cluster, which stops the workers and, through their lifelines, their engines; a worker that
 took the Ctrl-C itself would die first, printing a KeyboardInterrupt traceback of its own.
 And a worker whose heartbeat meets the scheduler closing (the run is ending; on a loaded

@@ -28,7 +28,7 @@ from flows.annotate import match_choice
 from flows.config import RunConfig, Section
 from flows.outputs.rows import output_column
 from flows.pipeline import run_steps
-from flows.plan import Finisher
+from flows.run.plan import Finisher
 
 
 class EvaluateSpec(Section):

@@ -106,7 +106,7 @@ class Handout:
         }
 
     def read(self, batch: int) -> pa.Table:
-        """A batch's rows (the work rows of flows/plan.py: id, input columns, prompt, seed)."""
+        """A batch's rows (the work rows of flows/run/plan.py: id, input columns, prompt, seed)."""
         if self._file is None:
             self._file = pq.ParquetFile(self.folder / "todo.parquet")
         return self._file.read_row_group(batch)

@@ -42,16 +42,16 @@ from pydantic import Field, model_validator
 
 from flows.config import ConfigError, EngineConfig, RunBase
 from flows.generation import Generated, answer_rows
-from flows.identity import PERFORMANCE_ARGS, model_identity
 from flows.openai.answers import Job, answer, prepare_jobs
 from flows.openai.requests import BatchRequest, read_batch
 from flows.outputs.store import row_seed, write_file, write_parquet
-from flows.paths import absolute_paths
 from flows.pipeline import configure, init_engine, shutdown
-from flows.plan import RunPlan
-from flows.preflight import check_engine
 from flows.progress import Progress, artifact_key
-from flows.run_lock import unlock_run
+from flows.run.identity import PERFORMANCE_ARGS, model_identity
+from flows.run.lock import unlock_run
+from flows.run.paths import absolute_paths
+from flows.run.plan import RunPlan
+from flows.run.preflight import check_engine
 
 # An output row of the checkpoint store: one per input line (NOTE: the on-disk format)
 SCHEMA = pa.schema([
@@ -144,7 +144,7 @@ def check_batch(config: OpenAIBatchConfig) -> tuple[BatchChecked, dict[str, Any]
         "seed": config.seed,
     }
     # NOTE: the identity is of the engine section as written; the run's engine has its paths
-    # made absolute, as every run's plan has (flows/paths.py, flows/run_lock.py)
+    # made absolute, as every run's plan has (flows/run/paths.py, flows/run/lock.py)
     return BatchChecked(requests, absolute_paths(engine), tokenizer_path, kinds), identity
 
 

@@ -13,7 +13,7 @@ The task runner is built at run time from the config (a local cluster of `worker
 or the scheduler at `parallel.address`), so the flows, deployments and the CLI are the same
 for one engine or many. Meanwhile the flow process watches the shards land and shows one
 progress for the whole run. Every path in the plan the parts get is absolute (made so in this
-process, flows/paths.py): a worker runs in a folder of its own, maybe on another host.
+process, flows/run/paths.py): a worker runs in a folder of its own, maybe on another host.
 
 Why a few long-lived parts that pull batches (flows/parts.py), not a Dask task per batch: an
 engine takes seconds to minutes to start, so it must outlive a batch; a part holds its engine
@@ -56,11 +56,11 @@ from prefect import flow, get_run_logger
 from flows.config import RunConfig
 from flows.generation import Generated
 from flows.handout import Handout
-from flows.interrupts import Interrupted, interrupted, stop_softly
 from flows.outputs.store import CheckpointStore
 from flows.parts import STOP_POLL_SECONDS, generate_part
-from flows.plan import RunPlan, Work
 from flows.progress import Progress
+from flows.run.interrupts import Interrupted, interrupted, stop_softly
+from flows.run.plan import RunPlan, Work
 
 if TYPE_CHECKING:
     from prefect_dask import DaskTaskRunner

@@ -26,11 +26,11 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.generation import Generated, RequestOptions, generate_rows
-from flows.gpus import engine_arguments
 from flows.handout import Handout
 from flows.outputs.store import CheckpointStore
-from flows.plan import RunPlan
 from flows.progress import Progress
+from flows.run.gpus import engine_arguments
+from flows.run.plan import RunPlan
 
 STOP_POLL_SECONDS = 0.2  # how often a part looks for the run's request to stop
 

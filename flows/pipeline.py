@@ -3,9 +3,10 @@
     configure ─► init_engine ─► prepare_prompts ─► generate ─► collect ─► shutdown
 
 One engine per flow run stays resident from init_engine to shutdown, and shutdown runs whether
-or not a step failed. The steps hand on what they decided as a RunPlan and a Work (flows/plan.py).
-Rows land in the checkpoint store (flows/outputs/store.py) as they finish, so a rerun of the same
-config after a crash, a failure or a cancel does only the rows still missing.
+or not a step failed. The steps hand on what they decided as a RunPlan and a Work
+(flows/run/plan.py). Rows land in the checkpoint store (flows/outputs/store.py) as they finish,
+so a rerun of the same config after a crash, a failure or a cancel does only the rows still
+missing.
 With `parallel.workers` > 1 (or a Dask `parallel.address`) no engine runs in the flow's process:
 generate hands the rows to engines on Dask workers (flows/parallel.py), which write the same
 shards, and collect merges and checks them as it does its own.
@@ -38,14 +39,14 @@ from flows.generation import Generated, RequestOptions, generate_rows
 from flows.inputs.image_column import image_placeholder
 from flows.inputs.prompts import ChatTemplate, PromptRenderer
 from flows.inputs.sources import input_for_run
-from flows.interrupts import Interrupted, interrupted, stop_softly
 from flows.outputs.merge import ordered_chunks
 from flows.outputs.store import CheckpointStore, write_parquet_chunks
 from flows.parallel import generate_in_parallel
-from flows.plan import Finish, Finisher, RunPlan, Work, plan_requests
 from flows.progress import Progress, artifact_key
 from flows.resident import open_engine
-from flows.run_lock import lock_run, unlock_run
+from flows.run.interrupts import Interrupted, interrupted, stop_softly
+from flows.run.lock import lock_run, unlock_run
+from flows.run.plan import Finish, Finisher, RunPlan, Work, plan_requests
 
 
 # ---------------------------------------------------------------------- the flow

@@ -1,7 +1,7 @@
 """Which engine a run uses: a resident one that serves what its config asks for, or its own.
 
 A resident engine (`gristmill engine start CONFIG`, or deployments/serve.py) is started with
-the labels of its config's engine section: the identity of its model files (flows/identity.py)
+the labels of its config's engine section: the identity of its model files (flows/run/identity.py)
 and the engine arguments that change numerics. A run attaches to a live resident engine whose
 labels equal its own, so the rows it writes are the rows its own engine would have written;
 speed and memory settings (max_running_requests, mem_fraction_static, ...) may differ.
@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from flows.config import EngineConfig
-from flows.identity import PERFORMANCE_ARGS, adapters_identity, model_identity
+from flows.run.identity import PERFORMANCE_ARGS, adapters_identity, model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def engine_labels(engine: EngineConfig) -> dict[str, Any]:
             "model": model_identity(args["model_path"], tokenizer_path),
             "adapters": adapters_identity(args),
             # NOTE: the adapters by name and content, not by where they are: a run's paths are
-            # made absolute (flows/paths.py), a resident engine's as its config wrote them
+            # made absolute (flows/run/paths.py), a resident engine's as its config wrote them
             "numerics": {
                 k: v for k, v in args.items() if k not in PERFORMANCE_ARGS and k != "lora_paths"
             },

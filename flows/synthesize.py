@@ -19,7 +19,7 @@ from pydantic import Field
 
 from flows.config import RunConfig, Section
 from flows.pipeline import run_steps
-from flows.plan import Finisher
+from flows.run.plan import Finisher
 
 
 class SynthesizeSpec(Section):

@@ -1,7 +1,7 @@
 """What a run keeps of its input without holding its rows (flows/inputs/sources.py sums it up): its
 files and their row counts, the schema of all their rows, the digest of its bytes, and what the
 checks tallied as the rows streamed past, the ids among them; `Input.batches` streams the rows
-again, a batch at a time, for the prompts (flows/plan.py).
+again, a batch at a time, for the prompts (flows/run/plan.py).
 
 The ids are the one thing of O(rows) kept: the id column's values as strings, in one Arrow
 array, which the checks of missing and repeated ids (`id_problems`) and the run's request ids

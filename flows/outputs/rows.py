@@ -11,7 +11,7 @@ A row of every shard and of output.parquet, in column order:
     logprobs, top_logprobs with `logprobs` / `top_logprobs` only
     error                  why the engine refused the request (finish_reason "error"), else null
 
-The work table that prepare_prompts plans (flows/plan.py) holds the columns up to `prompt`, and
+The work table that prepare_prompts plans (flows/run/plan.py) holds the columns up to `prompt`, and
 the WORK_ONLY_COLUMNS a request needs but a row does not keep. A ready flow's finish step adds
 its own columns (`RunConfig.added_columns`: a label, a score) to the merged rows only.
 

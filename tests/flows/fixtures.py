@@ -73,7 +73,7 @@ def base_config(model_dir: Path, source: Path, output_dir: Path, **fields: Any) 
 
 
 # the demo configs' engine section (configs/demo-*.yaml); a run asks Engine(...) for it with the
-# model path made absolute (flows/paths.py)
+# model path made absolute (flows/run/paths.py)
 DEMO_ENGINE = {"model_path": "demo/model", "dtype": "float32"}
 
 
@@ -129,10 +129,10 @@ def run_config_with(
 
     from flows.cli import main
     from flows.config import load_config
-    from flows.paths import absolute_paths
+    from flows.run.paths import absolute_paths
 
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
-    # the flow asks for the config's engine with its paths made absolute (flows/paths.py)
+    # the flow asks for the config's engine with its paths made absolute (flows/run/paths.py)
     with lent_engine(engine, absolute_paths(load_config(config)).engine.arguments()):
         code = main(["run", str(config), "--set", f"output_dir={tmp_path}"])
     printed = capsys.readouterr()

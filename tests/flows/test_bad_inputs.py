@@ -22,7 +22,7 @@ import yaml
 from flows.cli import main
 from flows.config import ConfigError, load_config
 from flows.inputs.sources import read_rows
-from flows.preflight import preflight
+from flows.run.preflight import preflight
 from tests.flows.fixtures import base_config, flow_env, question_rows, write_jsonl
 
 # A review with Latin-1 bytes: "été" is b"\xe9t\xe9"; the other rows are plain ASCII.

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from flows.annotate import annotate
 from flows.config import ConfigError, load_config
 from flows.pipeline import generate_batch
-from flows.preflight import preflight
+from flows.run.preflight import preflight
 from tests.flows.fixtures import base_config, run_folder, write_jsonl
 
 SYSTEM = "You answer briefly."

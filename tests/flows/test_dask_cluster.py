@@ -1,7 +1,7 @@
 """A run on a Dask cluster the user started, as a user starts one: `dask scheduler` and two
 `dask worker` processes in a folder of their own, and `gristmill run` in the project's folder
 with a config whose paths are relative to it. Every path is made absolute in the caller
-(flows/paths.py), so the workers find the model and input the caller checked; the rows are
+(flows/run/paths.py), so the workers find the model and input the caller checked; the rows are
 handed out in batches as the engines free up, so the fast worker takes more of them than a
 slowed one (flows/slow_worker.py); every row lands once, and no engine outlives the run."""
 

@@ -32,7 +32,7 @@ def gristmill(prefect_api, demo_engine, tmp_path, capsys, monkeypatch) -> Callab
     monkeypatch.chdir(ROOT)
 
     def run(*args: str) -> str:
-        # the configs' demo/model, made absolute from the run's folder (flows/paths.py); with
+        # the configs' demo/model, made absolute from the run's folder (flows/run/paths.py); with
         # no config, the demo's model is found in the package (from any folder)
         asked = {**DEMO_ENGINE, "model_path": str(ROOT / "demo/model")}
         with lent_engine(demo_engine, asked):

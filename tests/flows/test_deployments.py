@@ -79,7 +79,7 @@ def test_demo_deployments_run_as_they_are(spec):
     """Their defaults name only what the repository holds (a Quick run needs no edit): the demo
     model and inputs exist, and the whole config passes the checks a run starts with."""
     from flows.config import load_config
-    from flows.run_lock import check_config
+    from flows.run.lock import check_config
 
     demos = [d for d in spec["deployments"] if d["name"].startswith("demo-")]
     assert len(demos) == 4

@@ -11,10 +11,10 @@ import pytest
 
 from flows.cli import main
 from flows.config import ConfigError, load_config
-from flows.identity import run_identity
 from flows.inputs.sources import load_input, read_rows
 from flows.pipeline import generate_batch
-from flows.preflight import preflight
+from flows.run.identity import run_identity
+from flows.run.preflight import preflight
 from tests.flows.fixtures import base_config, expected_prompt, question_rows, run_folder
 
 ROWS = question_rows(12, seed=5)

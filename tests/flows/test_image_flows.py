@@ -14,10 +14,10 @@ from PIL import Image
 from engine import Engine
 from flows.annotate import annotate
 from flows.config import ConfigError, load_config
-from flows.identity import run_identity
 from flows.inputs.image_column import image_placeholder
 from flows.pipeline import generate_batch
-from flows.preflight import preflight
+from flows.run.identity import run_identity
+from flows.run.preflight import preflight
 from tests.flows.fixtures import base_config, lent_engine, run_folder, write_jsonl
 from tests.tiny_models import make_tiny_vl_model
 

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import flows.inputs.batches
 import flows.inputs.sources
-import flows.plan
+import flows.run.plan
 from flows.config import ConfigError, SourceConfig
 from flows.inputs.sources import content_digest, load_input
 from flows.inputs.summary import id_problems
@@ -375,12 +375,12 @@ def test_work_windows_do_not_depend_on_the_batches(llama_dir, tmp_path, monkeypa
     """The work tables of a run over an input of many small batches are those of one batch."""
     from flows.config import load_config
     from flows.inputs.prompts import PromptRenderer
-    from flows.plan import plan_requests
+    from flows.run.plan import plan_requests
     from tests.flows.fixtures import base_config, question_rows, write_jsonl
 
     source = write_jsonl(tmp_path / "q.jsonl", question_rows(50))
     config = load_config(base_config(llama_dir, source, tmp_path / "runs"))
-    monkeypatch.setattr(flows.plan, "RENDER_BATCH", 8)
+    monkeypatch.setattr(flows.run.plan, "RENDER_BATCH", 8)
     done = pa.array([f"q{i:04d}" for i in range(0, 50, 3)])
 
     def work_rows(read_bytes: int) -> list[dict]:

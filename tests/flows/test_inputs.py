@@ -13,15 +13,15 @@ import pytest
 from transformers import AutoTokenizer
 
 import flows.inputs.batches
-import flows.plan
+import flows.run.plan
 from flows.config import PromptConfig, SourceConfig, load_config
-from flows.identity import run_identity
 from flows.inputs.prompts import PromptRenderer, template_names
 from flows.inputs.sources import content_digest, input_for_run, load_input, read_rows
 from flows.inputs.summary import row_ids
-from flows.plan import plan_requests
-from flows.preflight import preflight
 from flows.progress import Progress
+from flows.run.identity import run_identity
+from flows.run.plan import plan_requests
+from flows.run.preflight import preflight
 from tests.flows.fixtures import base_config, expected_prompt, question_rows, write_jsonl
 
 ROWS = [{"qid": "a", "text": "x", "n": 1}, {"qid": "b", "text": "y", "n": 2}]
@@ -239,7 +239,7 @@ def test_requests_skip_done_ids_and_share_a_rows_prompt_across_batches(
     batches = []
     render_many = renderer.render_many
     monkeypatch.setattr(renderer, "render_many", lambda r: batches.append(len(r)) or render_many(r))
-    monkeypatch.setattr(flows.plan, "RENDER_BATCH", 2)
+    monkeypatch.setattr(flows.run.plan, "RENDER_BATCH", 2)
     work = plan_requests(config, loaded, ids, pa.array(sorted(done)), renderer)
     assert batches == [], "planning renders nothing: prompts render as the work is taken"
     expected = [

@@ -177,7 +177,7 @@ def _role(p: psutil.Process) -> str:
         return "gone"
     if is_engine_child(args):
         return args[args.index("-m") + 1]
-    return "prefect server" if "flows.prefect_server" in args else " ".join(args[:4])
+    return "prefect server" if "flows.run.prefect_server" in args else " ".join(args[:4])
 
 
 # ---------------------------------------------------------------------- the chain of runs
@@ -273,7 +273,7 @@ def _second_run(config_file: Path) -> dict[str, Any]:
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(refused):
         patch.setattr("engine.Engine", lambda **kwargs: started.append(kwargs))
         patch.setattr("flows.pipeline.run_steps", lambda *args, **kwargs: started.append(args))
-        patch.setattr("flows.preflight.load_input", lambda source, *_: started.append(source))
+        patch.setattr("flows.run.preflight.load_input", lambda source, *_: started.append(source))
         code = main(["run", str(config_file)])
     seconds = time.monotonic() - begun
     return {"code": code, "stderr": refused.getvalue(), "seconds": seconds, "started": started}

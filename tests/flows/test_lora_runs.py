@@ -14,8 +14,8 @@ import pytest
 from engine import Engine
 from flows.config import ConfigError, load_config
 from flows.pipeline import generate_batch
-from flows.preflight import preflight
-from flows.run_lock import lock_run, unlock_run
+from flows.run.lock import lock_run, unlock_run
+from flows.run.preflight import preflight
 from tests.flows.fixtures import (
     base_config,
     engine_arguments,

@@ -32,12 +32,12 @@ from prefect.client.schemas.filters import (
 )
 
 from flows.config import ConfigError, load_config
-from flows.gpus import engine_arguments, engine_gpus
 from flows.handout import Handout
-from flows.identity import run_identity
 from flows.outputs.store import CheckpointStore
 from flows.pipeline import generate_batch
-from flows.preflight import preflight
+from flows.run.gpus import engine_arguments, engine_gpus
+from flows.run.identity import run_identity
+from flows.run.preflight import preflight
 from tests.flows.fixtures import (
     QUESTION_ROWS,
     base_config,

@@ -1,5 +1,5 @@
 """A config's relative paths are made absolute once, in the process that starts the run
-(flows/paths.py, in flows/run_lock.py), and its fingerprint stays what it was: the identity
+(flows/run/paths.py, in flows/run/lock.py), and its fingerprint stays what it was: the identity
 is the config's as written, so a rerun of an existing config finds its old run folder."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 
 from flows.config import load_config
-from flows.identity import run_identity
 from flows.outputs.store import fingerprint
-from flows.paths import absolute_paths
-from flows.preflight import preflight
-from flows.run_lock import lock_run, unlock_run
+from flows.run.identity import run_identity
+from flows.run.lock import lock_run, unlock_run
+from flows.run.paths import absolute_paths
+from flows.run.preflight import preflight
 from tests.flows.fixtures import base_config
 
 

@@ -123,10 +123,10 @@ def test_prompts_render_as_the_engine_takes_rows_not_all_up_front(
     about to be submitted, so rendered-but-unfinished rows never exceed what is in flight plus
     one render batch; the merged output is still every row once, in input order."""
     import flows.generation
-    import flows.plan
+    import flows.run.plan
     from flows.inputs.prompts import PromptRenderer
 
-    monkeypatch.setattr(flows.plan, "RENDER_BATCH", 16)
+    monkeypatch.setattr(flows.run.plan, "RENDER_BATCH", 16)
     counts = {"rendered": 0, "finished": 0, "ahead": []}
     render_many, request = PromptRenderer.render_many, flows.generation.request
 

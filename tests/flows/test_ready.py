@@ -16,7 +16,7 @@ from flows.catalog import FLOWS
 from flows.config import ConfigError, load_config
 from flows.evaluate import EvaluateSpec, extract_answer, is_correct
 from flows.outputs.store import row_seed
-from flows.preflight import preflight
+from flows.run.preflight import preflight
 from tests.flows.fixtures import question_rows, write_jsonl
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -20,7 +20,7 @@ from flows.inputs.prompts import PromptRenderer
 from flows.inputs.summary import joined
 from flows.outputs.rows import input_columns, output_schema, work_table
 from flows.outputs.store import CheckpointStore, row_seed
-from flows.preflight import Checked
+from flows.run.preflight import Checked
 
 # Prompts rendered per call: a resident engine renders chat templates in one round trip each
 RENDER_BATCH = 1024

@@ -16,7 +16,7 @@ step, for flows started any other way (a deployment, the UI, Python). When the c
 them, configure finds the same plan held in this process and uses it: one check, one hash of
 the input.
 
-The plan's config is the checked one with every path made absolute (flows/paths.py), here in
+The plan's config is the checked one with every path made absolute (flows/run/paths.py), here in
 the process that starts the run: the Dask workers that get the plan may run in other folders.
 The fingerprint is the config's as written, so the run's folder is the one it always was.
 """
@@ -34,11 +34,11 @@ from typing import Any
 
 from flows.catalog import FLOWS
 from flows.config import RunConfig
-from flows.identity import run_identity
 from flows.outputs.store import CheckpointStore
-from flows.paths import absolute_paths
-from flows.plan import RunPlan
-from flows.preflight import preflight
+from flows.run.identity import run_identity
+from flows.run.paths import absolute_paths
+from flows.run.plan import RunPlan
+from flows.run.preflight import preflight
 
 
 @dataclass

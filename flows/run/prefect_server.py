@@ -12,7 +12,7 @@ life the engine's children have:
   died, even by SIGKILL) shuts the server down;
 - a listening socket bound by the caller on a free port and handed over, so no port is raced.
 
-`python -m flows.prefect_server SOCKET_FD LIFELINE_FD PARENT_PID` is the server's side.
+`python -m flows.run.prefect_server SOCKET_FD LIFELINE_FD PARENT_PID` is the server's side.
 """
 
 from __future__ import annotations

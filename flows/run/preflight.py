@@ -22,11 +22,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flows.config import ConfigError, EngineConfig, RunConfig
-from flows.gpus import engine_gpus
 from flows.inputs.image_column import ImagesDigest
 from flows.inputs.prompts import chat_messages, has_chat_template, template_names
 from flows.inputs.sources import TEXT_FORMATS, load_input
 from flows.inputs.summary import Input, Tallies, column_of, id_problems
+from flows.run.gpus import engine_gpus
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def check_engine(engine: EngineConfig, problems: list[tuple[str, str]]) -> str:
 
 
 def _check_gpus(config: RunConfig, problems: list[tuple[str, str]]) -> None:
-    """A local cluster's engines take GPUs of their own (flows/gpus.py): they must exist."""
+    """A local cluster's engines take GPUs of their own (flows/run/gpus.py): they must exist."""
     parallel, args = config.parallel, config.engine.arguments()
     if not parallel.on_dask or parallel.address is not None or args.get("device") == "cpu":
         return

@@ -9,8 +9,8 @@ load_balance_method; which GPUs: base_gpu_id, gpu_id_step) and where results go 
 run_name) are out, so tuning them resumes the same run, whatever the worker count was before.
 tp_size is in: a tensor-parallel engine sums its partial products in another order.
 
-NOTE: the identity is of the config as written (flows/run_lock.py), never of its copy whose
-paths were made absolute (flows/paths.py): the text of engine.lora_paths is in it.
+NOTE: the identity is of the config as written (flows/run/lock.py), never of its copy whose
+paths were made absolute (flows/run/paths.py): the text of engine.lora_paths is in it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from flows.config import RunConfig
 from flows.inputs.sources import content_digest
-from flows.preflight import Checked
+from flows.run.preflight import Checked
 
 # Engine arguments that change speed or memory, never a row's tokens.
 PERFORMANCE_ARGS = frozenset({

@@ -4,7 +4,7 @@ A config's relative paths (engine.model_path, source.path, output_dir, ...) star
 working directory of the process that reads them. The parts of a Dask run read them in other
 processes, maybe on other hosts, started in other folders: there a relative path names another
 file or none ("model_path 'demo/model' is not a folder" from a cluster started elsewhere, after
-preflight had accepted it in the caller's folder). So the run's plan (flows/run_lock.py) holds
+preflight had accepted it in the caller's folder). So the run's plan (flows/run/lock.py) holds
 a copy of the config whose paths are joined to the caller's working directory, and no later
 step, in any process, resolves a path again.
 
@@ -13,7 +13,7 @@ them (so a new section's path is covered without a list here), and the engine's 
 name folders (the engine section is open, its values plain text): ENGINE_PATHS.
 
 NOTE: the run's fingerprint is computed from the config as written, not from this copy
-(flows/identity.py hashes the text of engine.lora_paths): a config keeps its run folder, and
+(flows/run/identity.py hashes the text of engine.lora_paths): a config keeps its run folder, and
 an existing run resumes, exactly as before.
 """
 
