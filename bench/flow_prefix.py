@@ -68,8 +68,8 @@ def compare_paths(model: Path, instruction: str, rows: Path, args: argparse.Name
     import time
 
     from engine import Engine
-    from flows.generation import RequestOptions, generate_rows
-    from flows.progress import Progress
+    from flows.engines.generation import RequestOptions, generate_rows
+    from flows.engines.progress import Progress
 
     class Quiet(Progress):  # no Prefect here: the progress artifact is not made
         async def _create_artifact(self) -> None: ...

@@ -58,12 +58,12 @@ def _schedule(entry: dict[str, Any]) -> Any:
 def main() -> None:
     from prefect import serve
 
-    from flows.resident import KEEP_ENGINES, stop_kept_engines
+    from flows.engines.resident import KEEP_ENGINES, stop_kept_engines
 
     os.chdir(ROOT)  # configs name their data and output folders relative to the repository
     sys.path.insert(0, str(ROOT))
     # a run's engine stays resident for the next runs of the same engine section, which attach
-    # to it in a moment (flows/resident.py); one at a time, as runs are (a GPU holds one)
+    # to it in a moment (flows/engines/resident.py); one at a time, as runs are (a GPU holds one)
     os.environ.setdefault(KEEP_ENGINES, "1")
     # SIGTERM (a service manager's stop) ends this process as Ctrl-C does: through `finally`
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

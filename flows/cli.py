@@ -7,7 +7,7 @@
     gristmill status RUN_DIR                                    rows done, tokens, shards
     gristmill show RUN_DIR [-n N]                               the first rows
     gristmill engine start|status|stop                          resident engines, which runs
-                                                                attach to (flows/engine_cli.py)
+                                                                attach to (flows/engines/cli.py)
 
 `run` checks the config, then takes the run folder's lock, before Prefect or an engine starts.
 It runs the flow in this process against the Prefect API in PREFECT_API_URL, or else a
@@ -44,7 +44,7 @@ from typing import Any, NoReturn
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flows import engine_cli
+from flows.engines import cli as engine_cli
 from flows.outputs.store import CheckpointStore
 from flows.run.interrupts import EXIT_INTERRUPTED
 

@@ -41,12 +41,12 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import Field, model_validator
 
 from flows.config import ConfigError, EngineConfig, RunBase
-from flows.generation import Generated, answer_rows
+from flows.engines.generation import Generated, answer_rows
+from flows.engines.progress import Progress, artifact_key
 from flows.openai.answers import Job, answer, prepare_jobs
 from flows.openai.requests import BatchRequest, read_batch
 from flows.outputs.store import row_seed, write_file, write_parquet
 from flows.pipeline import configure, init_engine, shutdown
-from flows.progress import Progress, artifact_key
 from flows.run.identity import PERFORMANCE_ARGS, model_identity
 from flows.run.lock import unlock_run
 from flows.run.paths import absolute_paths

@@ -54,11 +54,11 @@ import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
 
 from flows.config import RunConfig
-from flows.generation import Generated
+from flows.engines.generation import Generated
+from flows.engines.progress import Progress
 from flows.handout import Handout
 from flows.outputs.store import CheckpointStore
 from flows.parts import STOP_POLL_SECONDS, generate_part
-from flows.progress import Progress
 from flows.run.interrupts import Interrupted, interrupted, stop_softly
 from flows.run.plan import RunPlan, Work
 

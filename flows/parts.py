@@ -25,10 +25,10 @@ import pyarrow.compute as pc
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.generation import Generated, RequestOptions, generate_rows
+from flows.engines.generation import Generated, RequestOptions, generate_rows
+from flows.engines.progress import Progress
 from flows.handout import Handout
 from flows.outputs.store import CheckpointStore
-from flows.progress import Progress
 from flows.run.gpus import engine_arguments
 from flows.run.plan import RunPlan
 

@@ -35,15 +35,15 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import EngineConfig, RunConfig
-from flows.generation import Generated, RequestOptions, generate_rows
+from flows.engines.generation import Generated, RequestOptions, generate_rows
+from flows.engines.progress import Progress, artifact_key
+from flows.engines.resident import open_engine
 from flows.inputs.image_column import image_placeholder
 from flows.inputs.prompts import ChatTemplate, PromptRenderer
 from flows.inputs.sources import input_for_run
 from flows.outputs.merge import ordered_chunks
 from flows.outputs.store import CheckpointStore, write_parquet_chunks
 from flows.parallel import generate_in_parallel
-from flows.progress import Progress, artifact_key
-from flows.resident import open_engine
 from flows.run.interrupts import Interrupted, interrupted, stop_softly
 from flows.run.lock import lock_run, unlock_run
 from flows.run.plan import Finish, Finisher, RunPlan, Work, plan_requests

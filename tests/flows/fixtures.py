@@ -211,17 +211,17 @@ def wait_until(condition: Any, timeout: float, what: str, every: float = 0.05) -
 
 def fail_the_120th_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make this process's engine path fail mid-run (Dask workers are other processes)."""
-    import flows.generation
+    import flows.engines.generation
 
     calls = itertools.count()
-    real_request = flows.generation.request
+    real_request = flows.engines.generation.request
 
     async def failing_request(engine: Any, row: dict[str, Any], options: Any) -> dict[str, Any]:
         if next(calls) == 120:
             raise RuntimeError("injected failure")
         return await real_request(engine, row, options)
 
-    monkeypatch.setattr(flows.generation, "request", failing_request)
+    monkeypatch.setattr(flows.engines.generation, "request", failing_request)
 
 
 # ---------------------------------------------------------------------- damaged shards

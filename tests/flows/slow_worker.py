@@ -11,12 +11,12 @@ SLOW_S = 2.0
 
 
 def dask_setup(worker: Any) -> None:
-    import flows.generation
+    import flows.engines.generation
 
-    answer = flows.generation.request  # generate_rows looks it up at each row
+    answer = flows.engines.generation.request  # generate_rows looks it up at each row
 
     async def slow_request(engine: Any, row: dict[str, Any], options: Any) -> dict[str, Any]:
         await asyncio.sleep(SLOW_S)
         return await answer(engine, row, options)
 
-    flows.generation.request = slow_request
+    flows.engines.generation.request = slow_request

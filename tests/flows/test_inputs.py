@@ -15,10 +15,10 @@ from transformers import AutoTokenizer
 import flows.inputs.batches
 import flows.run.plan
 from flows.config import PromptConfig, SourceConfig, load_config
+from flows.engines.progress import Progress
 from flows.inputs.prompts import PromptRenderer, template_names
 from flows.inputs.sources import content_digest, input_for_run, load_input, read_rows
 from flows.inputs.summary import row_ids
-from flows.progress import Progress
 from flows.run.identity import run_identity
 from flows.run.plan import plan_requests
 from flows.run.preflight import preflight

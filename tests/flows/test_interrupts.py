@@ -409,17 +409,17 @@ def one_run(llama_dir, tmp_path, prefect_api):
 def test_an_engine_crash_says_rerun_and_a_bad_model_says_what_to_fix(
     one_run, llama_dir, resident_engine, monkeypatch, capfd
 ):
-    import flows.generation
+    import flows.engines.generation
 
     calls = itertools.count()
-    real_request = flows.generation.request
+    real_request = flows.engines.generation.request
 
     async def crashing(engine: Any, row: dict[str, Any], options: Any) -> dict[str, Any]:
         if next(calls) == 6:  # as the engine reports a child that died
             raise RuntimeError("the scheduler process exited with code -9")
         return await real_request(engine, row, options)
 
-    monkeypatch.setattr(flows.generation, "request", crashing)
+    monkeypatch.setattr(flows.engines.generation, "request", crashing)
     assert main(["run", str(one_run)]) == 1
     err = capfd.readouterr().err
     assert "Traceback" not in err, err

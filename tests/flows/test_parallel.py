@@ -456,7 +456,7 @@ def test_on_a_local_cluster_each_engine_takes_gpus_of_its_own(
 def test_dp_size_in_the_engine_section_reaches_the_engine_as_written(config_for, tmp_path):
     """Many GPUs of one host: one engine (no parallel section) with the engine's own dp_size,
     load_balance_method and gpu_id_step; not in the fingerprint (they change no row)."""
-    from flows.resident import open_engine
+    from flows.engines.resident import open_engine
 
     data = config_for(tmp_path)
     settings = {"dp_size": 2, "load_balance_method": "round_robin", "gpu_id_step": 2}

@@ -122,13 +122,13 @@ def test_prompts_render_as_the_engine_takes_rows_not_all_up_front(
     """The run's memory is a window, not the dataset: a prompt is rendered only when its row is
     about to be submitted, so rendered-but-unfinished rows never exceed what is in flight plus
     one render batch; the merged output is still every row once, in input order."""
-    import flows.generation
+    import flows.engines.generation
     import flows.run.plan
     from flows.inputs.prompts import PromptRenderer
 
     monkeypatch.setattr(flows.run.plan, "RENDER_BATCH", 16)
     counts = {"rendered": 0, "finished": 0, "ahead": []}
-    render_many, request = PromptRenderer.render_many, flows.generation.request
+    render_many, request = PromptRenderer.render_many, flows.engines.generation.request
 
     def counting_render(self, batch):
         counts["ahead"].append(counts["rendered"] - counts["finished"])
@@ -141,7 +141,7 @@ def test_prompts_render_as_the_engine_takes_rows_not_all_up_front(
         return row
 
     monkeypatch.setattr(PromptRenderer, "render_many", counting_render)
-    monkeypatch.setattr(flows.generation, "request", counting_request)
+    monkeypatch.setattr(flows.engines.generation, "request", counting_request)
     config = load_config(base_config(llama_dir, questions, tmp_path / "runs", max_in_flight=8))
     with lent_engine(shared_llama_engine, engine_arguments(llama_dir)):
         generate_batch(config=config)

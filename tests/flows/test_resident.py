@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from engine import ResidentEngine, resident_engines, stop_resident
 from flows.cli import main
 from flows.config import load_config
-from flows.resident import find_resident, open_engine
+from flows.engines.resident import find_resident, open_engine
 from tests.flows.fixtures import (
     base_config,
     expected_prompt,
@@ -215,20 +215,20 @@ def test_a_resident_engine_killed_mid_run(
     """Killed after the 120th request: the run fails naming the engine and its log, keeps its
     finished rows; the rerun completes with every row once, on an engine of its own (the
     session's, lent by the resident_engine fixture)."""
-    import flows.generation
+    import flows.engines.generation
 
     config = _config_file(tmp_path, base_config(llama_dir, questions, tmp_path / "runs"))
     assert main(["engine", "start", str(config), "--name", "victim"]) == 0
     record = _only_resident()
     calls = iter(range(10**6))
-    real_request = flows.generation.request
+    real_request = flows.engines.generation.request
 
     async def request(engine, row, options):
         if next(calls) == 120:
             os.kill(record.pid, signal.SIGKILL)
         return await real_request(engine, row, options)
 
-    monkeypatch.setattr(flows.generation, "request", request)
+    monkeypatch.setattr(flows.engines.generation, "request", request)
     capsys.readouterr()
     assert main(["run", str(config)]) == 1  # attached: a live resident engine serves it
     err = capsys.readouterr().err
@@ -237,7 +237,7 @@ def test_a_resident_engine_killed_mid_run(
     assert not wait_gone(list(record.info["pids"].values()))  # its children went with it
     shards = list((run_folder(tmp_path / "runs") / "shards").glob("*.parquet"))
     assert shards, "the rows finished before the kill are kept"
-    monkeypatch.setattr(flows.generation, "request", real_request)
+    monkeypatch.setattr(flows.engines.generation, "request", real_request)
     assert main(["run", str(config)]) == 0  # no live resident engine: its own (lent) engine
     assert _rows(run_folder(tmp_path / "runs")) == _rows(greedy_run[2])
     assert main(["engine", "status"]) == 0

@@ -7,7 +7,7 @@
     gristmill engine stop [ID ...]   stop these (default: every one); their processes end
 
 A run attaches to a resident engine whose model files and numerics equal its config's
-(flows/resident.py), and starts its own otherwise. Each engine's socket lives in a folder
+(flows/engines/resident.py), and starts its own otherwise. Each engine's socket lives in a folder
 of this user's, mode 0700 (engine/resident/registry.py says where).
 """
 
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace, load: Any) -> int:
 
 def _start(args: argparse.Namespace, load: Any) -> int:
     from engine import start_resident
-    from flows.resident import engine_labels, find_resident
+    from flows.engines.resident import engine_labels, find_resident
 
     config = load(args)
     running = find_resident(config.engine)

@@ -28,9 +28,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from flows.engines.progress import Progress
 from flows.inputs.image_column import resolve_image
 from flows.outputs.rows import output_column, refused_row, result_row
-from flows.progress import Progress
 
 logger = logging.getLogger(__name__)
 
