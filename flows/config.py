@@ -153,7 +153,7 @@ class ParallelConfig(Section):
     prefix is cached). Leave this section out.
 
     Many hosts: `address`, the scheduler of a running Dask cluster, and `workers` engines, each
-    resident in one Dask worker (flows/parallel.py). The rows still to do are handed out in
+    resident in one Dask worker (flows/parallel/generate.py). The rows still to do are handed out in
     batches of `batch_rows` as engines become free, so one that finishes early takes more and
     none waits for a slow one at the end; every engine writes shards into the same run folder,
     which must be on a filesystem all hosts share (every path of the config is made absolute
@@ -322,7 +322,7 @@ class RunConfig(RunBase):
 
     @property
     def batch_rows(self) -> int:
-        """Rows a Dask worker's engine takes at a time (flows/handout.py)."""
+        """Rows a Dask worker's engine takes at a time (flows/parallel/handout.py)."""
         return self.parallel.batch_rows or self.max_in_flight
 
 

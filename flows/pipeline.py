@@ -8,14 +8,14 @@ or not a step failed. The steps hand on what they decided as a RunPlan and a Wor
 so a rerun of the same config after a crash, a failure or a cancel does only the rows still
 missing.
 With `parallel.workers` > 1 (or a Dask `parallel.address`) no engine runs in the flow's process:
-generate hands the rows to engines on Dask workers (flows/parallel.py), which write the same
-shards, and collect merges and checks them as it does its own.
+generate hands the rows to engines on Dask workers (flows/parallel/generate.py), which write the
+same shards, and collect merges and checks them as it does its own.
 The ready flows (annotate, synthesize, evaluate) are this same flow with their own config
 class and a `finish` step that adds their columns (labels, scores) to the merged rows.
 
 Tasks take unhashable things (an Engine, Arrow tables), so none caches (NO_CACHE); none
 retries on its own either: the retry of a batch run is a rerun, which resumes. (Dask alone runs
-a part again, when the worker running it died: flows/parallel.py.)
+a part again, when the worker running it died: flows/parallel/generate.py.)
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from flows.inputs.prompts import ChatTemplate, PromptRenderer
 from flows.inputs.sources import input_for_run
 from flows.outputs.merge import ordered_chunks
 from flows.outputs.store import CheckpointStore, write_parquet_chunks
-from flows.parallel import generate_in_parallel
+from flows.parallel.generate import generate_in_parallel
 from flows.run.interrupts import Interrupted, interrupted, stop_softly
 from flows.run.lock import lock_run, unlock_run
 from flows.run.plan import Finish, Finisher, RunPlan, Work, plan_requests

@@ -109,7 +109,7 @@ async def generate_rows(
 ) -> Generated:
     """Every work row through the engine (request), written in shards as they finish. The rows
     are a table, or an iterator that is asked for the next row only when there is room in
-    flight for it (a Dask part takes its batches so: flows/parts.py)."""
+    flight for it (a Dask part takes its batches so: flows/parallel/parts.py)."""
     rows = _rows(work) if isinstance(work, pa.Table) else work
     return await answer_rows(
         lambda row: request(engine, row, options), rows,

@@ -1,8 +1,8 @@
 """A run's plan, as the steps hand it on: what configure fixed (RunPlan), the requests that
 prepare_prompts found still to do (Work), and the flow's own last step on the merged rows (Finish).
 
-The one-engine path (flows/pipeline.py) and the Dask path (flows/parallel.py) both take these
-and write shards of the same rows; neither imports the other for them.
+The one-engine path (flows/pipeline.py) and the Dask path (flows/parallel/generate.py) both take
+these and write shards of the same rows; neither imports the other for them.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from prefect.client.schemas.filters import (
 )
 
 from flows.config import ConfigError, load_config
-from flows.handout import Handout
 from flows.outputs.store import CheckpointStore
+from flows.parallel.handout import Handout
 from flows.pipeline import generate_batch
 from flows.run.gpus import engine_arguments, engine_gpus
 from flows.run.identity import run_identity
@@ -117,8 +117,8 @@ class KilledRun:
     """A 2-worker run in a subprocess (`gristmill run`) whose Dask worker of one part is
     SIGKILLed mid-batch: after some rows of a batch it took landed in shards, before the last.
 
-    The batches and who took them are read from the run's hand-out (flows/handout.py), as the
-    parts see it: the work's row groups, and the claims' links."""
+    The batches and who took them are read from the run's hand-out (flows/parallel/handout.py),
+    as the parts see it: the work's row groups, and the claims' links."""
 
     def __init__(self, config: dict, tmp_path: Path, api_url: str, **env: str) -> None:
         config_file = tmp_path / "config.yaml"
@@ -356,12 +356,13 @@ def test_ctrl_c_stops_a_2_worker_run_the_workers_quietly_and_a_rerun_finishes(
 
 # ---------------------------------------------------------------------- the pieces
 def test_a_worker_says_its_scheduler_closed_in_one_line(caplog):
-    """What flows/dask_worker.py does to a worker's heartbeat meeting a closing scheduler."""
+    """What flows/parallel/dask_worker.py does to a worker's heartbeat meeting a closing
+    scheduler."""
     import logging
 
     from distributed.comm.core import CommClosedError
 
-    from flows import dask_worker
+    from flows.parallel import dask_worker
 
     worker_log = logging.getLogger("distributed.worker")
     worker_log.addFilter(dask_worker._closed_comms_in_one_line)

@@ -12,7 +12,7 @@ part that Dask runs again after its worker died finds the batches its lost attem
 NOTE (exactly once): a batch's rows are generated only by the part that claimed it, and a
 run's batches hold only rows no shard had when it began (a new run, with a new writer token,
 writes a new hand-out). So a batch taken from the pool has no row in a shard yet; only a batch
-of a lost attempt may, and its taker skips those rows (flows/parts.py).
+of a lost attempt may, and its taker skips those rows (parts.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Loaded into every worker of the local Dask cluster that a parallel run starts (Dask's
-`preload`, flows/parallel.py), before the worker takes a task.
+`preload`, generate.py), before the worker takes a task.
 
 The workers are the run's own processes, in the terminal's process group: a Ctrl-C reaches
 them too. The run's main process decides what it means (flows/run/interrupts.py) and closes the

@@ -15,7 +15,7 @@ for one engine or many. Meanwhile the flow process watches the shards land and s
 progress for the whole run. Every path in the plan the parts get is absolute (made so in this
 process, flows/run/paths.py): a worker runs in a folder of its own, maybe on another host.
 
-Why a few long-lived parts that pull batches (flows/parts.py), not a Dask task per batch: an
+Why a few long-lived parts that pull batches (parts.py), not a Dask task per batch: an
 engine takes seconds to minutes to start, so it must outlive a batch; a part holds its engine
 for the whole run and stops it in its own `finally`, on a local or a remote cluster alike,
 where an engine cached in a worker between tasks would need a release on every worker (and
@@ -25,7 +25,7 @@ a task per batch would drain it at every batch's end. And Prefect records one ta
 engine, not thousands.
 
 Exactly once: the flow process alone holds the store's lock; a batch is generated only by the
-part that claimed it (flows/handout.py), and shards are atomic and uuid-named. When a worker
+part that claimed it (handout.py), and shards are atomic and uuid-named. When a worker
 dies, Dask runs its part again (`distributed.scheduler.allowed-failures` times, then gives up
 with KilledWorker); the new attempt first finishes the batches its lost attempt claimed,
 skipping the ids already in shards, while the other parts go on taking batches. The engine of
@@ -56,9 +56,9 @@ from prefect import flow, get_run_logger
 from flows.config import RunConfig
 from flows.engines.generation import Generated
 from flows.engines.progress import Progress
-from flows.handout import Handout
 from flows.outputs.store import CheckpointStore
-from flows.parts import STOP_POLL_SECONDS, generate_part
+from flows.parallel.handout import Handout
+from flows.parallel.parts import STOP_POLL_SECONDS, generate_part
 from flows.run.interrupts import Interrupted, interrupted, stop_softly
 from flows.run.plan import RunPlan, Work
 
@@ -99,8 +99,8 @@ def task_runner(config: RunConfig) -> DaskTaskRunner:
             # the engine is the worker's whole job and keeps its memory in its own processes:
             # Dask's share of RAM per worker (meant for Dask's data) must not restart it
             "memory_limit": 0,
-            # a terminal's Ctrl-C is the run's to handle, not the workers' (flows/dask_worker.py)
-            "preload": ["flows.dask_worker"],
+            # a terminal's Ctrl-C is the run's to handle, not the workers' (dask_worker.py)
+            "preload": ["flows.parallel.dask_worker"],
         }
     )
 

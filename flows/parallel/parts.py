@@ -1,5 +1,5 @@
 """One part of a Dask run: an engine in a Dask worker that takes batches of the run's rows
-(flows/handout.py) until none is left, writing shards into the run's folder.
+(handout.py) until none is left, writing shards into the run's folder.
 
     start: the batches a lost attempt of this part took (rows in shards skipped)
     engine ─► take a batch ─► its rows into the engine ─► take the next ─► ... ─► none left
@@ -27,8 +27,8 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.engines.generation import Generated, RequestOptions, generate_rows
 from flows.engines.progress import Progress
-from flows.handout import Handout
 from flows.outputs.store import CheckpointStore
+from flows.parallel.handout import Handout
 from flows.run.gpus import engine_arguments
 from flows.run.plan import RunPlan
 
