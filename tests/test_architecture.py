@@ -110,6 +110,24 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def test_the_folders_of_flows_import_each_other_in_layers():
+    """flows/ is grouped by concern into folders (inputs/, outputs/, openai/, run/, engines/,
+    parallel/) under the modules at its top (the flows, the config, the command): taken whole,
+    each folder uses only what is below it, so a reader can take them one layer at a time."""
+
+    def folder(module: str) -> str:  # flows.inputs.sources -> flows.inputs; flows.cli stays
+        return ".".join(module.split(".")[:2])
+
+    folders: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        if module.split(".")[0] == "flows":
+            uses = {folder(t) for t in targets if t.split(".")[0] == "flows"}
+            folders.setdefault(folder(module), set()).update(uses - {folder(module)})
+    assert {"flows.inputs", "flows.outputs", "flows.run", "flows.parallel"} <= set(folders)
+    cycles = find_cycles(folders)
+    assert not cycles, "folders of flows/ in a loop:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
 def test_kernels_import_nothing_of_the_engine_or_flows():
     graph = import_graph()
     bad = {m: sorted(t for t in ts if not t.startswith("kernels")) for m, ts in graph.items()}
