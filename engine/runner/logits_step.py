@@ -111,7 +111,7 @@ class LogitsStep:
             tokens = logits.argmax(-1)
         else:
             drawn = step_drawn if step_drawn is not None else [r.drawn for r in reqs]
-            tokens = sample(logits, self._sampling_batch(reqs, drawn))
+            tokens = sample(logits, self._sampling_batch(reqs, asks, drawn))
         self.next_token.index_copy_(0, pool_rows, tokens)  # (cheaper to launch than [] =)
         step.tokens = tokens
         rows = asks.logprob_rows
@@ -123,7 +123,9 @@ class LogitsStep:
             step.chosen = lp.gather(1, tokens[index].view(-1, 1)).view(-1)
             step.top_values, step.top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
 
-    def _sampling_batch(self, reqs: list[Req], drawn: np.ndarray | list[int]) -> SamplingBatch:
+    def _sampling_batch(
+        self, reqs: list[Req], asks: _Asks, drawn: np.ndarray | list[int]
+    ) -> SamplingBatch:
         """`drawn`: each request's draws so far, pending ones included (the draw's step)."""
         sp = [r.sampling for r in reqs]
         return SamplingBatch.from_rows(
@@ -131,7 +133,7 @@ class LogitsStep:
             top_ks=[self.vocab_size if s.top_k == -1 else s.top_k for s in sp],
             top_ps=[s.top_p for s in sp],
             min_ps=[s.min_p for s in sp],
-            seeds=[r.seed for r in reqs],
+            seeds=asks.seeds,
             steps=drawn,
             device=self.device,
         )
@@ -177,16 +179,19 @@ class _Asks:
     maybe_constrained: bool  # a grammar can only end (finish), so none now means none later
     min_new_tokens: list[int]
     logprob_rows: list[int]
+    seeds: list[int]  # each row's sampling seed (none when all are greedy: argmax needs none)
 
     @classmethod
     def of(cls, reqs: list[Req]) -> _Asks:
         sps = [r.sampling for r in reqs]
+        all_greedy = all(sp.is_greedy for sp in sps)
         return cls(
             reqs=reqs,
-            all_greedy=all(sp.is_greedy for sp in sps),
+            all_greedy=all_greedy,
             penalised=penalised_rows(reqs),
             biased=any(sp.logit_bias for sp in sps),
             maybe_constrained=any(r.grammar is not None for r in reqs),
             min_new_tokens=[i for i, sp in enumerate(sps) if sp.min_new_tokens and sp.stop_ids],
             logprob_rows=[i for i, r in enumerate(reqs) if r.return_logprob],
+            seeds=[] if all_greedy else [r.seed for r in reqs],
         )
