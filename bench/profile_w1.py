@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     def timed_launch(batch):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        ctx = sum(len(r.input_ids) + r.drawn for r in batch.reqs)
+        ctx = sum(r.prompt_len + r.drawn for r in batch.reqs)
         out = launch(batch)
         end.record()
         steps.append(dict(mode=batch.mode, bs=len(batch.reqs), ctx=ctx, start=start, end=end,

@@ -58,7 +58,7 @@ class ImageEmbedder:
         offset = 0  # the batch row of the request's first new token
         for req, start, n in spans:
             positions.append(_rope_positions(req, start, n))
-            images = req.images
+            images = req.request.images
             if images is not None:
                 lo, hi = np.searchsorted(images.token_positions, [start, start + n])
                 if hi > lo:
@@ -67,7 +67,10 @@ class ImageEmbedder:
                 if start + n > images.token_positions[-1]:
                     req.image_embeds = None  # its prefill is past its images (slices live on)
             offset += n
-        deltas = [req.images.rope_delta if req.images is not None else 0 for req in batch.reqs]
+        deltas = [
+            req.request.images.rope_delta if req.request.images is not None else 0
+            for req in batch.reqs
+        ]
         return ImageBatch(
             rope_positions=to_device(np.concatenate(positions, axis=1), torch.int64, self.device),
             rope_deltas=to_device(deltas, torch.int64, self.device),
@@ -80,16 +83,16 @@ class ImageEmbedder:
         rows of the output (one per image token, in prompt order)."""
         if not reqs:
             return
-        patches = np.concatenate([r.images.patches for r in reqs])
-        grids = np.concatenate([r.images.grid_thw for r in reqs])
-        first = reqs[0].images  # (one processor, so one table for every request)
+        patches = np.concatenate([r.request.images.patches for r in reqs])
+        grids = np.concatenate([r.request.images.grid_thw for r in reqs])
+        first = reqs[0].request.images  # (one processor, so one table for every request)
         with self._timed():
             table = to_device(first.pixel_table, torch.float32, self.device)
             pixels = patch_pixels(
                 to_device(patches, torch.uint8, self.device), table, first.temporal_patch_size
             )
             out = self.model.encode_images(pixels, torch.from_numpy(grids))
-        sizes = [len(r.images.token_positions) for r in reqs]
+        sizes = [len(r.request.images.token_positions) for r in reqs]
         if out.shape[0] != sum(sizes):
             raise RuntimeError(
                 f"the vision tower gave {out.shape[0]} embeddings for {sum(sizes)} image tokens"
@@ -131,7 +134,7 @@ class ImageEmbedder:
 
 def _needs_embeds(req: Req, start: int, end: int) -> bool:
     """Whether tokens [start, end) hold image tokens of `req` and nothing has encoded them."""
-    images = req.images
+    images = req.request.images
     if images is None or req.image_embeds is not None:
         return False
     lo, hi = np.searchsorted(images.token_positions, [start, end])
@@ -140,7 +143,7 @@ def _needs_embeds(req: Req, start: int, end: int) -> bool:
 
 def _rope_positions(req: Req, start: int, n: int) -> np.ndarray:
     """[3, n] M-RoPE positions of `req`'s tokens [start, start + n)."""
-    images = req.images
+    images = req.request.images
     if images is None:
         return np.broadcast_to(np.arange(start, start + n), (3, n))
     prompt_len = images.rope_positions.shape[1]

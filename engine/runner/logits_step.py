@@ -86,9 +86,10 @@ class LogitsStep:
                 step.input_logprobs.append(_input_logprobs(req, logits[start : start + n_input]))
             if not samples:
                 continue
-            if req.label_token_ids is not None:
+            labels = req.request.label_token_ids
+            if labels is not None:
                 row = logits[start + n_input]
-                step.label_logprobs.append((req, self._label_logprobs(row, req.label_token_ids)))
+                step.label_logprobs.append((req, self._label_logprobs(row, labels)))
             if req.sampling.max_new_tokens == 0:
                 step.zero_length.append(req)
             else:
@@ -148,7 +149,8 @@ def _input_logprobs(req: Req, logits: torch.Tensor) -> InputLogprobs:
     """logits[j] is at prompt position input_logprob_next + j and gives the logprob of the token
     after it; advances input_logprob_next past these rows."""
     first = req.input_logprob_next + 1
-    targets = to_device(req.input_ids[first : first + logits.shape[0]], torch.int64, logits.device)
+    prompt = req.request.input_ids
+    targets = to_device(prompt[first : first + logits.shape[0]], torch.int64, logits.device)
     req.input_logprob_next += logits.shape[0]
     lp = torch.log_softmax(logits.float(), dim=-1)
     values, ids = lp.topk(min(req.top_logprobs_num, lp.shape[-1]), dim=-1)
@@ -192,6 +194,6 @@ class _Asks:
             biased=any(sp.logit_bias for sp in sps),
             maybe_constrained=any(r.grammar is not None for r in reqs),
             min_new_tokens=[i for i, sp in enumerate(sps) if sp.min_new_tokens and sp.stop_ids],
-            logprob_rows=[i for i, r in enumerate(reqs) if r.return_logprob],
-            seeds=[] if all_greedy else [r.seed for r in reqs],
+            logprob_rows=[i for i, r in enumerate(reqs) if r.request.return_logprob],
+            seeds=[] if all_greedy else [r.request.seed for r in reqs],
         )

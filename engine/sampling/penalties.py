@@ -121,7 +121,7 @@ class PenaltyState:
             self.owner[row] = req.admit_order
             self.counts[row].zero_()
             self.in_prompt[row].zero_()
-            self.in_prompt[row, to_device(req.input_ids, torch.int64, self.device)] = True
+            self.in_prompt[row, to_device(req.request.input_ids, torch.int64, self.device)] = True
             if req.output_ids:
                 out = to_device(req.output_ids, torch.int64, self.device)
                 self.counts[row].index_put_(

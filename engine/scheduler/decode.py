@@ -97,7 +97,9 @@ class DecodePlanner:
         self.queues.waiting.appendleft(req)
         self.stats.retractions += 1
         self.estimate.reset()
-        logger.info("retracted request %s (%d tokens) for lack of KV memory", req.rid, req.fill_len)
+        logger.info(
+            "retracted request %s (%d tokens) for lack of KV memory", req.request.rid, req.fill_len
+        )
 
 
 _pool_row = attrgetter("pool_row")

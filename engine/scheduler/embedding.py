@@ -70,12 +70,12 @@ class EmbeddingScheduler:
     def abort_request(self, rid: str) -> Req | None:
         reason = {"type": "abort", "message": "aborted by the caller"}
         for req in self.waiting:
-            if req.rid == rid:
+            if req.request.rid == rid:
                 self.waiting.remove(req)
                 req.finish(reason)
                 return req
         for req in self._inflight.reqs if self._inflight else []:
-            if req.rid == rid and not req.finished:
+            if req.request.rid == rid and not req.finished:
                 req.finish(reason)  # its embedding is dropped when the step is read
                 return req
         return None
@@ -143,9 +143,11 @@ class EmbeddingScheduler:
         tokens = sum(r.prompt_len for r in reqs)
         self.stats.prefill_tokens_computed += tokens
         self.stats.prompt_tokens += tokens
-        pooled = self.runner.embed([r.input_ids for r in reqs])
+        pooled = self.runner.embed([r.request.input_ids for r in reqs])
         dims = to_device(
-            [r.embed_dimensions or self.runner.hidden_size for r in reqs], torch.int64, self.device
+            [r.request.embed_dimensions or self.runner.hidden_size for r in reqs],
+            torch.int64,
+            self.device,
         )
         out = finish_embeddings(pooled, dims, self.runner.pooling.normalize)
         step = EmbeddingStep(reqs, out)
@@ -165,7 +167,7 @@ class EmbeddingScheduler:
         for req, row in zip(step.reqs, rows):
             if req.finished:  # aborted while in flight; already reported
                 continue
-            req.embedding = row[: req.embed_dimensions or len(row)]
+            req.embedding = row[: req.request.embed_dimensions or len(row)]
             req.finish({"type": "length", "length": 0})
             self.stats.requests_finished += 1
             done.append(req)

@@ -25,7 +25,7 @@ def _output(req: Req) -> ReqOutput:
     start, first = req.sent_len, not req.sent_first
     sp = req.sampling
     out = ReqOutput(
-        rid=req.rid,
+        rid=req.request.rid,
         new_ids=req.output_ids[start:],
         finish_reason=req.finish_reason,
         prompt_tokens=req.prompt_len,
@@ -41,7 +41,7 @@ def _output(req: Req) -> ReqOutput:
             sp.skip_special_tokens, sp.spaces_between_special_tokens, sp.stop_strings,
             sp.no_stop_trim,
         )  # fmt: skip
-        if req.return_logprob:
+        if req.request.return_logprob:
             out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
     req.sent_len, req.sent_first = len(req.output_ids), True
     return out

@@ -198,8 +198,8 @@ class PrefillPlanner:
         """How much of the request the cache may serve: never its last token (whose logits sample),
         and on first admission nothing from where input logprobs were asked for."""
         limit = req.fill_len - 1
-        if req.return_logprob and not req.admitted_once:
-            limit = min(limit, req.input_logprob_start)
+        if req.request.return_logprob and not req.admitted_once:
+            limit = min(limit, req.request.input_logprob_start)
         return limit
 
     def _on_admit(self, req: Req, cached: int) -> None:
@@ -209,8 +209,8 @@ class PrefillPlanner:
             req.cached_tokens = cached
             self.stats.prefill_tokens_cached += cached
             self.stats.prompt_tokens += req.prompt_len
-            if req.return_logprob:
-                req.input_logprob_next = req.input_logprob_start
+            if req.request.return_logprob:
+                req.input_logprob_next = req.request.input_logprob_start
                 req.input_logprobs, req.input_top_logprobs = [None], [None]
 
     def _pages_to_extend(self, req: Req, n: int) -> int:

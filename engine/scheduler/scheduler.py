@@ -156,14 +156,14 @@ class Scheduler:
         """Drop a waiting or admitted request, freeing its pages; returns it, finished as aborted."""
         reason = {"type": "abort", "message": message}
         for req in self.queues.waiting:
-            if req.rid == rid:
+            if req.request.rid == rid:
                 self.queues.waiting.remove(req)
                 req.finish(reason)
                 req.grammar = None
                 self._session_turn_ended(req)
                 return req
         for req in self.queues.admitted():
-            if req.rid == rid:
+            if req.request.rid == rid:
                 self._retire(req, reason)
                 self.queues.drop(req)
                 return req

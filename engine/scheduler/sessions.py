@@ -142,13 +142,13 @@ class Sessions:
     def finished(self, req: Req) -> None:
         """A turn ended: keep its tokens, and its KV in the cache for the turns that follow."""
         session = self.open_sessions.get(req.session_id)
-        turn = session.turns.get(req.rid) if session is not None else None
+        turn = session.turns.get(req.request.rid) if session is not None else None
         if turn is None:  # its session closed, or the turn was replaced, meanwhile
             return
         if req.finish_reason is None or req.finish_reason["type"] == "abort":
             self._drop(session, turn)  # refused or aborted: nothing to continue from
             return
-        turn.tokens = list(req.input_ids) + list(req.output_ids)
+        turn.tokens = list(req.request.input_ids) + list(req.output_ids)
         turn.prompt_len = req.prompt_len
         turn.held = self.kv.hold(np.asarray(turn.tokens, dtype=np.int64), req.lora_name)
         session.last_used = self.clock()

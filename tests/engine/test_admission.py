@@ -59,12 +59,9 @@ def test_requests_only_their_limit_ends_are_never_retracted(llama_dir, prompts):
     assert most >= 8, "the pool, not the rows, bounds the batch: it runs as many as fit"
 
 
-def _finished(used: int, max_new: int = 40) -> Req:
-    req = Req(
-        TokenizedRequest(
-            rid="r", input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=max_new), seed=0
-        )
-    )
+def _finished(used: int, max_new: int = 40, stop_ids: frozenset[int] = frozenset()) -> Req:
+    sampling = SamplingParams(max_new_tokens=max_new).with_stop_ids(stop_ids)
+    req = Req(TokenizedRequest(rid="r", input_ids=[1, 2], sampling=sampling, seed=0))
     req.output_ids = list(range(used))
     return req
 
@@ -86,11 +83,10 @@ def test_the_reserved_share_never_decays_below_what_requests_used():
 
 def test_length_only_requests_reserve_all_their_remaining_tokens():
     estimate = NewTokenEstimate(kv=None)
-    free = _finished(10)  # 30 of 40 still to come, and it may stop early
+    free = _finished(10, stop_ids=frozenset({2}))  # 30 of 40 still to come, and it may stop early
     fixed = Req(
         TokenizedRequest(rid="f", input_ids=[1], seed=0, sampling=SamplingParams(max_new_tokens=50))
     )  # no stop ids: only its limit ends it
-    free.sampling = free.sampling.with_stop_ids(frozenset({2}))
     assert not free.ends_by_length_only and fixed.ends_by_length_only
     assert estimate.tokens_to_come([free, fixed]) == (30, 50)
 

@@ -238,7 +238,7 @@ def test_decode_extension_equals_one_token_at_a_time(page_size):
         reqs = [_req(f"r{n}", range(n), 40) for n in (1, 2, 3, 5, 8)]
         for req in reqs:
             _admit(kv, req, 0)
-            kv.extend(req, len(req.input_ids))
+            kv.extend(req, req.prompt_len)
         return kv, reqs
 
     kv_a, batched = setup()

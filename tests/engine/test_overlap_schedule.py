@@ -132,7 +132,7 @@ def test_abort_while_a_token_is_pending(llama_dir, prompts):
     for _ in range(4):
         core.scheduler.step()
     assert reqs[1].pending == 1
-    aborted = core.scheduler.abort_request(reqs[1].rid)
+    aborted = core.scheduler.abort_request(reqs[1].request.rid)
     assert aborted is reqs[1] and aborted.finish_reason["type"] == "abort"
     while core.scheduler.has_work():
         core.scheduler.step()

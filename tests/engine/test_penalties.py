@@ -70,7 +70,7 @@ def test_processed_logits_equal_the_reference(seed):
     got = logits.clone()
     state.apply(reqs, got)
     for i, req in enumerate(reqs):
-        ref = reference_processed(logits[i], req.input_ids, req.output_ids, req.sampling)
+        ref = reference_processed(logits[i], req.request.input_ids, req.output_ids, req.sampling)
         torch.testing.assert_close(got[i].double(), ref, rtol=1e-6, atol=1e-5)
 
 

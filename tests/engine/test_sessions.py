@@ -185,7 +185,7 @@ class _Held:
 
 class _Finished:
     def __init__(self, request: TokenizedRequest, output: list[int], reason: str = "length"):
-        self.rid, self.input_ids, self.output_ids = request.rid, request.input_ids, output
+        self.request, self.output_ids = request, output
         self.session_id = request.session_params["id"]
         self.lora_name = request.lora_name
         self.prompt_len = len(request.input_ids)

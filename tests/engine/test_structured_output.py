@@ -217,7 +217,7 @@ def test_every_constrained_output_obeys_its_grammar(core, mixed):
     for req, (kind, ref) in zip(reqs, refs):
         if kind == "free":
             continue
-        assert req.finish_reason == {"type": "stop", "matched": tok.eos_token_id}, req.rid
+        assert req.finish_reason == {"type": "stop", "matched": tok.eos_token_id}, req.request.rid
         assert req.output_ids[-1] == tok.eos_token_id
         _check(kind, ref, tok.decode(req.output_ids, skip_special_tokens=True))
         counts[kind] += 1
@@ -295,11 +295,11 @@ def test_an_aborted_constrained_request_leaves_the_others_whole(core):
     reqs = core.submit(prompts, params)
     (waiting,) = core.submit([prompts[0]], params[0])  # aborted before it runs
     assert waiting.grammar is not None
-    assert core.scheduler.abort_request(waiting.rid) is waiting and waiting.grammar is None
+    assert core.scheduler.abort_request(waiting.request.rid) is waiting and waiting.grammar is None
     while not reqs[0].output_ids:
         core.scheduler.step()
     assert reqs[0].grammar is not None and not reqs[0].finished
-    assert core.scheduler.abort_request(reqs[0].rid) is reqs[0]
+    assert core.scheduler.abort_request(reqs[0].request.rid) is reqs[0]
     assert reqs[0].grammar is None and reqs[0].finish_reason["type"] == "abort"
     while core.scheduler.has_work():
         core.scheduler.step()
