@@ -40,6 +40,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import Field, model_validator
 
+from engine import EngineAPI
 from flows.config import ConfigError, EngineConfig, RunBase
 from flows.engines.generation import Generated, answer_rows
 from flows.engines.progress import Progress, artifact_key
@@ -186,7 +187,7 @@ class Jobs:
 
 
 @task(cache_policy=NO_CACHE)
-def read_requests(plan: RunPlan, engine: Any, fresh: bool = False) -> Jobs:
+def read_requests(plan: RunPlan, engine: EngineAPI, fresh: bool = False) -> Jobs:
     """The lines no shard holds yet, each ready for the engine: chat lines rendered with the
     engine's chat template, lines the engine cannot serve with their errors."""
     logger = get_run_logger()
@@ -208,7 +209,7 @@ def read_requests(plan: RunPlan, engine: Any, fresh: bool = False) -> Jobs:
 
 
 @task(cache_policy=NO_CACHE)
-def answer_requests(plan: RunPlan, engine: Any, jobs: Jobs) -> Generated:
+def answer_requests(plan: RunPlan, engine: EngineAPI, jobs: Jobs) -> Generated:
     """The engine answers each job, at most max_in_flight at once; answers land in shards."""
     logger = get_run_logger()
     config, store = plan.config, plan.store

@@ -34,6 +34,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from engine import EngineAPI
 from flows.config import EngineConfig, RunConfig
 from flows.engines.generation import Generated, RequestOptions, generate_rows
 from flows.engines.progress import Progress, artifact_key
@@ -92,7 +93,7 @@ def configure(config: RunConfig) -> RunPlan:
 
 
 @task(cache_policy=NO_CACHE)
-def init_engine(plan: RunPlan, section: EngineConfig | None = None) -> Any:
+def init_engine(plan: RunPlan, section: EngineConfig | None = None) -> EngineAPI:
     """The engine of the whole run: a resident engine that serves this config's engine section
     (or `section`, where the checks settled another), attached to in a moment, or else one of
     the run's own."""
@@ -110,7 +111,7 @@ def init_engine(plan: RunPlan, section: EngineConfig | None = None) -> Any:
 
 
 @task(cache_policy=NO_CACHE)
-def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
+def prepare_prompts(plan: RunPlan, engine: EngineAPI, fresh: bool = False) -> Work:
     """Plan the run from the input's summary (its ids; the rows stream again as `Work.tables`
     reaches them), skip rows already in shards, render the prompts of the rest as the engine
     takes them (chat ones with the engine's chat template: _chat_template)."""
@@ -142,7 +143,7 @@ def prepare_prompts(plan: RunPlan, engine: Any, fresh: bool = False) -> Work:
 
 
 @task(cache_policy=NO_CACHE)
-def generate(plan: RunPlan, engine: Any, work: Work) -> Generated:
+def generate(plan: RunPlan, engine: EngineAPI, work: Work) -> Generated:
     """Stream the remaining rows through the engine, writing a shard per shard_size rows."""
     logger = get_run_logger()
     config, store = plan.config, plan.store
@@ -216,7 +217,7 @@ def collect(
 
 
 @task(cache_policy=NO_CACHE)
-def shutdown(engine: Any) -> None:
+def shutdown(engine: EngineAPI) -> None:
     """Stop the run's own engine, or detach from a resident one, which stays up; runs also
     when an earlier step failed."""
     from engine import ResidentEngine
@@ -242,7 +243,7 @@ def _image_placeholder(config: RunConfig) -> str | None:
     return image_placeholder(args.model_path, args.tokenizer_path)
 
 
-def _chat_template(config: RunConfig, engine: Any) -> ChatTemplate | None:
+def _chat_template(config: RunConfig, engine: EngineAPI) -> ChatTemplate | None:
     """The engine's chat template, for chat prompts: a resident engine renders them with its
     own tokenizer (this process then loads none: transformers alone takes a second to import);
     an engine of the run's own lends its tokenizer; without an engine (Dask: the engines are on

@@ -28,6 +28,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from engine import EngineAPI
 from flows.engines.progress import Progress
 from flows.inputs.image_column import resolve_image
 from flows.outputs.rows import output_column, refused_row, result_row
@@ -81,7 +82,9 @@ class RequestOptions:
         return row.get(self.lora_column) or None  # (null or empty: the base model)
 
 
-async def request(engine: Any, row: dict[str, Any], options: RequestOptions) -> dict[str, Any]:
+async def request(
+    engine: EngineAPI, row: dict[str, Any], options: RequestOptions
+) -> dict[str, Any]:
     """One work row through the engine: its output row (flows/outputs/rows.py)."""
     try:
         result = await engine.async_generate(
@@ -98,7 +101,7 @@ async def request(engine: Any, row: dict[str, Any], options: RequestOptions) -> 
 
 
 async def generate_rows(
-    engine: Any,
+    engine: EngineAPI,
     work: pa.Table | Iterable[dict[str, Any]],
     options: RequestOptions,
     *,

@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any
 
+from engine import EngineAPI
 from flows.config import EngineConfig
 from flows.run.identity import PERFORMANCE_ARGS, adapters_identity, model_identity
 
@@ -48,13 +49,14 @@ def find_resident(engine: EngineConfig) -> Any | None:
 
     wanted = engine_labels(engine)["gristmill"]
     for record in resident_engines():
+        # (an engine of another gristmill version is left be: the run starts its own)
         serves = record.state == "ready" and record.labels.get("gristmill") == wanted
-        if serves and record.alive():
+        if serves and record.speaks_our_protocol and record.alive():
             return record
     return None
 
 
-def open_engine(engine: EngineConfig) -> tuple[Any, str]:
+def open_engine(engine: EngineConfig) -> tuple[EngineAPI, str]:
     """An engine for a run: (the engine, how it came). Its shutdown() detaches from a resident
     engine, which stays up.
 

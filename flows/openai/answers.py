@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine import EngineAPI
 from flows.config import EngineConfig
 from flows.inputs.image_column import image_placeholder
 from flows.openai.requests import (
@@ -48,7 +49,7 @@ class Job:
 
 
 def prepare_jobs(
-    requests: list[BatchRequest], engine: Any, section: EngineConfig, tokenizer_path: str
+    requests: list[BatchRequest], engine: EngineAPI, section: EngineConfig, tokenizer_path: str
 ) -> list[Job]:
     embeds = bool(section.arguments().get("is_embedding"))
     slot = _image_slot(section, tokenizer_path)
@@ -76,7 +77,7 @@ def prepare_jobs(
     return jobs
 
 
-async def answer(engine: Any, job: Job, model: str, seed: int) -> dict[str, Any]:
+async def answer(engine: EngineAPI, job: Job, model: str, seed: int) -> dict[str, Any]:
     """The job's checkpoint row (flows/openai_batch.py SCHEMA); `model` names the model where
     the body does not, `seed` samples where the body gives none."""
     request, error = job.request, job.error
@@ -103,7 +104,7 @@ async def answer(engine: Any, job: Job, model: str, seed: int) -> dict[str, Any]
     }
 
 
-async def _body(engine: Any, job: Job, model: str, seed: int) -> dict[str, Any]:
+async def _body(engine: EngineAPI, job: Job, model: str, seed: int) -> dict[str, Any]:
     request = job.request
     if request.kind == "embedding":
         if not hasattr(engine, "async_encode"):
@@ -155,7 +156,7 @@ def _image_slot(section: EngineConfig, tokenizer_path: str) -> str | None:
     return image_placeholder(model_path, tokenizer_path)
 
 
-def _render(engine: Any, conversations: list[list[dict[str, str]]]) -> list[tuple]:
+def _render(engine: EngineAPI, conversations: list[list[dict[str, str]]]) -> list[tuple]:
     """(prompt, None) per conversation, or (None, error) for one the chat template refuses;
     all in one call, one by one only when that call fails."""
     template = _chat_template(engine)
@@ -176,7 +177,7 @@ def _render(engine: Any, conversations: list[list[dict[str, str]]]) -> list[tupl
     return rendered
 
 
-def _chat_template(engine: Any) -> Any:
+def _chat_template(engine: EngineAPI) -> Any:
     """A resident engine's renderer (its own tokenizer), else the engine's tokenizer's."""
     if hasattr(engine, "apply_chat_template"):
         return engine.apply_chat_template

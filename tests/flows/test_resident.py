@@ -192,6 +192,17 @@ def test_a_run_of_other_numerics_or_other_weights_starts_its_own(
     weights.write_bytes(bytes(data))
     moved = load_config(started, [f"engine.model_path={retrained}"])
     assert find_resident(moved.engine) is None
+    # an engine left up by another version of gristmill speaks another protocol: not attached
+    record = _only_resident()
+    record_file = Path(record.folder) / "record.json"
+    saved = record_file.read_text()
+    try:
+        assert f'"protocol": {record.protocol}' in saved
+        record_file.write_text(saved.replace(f'"protocol": {record.protocol}', '"protocol": 1'))
+        assert find_resident(config.engine) is None
+    finally:
+        record_file.write_text(saved)
+    assert find_resident(config.engine) is not None
     own = object()
     monkeypatch.setattr("engine.Engine", lambda **kwargs: own)
     assert open_engine(other.engine) == (own, "started")
