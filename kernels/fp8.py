@@ -79,7 +79,9 @@ def _quantize_rows_kernel(
         tl.store(out_ptr + row * K + cols, y.to(out_ptr.dtype.element_ty), mask=cols < K)
 
 
-def _launch(x: torch.Tensor, static_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(
+    x: torch.Tensor, static_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with a unit last stride, got {tuple(x.shape)}")
     M, K = x.shape

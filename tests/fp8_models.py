@@ -113,7 +113,13 @@ def write_fp8_checkpoint(
     inputs = (
         {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
         if static_prompts
-        else {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+        else {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "token",
+            "dynamic": True,
+            "symmetric": True,
+        }
     )
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
@@ -122,8 +128,13 @@ def write_fp8_checkpoint(
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
-                            "dynamic": False, "symmetric": True},  # fmt: skip
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": strategy,
+                    "dynamic": False,
+                    "symmetric": True,
+                },  # fmt: skip
                 "input_activations": inputs,
             }
         },
@@ -137,7 +148,9 @@ def input_scales(fp8_dir: Path) -> dict[str, float]:
     """The static input scales of an FP8 folder, by module name (without "model.")."""
     state = load_file(Path(fp8_dir) / "model.safetensors")
     return {
-        k.removesuffix(".input_scale"): v.item() for k, v in state.items() if k.endswith(".input_scale")
+        k.removesuffix(".input_scale"): v.item()
+        for k, v in state.items()
+        if k.endswith(".input_scale")
     }
 
 

@@ -55,3 +55,11 @@ def test_links_stay_inside_the_repository(path: Path):
         elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
             broken.append(f"{target}: no heading #{anchor} in {resolved.name}")
     assert not broken, f"{path.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Run the tests", 1)[1]
+    command = section.split("```bash\n", 1)[1].split("\n```", 1)[0].strip()
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == command, f".ci/run ends with {ci[-1]!r}; README.md says {command!r}"

@@ -54,7 +54,10 @@ def building_fp8() -> Fp8Config | None:
 
 
 def resolve_quantization(
-    quantization: str | None, config: ModelConfig, kv_cache_dtype: str = "auto", device: str = "cuda"
+    quantization: str | None,
+    config: ModelConfig,
+    kv_cache_dtype: str = "auto",
+    device: str = "cuda",
 ) -> Fp8Config | None:
     """The engine's FP8 weights from its arguments and the model folder; ValueError naming the
     fields when they do not go together. NOTE: on the CPU, FP8 weights also serve a float32
