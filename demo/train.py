@@ -10,7 +10,7 @@ and the CPU), and the steps after it make them exact.
 
 Everything is seeded and the data order is fixed, so a rerun with the same settings on the same
 kind of CPU reproduces the weights; ``training_record.json`` keeps the settings, the per-step losses
-of the first steps (which tests/test_demo_model.py recomputes) and the loss curve.
+of the first steps (which tests/flows/test_demo_model.py recomputes) and the loss curve.
 """
 
 from __future__ import annotations

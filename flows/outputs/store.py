@@ -59,7 +59,7 @@ class Scan:
     """What a run folder holds: the good shards and their ids, and what was set aside.
 
     NOTE: ids are kept as Arrow arrays, a few bytes a row: a run of millions of rows must not
-    hold a Python string per done row (flows/work.py tests membership with pyarrow)."""
+    hold a Python string per done row (flows/run/plan.py tests membership with pyarrow)."""
 
     shards: list[Path] = field(default_factory=list)
     ids: list[pa.Array] = field(default_factory=list)  # each good shard's, in `shards` order
