@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers and the lossless verification of their drafts."""
