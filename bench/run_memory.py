@@ -77,25 +77,27 @@ def write_config(folder: Path, model: Path, rows: int, size: int, max_in_flight:
 
 def run_once(folder: Path, model: Path, rows: int, size: int, max_in_flight: int) -> dict:
     path = write_config(folder, model, rows, size, max_in_flight)
+    log = folder / f"run-{rows}.log"
     started = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    peak = 0
-    while proc.poll() is None:
-        try:
-            status = Path(f"/proc/{proc.pid}/status").read_text()
-            peak = max(peak, int(status.split("VmHWM:")[1].split()[0]))
-        except (OSError, IndexError):
-            pass
-        time.sleep(0.2)
+    # NOTE: the run's log goes to a file, not a pipe read at the end: a long run's log fills a
+    # pipe's 64 KB and the run would block on its next write (as a 3M-row run once did)
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "run", str(path)],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        peak = 0
+        while proc.poll() is None:
+            try:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+                peak = max(peak, int(status.split("VmHWM:")[1].split()[0]))
+            except (OSError, IndexError):
+                pass
+            time.sleep(0.2)
     wall = time.perf_counter() - started
-    stderr = proc.stderr.read()
     if proc.returncode != 0:
-        raise SystemExit(f"run of {rows} rows failed:\n{stderr[-3000:]}")
+        raise SystemExit(f"run of {rows} rows failed:\n{log.read_text()[-3000:]}")
     summary = json.loads(
         next((folder / "runs" / f"memory-{rows}").glob("*/summary.json")).read_text()
     )
