@@ -90,14 +90,12 @@ def _keep_sorted(probs_sorted: torch.Tensor, batch: SamplingBatch) -> torch.Tens
     return keep & (probs_sorted >= batch.min_ps[:, None] * probs_sorted[:, :1])
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Draw one token per row of `logits` [B, V]; returns [B] int64."""
-    logits = logits.float()
-    greedy_tokens = logits.argmax(-1)
-    if batch.all_greedy:
-        return greedy_tokens
-
-    greedy = batch.temperatures == 0
+def sorted_probs(
+    logits: torch.Tensor, batch: SamplingBatch, greedy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's distribution before filtering, sorted: (probs_sorted, order, keep) [B, V],
+    `keep` the ranks top-k / top-p / min-p leave. float32 `logits`; `greedy`: the rows of
+    temperature 0, which get temperature 1 here (they take the argmax of the raw logits)."""
     temps = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)
     # NaN logits are never sampled and +inf ones are clamped, so softmax is NaN-free
     # unless a row has no usable logit at all.
@@ -110,7 +108,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     probs = torch.softmax(scaled, -1)
     # Stable sort: ties keep index order, so top-k cuts identically on every device.
     probs_sorted, order = probs.sort(dim=-1, descending=True, stable=True)
-    keep = _keep_sorted(probs_sorted, batch)
+    return probs_sorted, order, _keep_sorted(probs_sorted, batch)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Draw one token per row of `logits` [B, V]; returns [B] int64."""
+    logits = logits.float()
+    greedy_tokens = logits.argmax(-1)
+    if batch.all_greedy:
+        return greedy_tokens
+
+    greedy = batch.temperatures == 0
+    probs_sorted, order, keep = sorted_probs(logits, batch, greedy)
 
     # Exponential race: argmax p_i / E_i picks i with probability p_i / sum(p), so the
     # filtered distribution needs no renormalisation. The noise is keyed by column, not rank.

@@ -17,7 +17,7 @@ it equals the argmax of the raw logits at its position, and add the argmax: `log
 
 Sampled rows use the standard lossless speculative sampling rule (Leviathan et al. 2023; Chen
 et al. 2023) on p, the distribution the sampler draws from (temperature, top-k, top-p, min-p:
-`processed_probs`, built on the sampler's `_keep_sorted`):
+`processed_probs`, built on the sampler's `sorted_probs`):
 - a draft model's drafts (d_j drawn from q_j, given as `draft_probs` [B, K, V]): accept with
   probability min(1, p(d_j) / q_j(d_j)); on rejection draw from max(0, p - q_j) renormalised;
 - drafts that are guesses, not draws (n-gram; `draft_probs=None`, a point mass on d_j): accept
@@ -50,9 +50,9 @@ from engine.sampling.sampler import (
     _GAMMA,
     _UNIFORM_BITS,
     SamplingBatch,
-    _keep_sorted,
     _mix64,
     _shr,
+    sorted_probs,
 )
 
 # Stream keys mixed into the sampler's (seed, step) row key; digits of pi, so they are nothing
@@ -89,25 +89,12 @@ def greedy_rows(batch: SamplingBatch) -> torch.Tensor:
 
 
 def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """[B, V] float32: the distribution `sample()` draws row i from, filtered and renormalised.
-
-    The same steps as the sampler's: temperature (greedy rows at 1), NaN never drawn, +inf
-    clamped, softmax, a stable descending sort and `_keep_sorted`'s top-k / top-p / min-p.
-    Greedy rows get this too (it is not their distribution: they take the argmax)."""
-    logits = logits.float()
-    temps = torch.where(
-        batch.temperatures == 0, torch.ones_like(batch.temperatures), batch.temperatures
-    )
-    scaled = torch.nan_to_num(
-        logits / temps[:, None],
-        nan=float("-inf"),
-        posinf=torch.finfo(torch.float32).max,
-        neginf=float("-inf"),
-    )
-    probs = torch.softmax(scaled, -1)
-    probs_sorted, order = probs.sort(dim=-1, descending=True, stable=True)
-    kept = torch.where(_keep_sorted(probs_sorted, batch), probs_sorted, 0.0)
-    filtered = torch.zeros_like(probs).scatter_(-1, order, kept)
+    """[B, V] float32: the distribution `sample()` draws row i from, filtered and renormalised
+    (the sampler's own `sorted_probs`, put back in vocabulary order). Greedy rows get this too
+    (it is not their distribution: they take the argmax)."""
+    probs_sorted, order, keep = sorted_probs(logits.float(), batch, batch.temperatures == 0)
+    kept = torch.where(keep, probs_sorted, 0.0)
+    filtered = torch.zeros_like(probs_sorted).scatter_(-1, order, kept)
     return filtered / filtered.sum(-1, keepdim=True)
 
 
