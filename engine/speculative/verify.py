@@ -27,12 +27,15 @@ output token is distributed as sampling from p one token at a time.
 
 Randomness is the sampler's counter hash (splitmix64 keyed by the request's seed and the output
 index), on two streams of its own: ACCEPT (one uniform per drafted position) and RESAMPLE (the
-exponential race that draws the correction or bonus token). A seeded row's output therefore
+exponential race that draws the correction after a rejection); a bonus token (every draft
+accepted, or none drafted) is the sampler's own draw at its step, so a row that drafted nothing
+gets the very token a step without speculation draws. A seeded row's output therefore
 depends on its seed, steps, logits and drafts only: not on the other rows, nor on the padding K,
-nor on how many drafts follow a rejection. Neither stream is the sampler's own, so a draft
-model that draws its drafts with `sample()` at the same (seed, step) stays independent of the
-verification's uniforms, as the rule's proof needs. (Sampled output is the non-speculative
-output's distribution, not its tokens: with speculation the draws come from other streams.)
+nor on how many drafts follow a rejection. Neither of the two streams is the sampler's own, so
+a draft model that draws d_j with `sample()` at (seed, step + j - 1) stays independent of the
+verification's uniforms, as the rule's proof needs; the bonus token's draw, at step + k_i, is
+one no draft used. (Sampled output is the non-speculative output's distribution, not its
+tokens: acceptances and corrections come from other streams.)
 
 Cost: the drafted positions are judged in a loop over the K columns (K is the draft length, a
 handful), each one [B, V] pass like one sampler call (softmax, stable sort, filters); then one
@@ -42,6 +45,7 @@ sampler call, not K + 1 of them. An all-greedy batch takes argmaxes only.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +56,7 @@ from engine.sampling.sampler import (
     SamplingBatch,
     _mix64,
     _shr,
+    sample,
     sorted_probs,
 )
 
@@ -189,8 +194,11 @@ def verify_chain(
             weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, p)
         else:
             weights = p
-        drawn = _race(weights, batch.seeds, batch.steps + accepted)
-        extra = torch.where(greedy, extra, drawn)
+        corrected = _race(weights, batch.seeds, batch.steps + accepted)
+        # NOTE: a bonus token (no rejection) is the sampler's own draw at its step, so a row
+        # with nothing drafted gets exactly the token a step without speculation would draw
+        bonus = sample(stop, dataclasses.replace(batch, steps=batch.steps + accepted))
+        extra = torch.where(greedy, extra, torch.where(rejected, corrected, bonus))
 
     columns = torch.arange(width, device=device)
     tokens = torch.cat([drafts, drafts.new_zeros(n_rows, 1)], -1)

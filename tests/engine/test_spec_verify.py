@@ -155,6 +155,29 @@ def test_no_drafts_at_all() -> None:
         assert (result.lengths == 1).all() and (result.tokens >= 0).all()
 
 
+def test_a_row_that_drafted_nothing_draws_what_the_sampler_draws() -> None:
+    """Beside rows with drafts, a row with none gets the sampler's own token at its step, so a
+    request that never drafts is reproducible with speculation on or off."""
+    n, k_max, vocab = 400, 3, 11
+    gen = torch.Generator().manual_seed(8)
+    logits = 3 * torch.randn(n, k_max + 1, vocab, generator=gen)  # peaked: drafts often pass
+    drafts = logits[:, :k_max].argmax(-1)
+    lens = torch.tensor([0 if i % 2 else k_max for i in range(n)])
+    steps = torch.randint(50, (n,), generator=gen)
+    batch = make_batch(n, 0.9, top_p=0.9, steps=steps)
+    result = verify_chain(logits, drafts, lens, batch)
+    alone = sample(logits[:, 0], batch)
+    odd = slice(1, None, 2)
+    assert torch.equal(result.tokens[odd, 0], alone[odd])
+    assert (result.lengths[odd] == 1).all()
+    # and rows whose drafts were all accepted got their bonus at step + k from the sampler too
+    full = result.accepted == lens
+    full[odd] = False
+    bonus = sample(logits[:, k_max], make_batch(n, 0.9, top_p=0.9, steps=steps + k_max))
+    assert full.sum() > 0
+    assert torch.equal(result.tokens[full, k_max], bonus[full])
+
+
 def test_shapes_are_checked() -> None:
     logits = torch.randn(2, 3, 5)
     with pytest.raises(ValueError, match="drafts must be"):
