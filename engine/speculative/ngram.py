@@ -1,7 +1,7 @@
 """The n-gram drafter of `speculative_algorithm="NGRAM"`: guesses of a request's next tokens, read
-off earlier token sequences that ended the way the request's tokens end now. Pure Python, no
-device: the scheduler asks it for drafts, the target model verifies them
-(`engine/speculative/verify.py`, drafts given as guesses, `draft_probs=None`).
+off earlier token sequences that ended the way the request's tokens end now. Host-side numpy,
+no device: the scheduler asks it for drafts at every decode step, the target model verifies
+them (`engine/speculative/verify.py`, drafts given as guesses, `draft_probs=None`).
 
 Two sources, for the batch work gristmill serves (thousands of rows of one job, outputs that
 copy spans of their own row and resemble the other rows' outputs):
@@ -16,19 +16,38 @@ copy spans of their own row and resemble the other rows' outputs):
    `max_window` tokens of its prompt in front (so that the suffix that ends a prompt finds the
    outputs that followed alike prompts), bounded by `capacity` tokens in all, oldest evicted
    first. Its match is the longest suffix (same windows) that occurred in a stored entry at a
-   position followed by an output token; the draft is what followed its most recent occurrence
-   (newest entry, then latest position in it), up to the entry's end.
+   position followed by an output token, among the `CORPUS_CANDIDATES` (64) most recent
+   occurrences of the suffix's last `min_window` tokens; the draft is what followed the most
+   recent of the longest (newest entry, then latest position in it), up to the entry's end.
 
 Rule between them: the longer match wins; on a tie the request's own (the row's text is what
 an extraction output copies). Either way one source gives the whole draft, a chain of at most
 `min(num_draft_tokens, max_tokens)` tokens, possibly empty (no suffix of `min_window` tokens
 occurred before).
 
-Cost: each source keeps a dict from n-gram (a tuple, one key per window length) to its most
-recent position, so appending a token writes `max_window - min_window + 1` keys and a draft
-reads at most as many per source: per step O(new tokens x windows), never O(sequence length).
-A prompt is indexed once, at `start`, in C-level bulk updates. Memory: about one dict entry per
-token and window length per running request, and the same per corpus token (freed on eviction).
+Cost. The own source keeps no state: `draft` gets the request's whole token sequence (the
+scheduler's array, no copy) and searches it, so no request is ever started, extended or freed
+here, and a prompt costs nothing until it drafts. The search is numpy: the positions where the
+last token occurred before (one O(length) compare, ~1 ns a token), then every candidate's match
+length at once, a [candidates, max_window] gather-compare. A frequent last token (a run of one
+token) has thousands of candidates; then the newest `OWN_NEWEST_FIRST` go first, and a match of
+full width among them ends the search (an older one could only tie, and ties go to the newest).
+About 10-20 us a draft of 3,000 tokens. (The per-request index this replaced cost ~115 ms and
+5.7 MB to build for a 3,000-token prompt: seconds per batch job before any token was drafted.)
+
+The corpus keeps an index, written once per output: `min_window`-gram -> the global positions
+that followed its occurrences, ascending, at most `CORPUS_CANDIDATES` (older ones dropped, so a
+draft reads a bounded list). One index write per token, not per window length: ~0.6 us a
+token, eviction included (~130 us for a 200-token output). The longer matches are found at
+draft time by comparing backwards from those candidates, a [candidates, max_window]
+gather-compare. The tokens live in a ring of global positions (slot =
+position % ring size, grown by doubling up to `capacity`), with each position's entry start
+beside it (a match stops at its entry's start, a draft at its end). Evicting an entry drops its
+positions from the index (they lead every list they are in: the entry is the oldest). Memory:
+16 bytes a ring slot (at most `capacity`) and a list slot and int per stored position, with a
+key per distinct n-gram: ~60-250 bytes a stored token in all (measured: 104 with single-token
+keys, 251 with 3-token keys, at a 32k vocabulary), freed on eviction; the old index of one
+tuple key per window length took ~2 KB a token.
 
 SGLang's arguments: `speculative_ngram_min_match_window_size` and `..._max_match_window_size`
 are the windows; `speculative_ngram_capacity` bounds the corpus (here counted in stored tokens,
@@ -40,12 +59,18 @@ row's last token as well, so the drafter's `num_draft_tokens` is that value minu
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from itertools import islice
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-NgramKey = tuple[int, ...]
+import numpy as np
+
+# The corpus's index keeps, per `min_window`-gram, the positions after its most recent
+# occurrences only: a draft compares that many candidates at most, whatever the corpus holds.
+CORPUS_CANDIDATES = 64
+# Past this many earlier occurrences of the last token, the own search tries the newest first.
+OWN_NEWEST_FIRST = 256
 
 
 def drafts_from_sglang(speculative_num_draft_tokens: int) -> int:
@@ -54,23 +79,15 @@ def drafts_from_sglang(speculative_num_draft_tokens: int) -> int:
     return max(speculative_num_draft_tokens - 1, 0)
 
 
-@dataclass
-class _Sequence:
-    """One request's tokens and, per n-gram of a window length, the position that followed its
-    most recent occurrence (only occurrences that some token already follows)."""
+@dataclass(slots=True)
+class DraftCost:
+    """Work done so far, in elements: what the tests bound (cheap counters, always on)."""
 
-    tokens: list[int]
-    prompt_len: int
-    last_end: dict[NgramKey, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Entry:
-    """A finished output in the corpus: `tokens` = prompt tail + output; n-grams are indexed at
-    the positions `first..len(tokens)-1` (those followed by an output token)."""
-
-    tokens: list[int]
-    first: int
+    scanned: int = 0  # request tokens compared with their sequence's last token
+    compared: int = 0  # candidate x window cells compared, own and corpus
+    corpus_candidates: int = 0  # corpus positions read at draft time
+    indexed: int = 0  # corpus positions written to the index
+    evicted_keys: int = 0  # index keys visited when evicting entries
 
 
 class NgramDrafter:
@@ -91,78 +108,97 @@ class NgramDrafter:
         self.max_window = max_window
         self.num_draft_tokens = num_draft_tokens
         self.capacity = capacity
-        self.ops = 0  # n-gram index reads and writes so far: the cost the tests bound
-        self._seqs: dict[str, _Sequence] = {}
-        self._entries: deque[_Entry] = deque()
-        self._corpus_index: dict[NgramKey, tuple[_Entry, int]] = {}
+        self.cost = DraftCost()
+        self._offsets = np.arange(max_window, dtype=np.int64)
+        # the corpus: global position g (counted over all outputs ever added) is ring slot
+        # g % len(ring); the live positions are [next - corpus_tokens, next)
+        self._ring = np.zeros(0, dtype=np.int64)  # tokens
+        self._ring_start = np.zeros(0, dtype=np.int64)  # the position where g's entry starts
+        self._entries: deque[tuple[int, int, int]] = deque()  # (start, first indexed, stop)
+        self._stops: dict[int, int] = {}  # entry start -> stop
+        self._index: dict[int | tuple[int, ...], list[int]] = {}
+        self._next = 0
         self._corpus_tokens = 0
 
-    # -- requests ------------------------------------------------------------------------------
+    # -- drafts --------------------------------------------------------------------------------
 
-    def start(self, rid: str, prompt_ids: Sequence[int]) -> None:
-        """Admit a request: index its prompt, once."""
-        if rid in self._seqs:
-            raise KeyError(f"request {rid!r} already started in the n-gram drafter")
-        seq = _Sequence(tokens=[int(t) for t in prompt_ids], prompt_len=len(prompt_ids))
-        toks = seq.tokens
-        for n in range(self.min_window, self.max_window + 1):
-            if len(toks) <= n:
-                break
-            # keys tokens[e-n:e] -> e for e = n..len-1, later positions overwriting earlier ones
-            keys = zip(*(islice(toks, i, len(toks) - n + i) for i in range(n)))
-            seq.last_end.update(zip(keys, range(n, len(toks))))
-            self.ops += len(toks) - n
-        self._seqs[rid] = seq
-
-    def extend(self, rid: str, new_ids: Iterable[int]) -> None:
-        """Append a request's new output tokens (accepted drafts and the target's token)."""
-        seq = self._seqs[rid]
-        toks, index = seq.tokens, seq.last_end
-        lo, hi = self.min_window, self.max_window
-        for t in new_ids:
-            end = len(toks)  # the new token follows the n-grams that end here
-            for n in range(lo, min(hi, end) + 1):
-                index[tuple(toks[end - n : end])] = end
-            self.ops += max(min(hi, end) - lo + 1, 0)
-            toks.append(int(t))
-
-    def draft(self, rid: str, max_tokens: int | None = None) -> list[int]:
-        """Up to `min(num_draft_tokens, max_tokens)` guessed next tokens of a request."""
+    def draft(self, tokens: np.ndarray, max_tokens: int | None = None) -> list[int]:
+        """Up to `min(num_draft_tokens, max_tokens)` guessed tokens to follow `tokens`, a
+        request's whole sequence (prompt + output so far; int64, a view will do, not written)."""
         k = self.num_draft_tokens if max_tokens is None else min(self.num_draft_tokens, max_tokens)
         if k <= 0:
             return []
-        toks = self._seqs[rid].tokens
-        own_n, own_end = self._match(toks, self._seqs[rid].last_end)
-        corpus_n, corpus_hit = self._match(toks, self._corpus_index)
-        if own_n >= corpus_n and own_n > 0:
-            return _copy_forward(toks, own_end, k)
-        if corpus_n > 0:
-            entry, end = corpus_hit
-            return entry.tokens[end : end + k]
-        return []
+        if not isinstance(tokens, np.ndarray):
+            tokens = np.asarray(tokens, dtype=np.int64)
+        own_n, own_end = self._own_match(tokens)
+        # the corpus can only win with a longer match: none is possible past the full window
+        if self._index and own_n < min(self.max_window, len(tokens)):
+            corpus_n, at = self._corpus_match(tokens)
+            if corpus_n > own_n:
+                return self._corpus_draft(at, k)
+        return _copy_forward(tokens, own_end, k) if own_n else []
 
-    def draft_batch(self, rids: Sequence[str], max_tokens: Sequence[int] | int | None = None):
-        """`draft` for each request; `max_tokens` one bound for all or one per request."""
+    def draft_batch(
+        self, seqs: Sequence[np.ndarray], max_tokens: Sequence[int] | int | None = None
+    ) -> list[list[int]]:
+        """`draft` for each sequence; `max_tokens` one bound for all or one per sequence."""
         if max_tokens is None or isinstance(max_tokens, int):
-            return [self.draft(rid, max_tokens) for rid in rids]
-        return [self.draft(rid, m) for rid, m in zip(rids, max_tokens, strict=True)]
+            return [self.draft(seq, max_tokens) for seq in seqs]
+        return [self.draft(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
 
-    def finish(self, rid: str, output_ids: Sequence[int]) -> None:
-        """A request finished with `output_ids` (its whole output): the output joins the
-        corpus, after its prompt's last `max_window` tokens, and the request's index is freed."""
-        seq = self._seqs.pop(rid)
-        self.add_output(seq.tokens[: seq.prompt_len], output_ids)
+    def _own_match(self, tokens: np.ndarray) -> tuple[int, int]:
+        """(n, e) of the longest suffix within the windows that occurred earlier, e the position
+        after its most recent earlier occurrence; (0, 0) if none."""
+        last = len(tokens) - 1
+        width = min(self.max_window, last)  # an earlier occurrence ends at `last` at the latest
+        if width < self.min_window:
+            return 0, 0
+        cands = np.flatnonzero(tokens[:last] == tokens[last])  # where the last token occurred
+        self.cost.scanned += last
+        if len(cands) > OWN_NEWEST_FIRST:
+            n, end = self._longest_own(tokens, cands[-OWN_NEWEST_FIRST:], width)
+            if n == width:
+                return n, end
+        return self._longest_own(tokens, cands, width)
 
-    def drop(self, rid: str) -> None:
-        """Forget a request without learning from it (aborted, retracted for good)."""
-        self._seqs.pop(rid, None)
+    def _longest_own(self, tokens: np.ndarray, cands: np.ndarray, width: int) -> tuple[int, int]:
+        if len(cands) == 0:
+            return 0, 0
+        self.cost.compared += len(cands) * width
+        # cell [c, j]: the token j before candidate c against the token j before the last
+        idx = cands[:, None] - self._offsets[:width]
+        np.maximum(idx, 0, out=idx)  # cells before the sequence's start: capped below
+        eq = tokens[idx] == tokens[len(tokens) - width :][::-1]
+        lengths = _run_lengths(eq, width, cands + 1)
+        i, n = _longest_newest(lengths)
+        return (n, int(cands[i]) + 1) if n >= self.min_window else (0, 0)
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._seqs
+    def _corpus_match(self, tokens: np.ndarray) -> tuple[int, int]:
+        """(n, g) of the longest suffix within the windows that occurred in the corpus among
+        the indexed candidates, g the global position that followed it; (0, 0) if none."""
+        lo, length = self.min_window, len(tokens)
+        if length < lo:
+            return 0, 0
+        key = int(tokens[-1]) if lo == 1 else tuple(tokens[length - lo :].tolist())
+        found = self._index.get(key)
+        if found is None:
+            return 0, 0
+        cands = np.array(found, dtype=np.int64)  # ascending: the newest last
+        width = min(self.max_window, length)
+        size = len(self._ring)
+        self.cost.corpus_candidates += len(cands)
+        self.cost.compared += len(cands) * width
+        idx = (cands[:, None] - 1 - self._offsets[:width]) % size
+        eq = self._ring[idx] == tokens[length - width :][::-1]
+        # the first `lo` cells are the key, equal; a match stops at its entry's start
+        lengths = _run_lengths(eq, width, cands - self._ring_start[cands % size])
+        i, n = _longest_newest(lengths)
+        return n, int(cands[i])
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._seqs)
+    def _corpus_draft(self, at: int, k: int) -> list[int]:
+        size = len(self._ring)
+        stop = self._stops[int(self._ring_start[at % size])]
+        return self._ring[np.arange(at, min(at + k, stop)) % size].tolist()
 
     # -- corpus --------------------------------------------------------------------------------
 
@@ -172,59 +208,94 @@ class NgramDrafter:
         return self._corpus_tokens
 
     def add_output(self, prompt_tail: Sequence[int], output_ids: Sequence[int]) -> None:
-        """Add one output to the corpus, after the last tokens of its prompt."""
+        """Add one finished output to the corpus, after the last `max_window` tokens of its
+        prompt (`prompt_tail` may be the whole prompt)."""
         if len(output_ids) == 0 or self.capacity == 0:
             return
-        ctx = [int(t) for t in prompt_tail[max(len(prompt_tail) - self.max_window, 0) :]]
-        tokens = ctx + [int(t) for t in output_ids]
+        ctx = np.asarray(prompt_tail[max(len(prompt_tail) - self.max_window, 0) :], np.int64)
+        tokens = np.concatenate([ctx.reshape(-1), np.asarray(output_ids, np.int64).reshape(-1)])
         first = len(ctx)
         if len(tokens) > self.capacity:  # keep the newest part of an entry larger than all
             cut = len(tokens) - self.capacity
             tokens, first = tokens[cut:], max(first - cut, 0)
-        while self._corpus_tokens + len(tokens) > self.capacity:
+        n = len(tokens)
+        while self._corpus_tokens + n > self.capacity:
             self._evict_oldest()
-        entry = _Entry(tokens, first)
-        self._entries.append(entry)
-        self._corpus_tokens += len(tokens)
-        index = self._corpus_index
-        for end, key in self._entry_keys(entry):
-            index[key] = (entry, end)
-            self.ops += 1
+        self._reserve(self._corpus_tokens + n)
+        start, size = self._next, len(self._ring)
+        slots = np.arange(start, start + n) % size
+        self._ring[slots] = tokens
+        self._ring_start[slots] = start
+        self._next += n
+        self._corpus_tokens += n
+        first = max(first, self.min_window)  # positions that follow a whole key in the entry
+        self._entries.append((start, start + first, start + n))
+        self._stops[start] = start + n
+        index, limit = self._index, CORPUS_CANDIDATES
+        for g, key in zip(range(start + first, start + n), self._keys(tokens.tolist(), first)):
+            found = index.get(key)
+            if found is None:
+                index[key] = [g]
+            else:
+                found.append(g)
+                if len(found) > limit:
+                    del found[0]
+        self.cost.indexed += max(n - first, 0)
 
-    def _entry_keys(self, entry: _Entry):
-        toks = entry.tokens
-        for end in range(entry.first, len(toks)):
-            for n in range(self.min_window, min(self.max_window, end) + 1):
-                yield end, tuple(toks[end - n : end])
+    def _keys(self, toks: list[int], first: int):
+        """The `min_window`-grams that end before positions first..len(toks)-1 of an entry."""
+        lo, n = self.min_window, len(toks)
+        if lo == 1:
+            return toks[first - 1 : n - 1]
+        return zip(*(toks[first - lo + i : n - lo + i] for i in range(lo)))
 
     def _evict_oldest(self) -> None:
-        entry = self._entries.popleft()
-        self._corpus_tokens -= len(entry.tokens)
-        index = self._corpus_index
-        for _end, key in self._entry_keys(entry):
-            hit = index.get(key)
-            # a newer entry (or a later position of this one) may have taken the key over
-            if hit is not None and hit[0] is entry:
+        start, first, stop = self._entries.popleft()
+        del self._stops[start]
+        self._corpus_tokens -= stop - start
+        toks = self._ring[np.arange(start, stop) % len(self._ring)].tolist()
+        index = self._index
+        # the entry is the oldest: its positions lead every index list they are in
+        for key in dict.fromkeys(self._keys(toks, first - start)):
+            found = index[key]
+            cut = bisect_left(found, stop)
+            if cut == len(found):
                 del index[key]
-            self.ops += 1
+            else:
+                del found[:cut]
+            self.cost.evicted_keys += 1
 
-    # -- matching ------------------------------------------------------------------------------
+    def _reserve(self, live: int) -> None:
+        """Grow the ring to hold `live` tokens (at most `capacity`), keeping the live ones."""
+        size = len(self._ring)
+        if live <= size:
+            return
+        new = min(self.capacity, max(live, 2 * size, 1024))
+        kept = np.arange(self._next - self._corpus_tokens, self._next)
+        ring, ring_start = np.zeros(new, np.int64), np.zeros(new, np.int64)
+        if size:
+            ring[kept % new] = self._ring[kept % size]
+            ring_start[kept % new] = self._ring_start[kept % size]
+        self._ring, self._ring_start = ring, ring_start
 
-    def _match(self, toks: list[int], index: dict):
-        """(n, value) of the longest suffix of `toks` within the windows found in `index`, else
-        (0, None)."""
-        for n in range(min(self.max_window, len(toks)), self.min_window - 1, -1):
-            self.ops += 1
-            hit = index.get(tuple(toks[len(toks) - n :]))
-            if hit is not None:
-                return n, hit
-        return 0, None
+
+def _run_lengths(eq: np.ndarray, width: int, cap: np.ndarray) -> np.ndarray:
+    """Per row of `eq` (cell 0 always True): the leading run of Trues, at most `cap`."""
+    lengths = eq.argmin(axis=1)  # the first mismatch; 0 where there is none
+    lengths[lengths == 0] = width
+    return np.minimum(lengths, cap, out=lengths)
 
 
-def _copy_forward(toks: list[int], end: int, k: int) -> list[int]:
+def _longest_newest(lengths: np.ndarray) -> tuple[int, int]:
+    """(row, length) of the longest, the last row (the newest candidate) among equals."""
+    i = len(lengths) - 1 - int(lengths[::-1].argmax())
+    return i, int(lengths[i])
+
+
+def _copy_forward(toks: np.ndarray, end: int, k: int) -> list[int]:
     """k tokens copied from position `end` on, reading past the end of `toks` into the copy
     itself (an overlapping copy, as LZ77's): (toks + draft)[end + j] for j < k."""
-    draft = toks[end : end + k]
+    draft = toks[end : end + k].tolist()
     period = len(toks) - end
     while len(draft) < k:
         draft.append(draft[len(draft) - period])
