@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.platform import cuda_available
 from engine.rules import Rule, annotated_types, check_argument, one_of, table
+from engine.speculative_args import DEFAULT_NUM_DRAFT_TOKENS, SPECULATIVE_RULES, check_speculative
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +124,20 @@ class ServerArgs:
     max_lora_rank: int | None = None  # None: lora_rank_for (lora_paths' largest rank, or 64)
     # None: lora_targets_for (those of lora_paths, or all LORA_TARGET_MODULES); "all": all of them
     lora_target_modules: list | None = None
+    # speculative decoding (engine/speculative/; the rules between these: speculative_args.py).
+    # speculative_num_draft_tokens counts the verified chain's root (the last token), as
+    # SGLang does. speculative_ngram_capacity: tokens of finished outputs kept (SGLang counts
+    # its trie's nodes, 10M). speculative_policy (gristmill's): "adaptive" drafts as far as
+    # acceptance so far says it pays, "always" every step (the mechanism's ceiling, and tests)
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None  # None: DEFAULT_NUM_DRAFT_TOKENS
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_capacity: int = 1_000_000
+    speculative_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -159,11 +174,16 @@ class ServerArgs:
                 f"device={self.device!r} names one device; with tp_size={self.tp_size} and "
                 f"dp_size={self.dp_size} use device='cuda' and base_gpu_id"
             )
+        check_speculative(self)
         if self.is_embedding and self.tp_size != 1:
             raise ValueError(
                 f"tp_size must be 1 with is_embedding=True (embedding engines run on one device "
                 f"in this version), got {self.tp_size}."
             )
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_algorithm is not None
 
     def _check_lora(self) -> None:
         paths = self.lora_paths
@@ -262,6 +282,8 @@ class ServerArgs:
         if self.cuda_graph_max_bs is None:
             bs = min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_request_rows)
             object.__setattr__(self, "cuda_graph_max_bs", bs)
+        if self.speculative and self.speculative_num_draft_tokens is None:
+            object.__setattr__(self, "speculative_num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)
         if self.prefill_cuda_graph_max_tokens is None:
             object.__setattr__(self, "prefill_cuda_graph_max_tokens", self.max_prefill_tokens)
 
@@ -410,6 +432,7 @@ _RULES: dict[str, Rule] = {
     "max_loras_per_batch": _POSITIVE,
     "max_lora_rank": _POSITIVE,
     "lora_target_modules": Rule(items=one_of((*LORA_TARGET_MODULES, "all"))),
+    **SPECULATIVE_RULES,
 }
 _LORA_COLLECTIONS = ("lora_paths", "lora_target_modules")
 # the arguments that take one of a few names (ServerArgs.choices())
