@@ -36,7 +36,7 @@ class Req:
         "input_logprobs", "input_top_logprobs", "output_logprobs", "output_top_logprobs",
         "embedding", "label_logprobs", "image_embeds",
         "pool_row", "rows", "prefix_len", "last_node",
-        "sent_len", "sent_first",
+        "sent_len", "sent_first", "spec",
     )  # fmt: skip
 
     def __init__(self, request: TokenizedRequest, context_length: int | None = None) -> None:
@@ -102,6 +102,8 @@ class Req:
         # ---- what was already sent to the caller
         self.sent_len = 0
         self.sent_first = False
+        # its drafting under speculative decoding (engine/speculative/policy.py: DraftState)
+        self.spec: Any = None
 
     def __repr__(self) -> str:
         return f"Req({self.request.rid!r}, prompt {self.prompt_len}, output {len(self.output_ids)})"

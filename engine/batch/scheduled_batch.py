@@ -35,3 +35,10 @@ class ScheduledBatch:
     # Python pass over the requests
     rows: np.ndarray | None = field(default=None, kw_only=True)
     drawn: np.ndarray | None = field(default=None, kw_only=True)
+    # a verify step (speculative decoding): each request's drafts, after its last token; the
+    # step computes [last token, *drafts] per request (EXTEND) and every row's logits
+    drafts: list[list[int]] | None = field(default=None, kw_only=True)
+
+    @property
+    def verifies(self) -> bool:
+        return self.drafts is not None

@@ -62,6 +62,7 @@ class ReqState:
         # the scheduler's count: a session turn's prompt is its history and its own input
         self.prompt_tokens = request.prompt_len
         self.cached_tokens = 0
+        self.spec: tuple[int, int, int] | None = None  # speculative decoding's counts
         self.input_logprobs: list = []
         self.input_top_logprobs: list = []
         self.output_logprobs: list[float] = []
@@ -80,6 +81,7 @@ class ReqState:
         self.completion_tokens = out.completion_tokens
         self.prompt_tokens = out.prompt_tokens
         self.cached_tokens = out.cached_tokens
+        self.spec = out.spec
         self.output_logprobs += out.output_logprobs
         self.output_top_logprobs += out.output_top_logprobs
         if out.input_logprobs is not None:
@@ -127,6 +129,14 @@ def meta_info(state: ReqState, tokenizer: PreTrainedTokenizerBase | None) -> dic
         "cached_tokens": state.cached_tokens,
         "e2e_latency": (state.finished_at or time.perf_counter()) - state.created,
     }
+    if state.spec is not None:  # speculative decoding: SGLang's spec_verify_ct, and the rest
+        verify_ct, drafted, accepted = state.spec
+        meta["spec_verify_ct"] = verify_ct
+        meta["spec_draft_token_num"] = drafted
+        meta["spec_accept_token_num"] = accepted
+        meta["spec_accept_rate"] = accepted / drafted if drafted else 0.0
+        # tokens per verify step: its accepted drafts and the target's own token
+        meta["spec_accept_length"] = (accepted + verify_ct) / verify_ct if verify_ct else 0.0
     if request.return_logprob:
         decode = tokenizer.decode if state.text_in_logprobs and tokenizer is not None else None
         start = request.input_logprob_start

@@ -31,7 +31,8 @@ from engine.transfer import to_device
 @dataclass
 class LogitPlan:
     """Which logits rows belong to whom: rows [start, start + n_input) are input-logprob rows, then
-    one sampling row if `samples`. `rows` None means every batch row, in order (decode)."""
+    one sampling row if `samples`. `rows` None means every batch row, in order (a decode; a
+    verify step, whose every row judges a draft)."""
 
     starts: list[int] = field(default_factory=list)
     n_input: list[int] = field(default_factory=list)
@@ -53,7 +54,7 @@ def build_forward_batch(
     return _build_extend(batch, kv_pool, req_to_token)
 
 
-_DECODE_PLAN = LogitPlan(rows=None)  # every row samples; nothing else to plan
+_ALL_ROWS = LogitPlan(rows=None)  # every row samples (decode) or judges a draft (verify)
 
 
 def _build_decode(
@@ -83,7 +84,7 @@ def _build_decode(
         packed=packed,
         shared_prefixes=batch.shared_prefixes,
     )
-    return forward, _DECODE_PLAN
+    return forward, _ALL_ROWS
 
 
 def _build_extend(
@@ -92,34 +93,25 @@ def _build_extend(
     """The token columns come from numpy (one concatenation of the requests' token slices,
     repeats and ranges): a prefill of 16k tokens costs a few array calls, not 16k list appends,
     and the loop over requests only plans their logits rows."""
-    plan = LogitPlan()
     lens = np.asarray(batch.extend_lens, dtype=np.int64)
     starts = np.asarray(batch.starts, dtype=np.int64)
     rows = np.asarray([r.pool_row for r in batch.reqs], dtype=np.int64)
     offsets = np.cumsum(lens) - lens  # where each request's first new token sits in the batch
     total = int(lens.sum())
     host = np.empty((4, total), dtype=np.int64)  # ids, positions, slots, table rows
-    np.concatenate(
-        [r.fill_ids[s : s + n] for r, s, n in zip(batch.reqs, batch.starts, batch.extend_lens)],
-        out=host[0],
-    )
+    if batch.drafts is None:
+        np.concatenate(
+            [r.fill_ids[s : s + n] for r, s, n in zip(batch.reqs, batch.starts, batch.extend_lens)],
+            out=host[0],
+        )
+        plan = _plan_logits(batch, offsets.tolist())
+    else:  # a verify step: each request's last token, then its drafts; every row has logits
+        host[0] = [t for r, s, d in zip(batch.reqs, batch.starts, batch.drafts)
+                   for t in (r.fill_ids[s], *d)]  # fmt: skip
+        plan = _ALL_ROWS
     np.add(np.arange(total), np.repeat(starts - offsets, lens), out=host[1])
     host[2] = batch.slots
     host[3] = np.repeat(rows, lens)
-    for req, n, start, offset in zip(batch.reqs, batch.extend_lens, batch.starts, offsets.tolist()):
-        end = start + n
-        plan.starts.append(len(plan.rows))
-        # logits at position p give the logprob of prompt token p + 1 (batch row offset + p - start)
-        if req.wants_input_logprobs:
-            lp_rows = range(max(start, req.input_logprob_next), min(end, req.prompt_len - 1))
-            plan.rows.extend(offset - start + p for p in lp_rows)
-            plan.n_input.append(len(lp_rows))
-        else:
-            plan.n_input.append(0)
-        samples = end == req.fill_len
-        if samples:
-            plan.rows.append(offset + n - 1)
-        plan.samples.append(samples)
     device = req_to_token.table.device
     tokens = to_device(host, torch.int64, device)
     seq_lens = (starts + lens).tolist()
@@ -140,6 +132,27 @@ def _build_extend(
         packed=tokens,
     )
     return forward, plan
+
+
+def _plan_logits(batch: ScheduledBatch, offsets: list[int]) -> LogitPlan:
+    """A prefill's logits rows: each request's input-logprob rows, then its sampling row if this
+    step completes its input."""
+    plan = LogitPlan()
+    for req, n, start, offset in zip(batch.reqs, batch.extend_lens, batch.starts, offsets):
+        end = start + n
+        plan.starts.append(len(plan.rows))
+        # logits at position p give the logprob of prompt token p + 1 (batch row offset + p - start)
+        if req.wants_input_logprobs:
+            lp_rows = range(max(start, req.input_logprob_next), min(end, req.prompt_len - 1))
+            plan.rows.extend(offset - start + p for p in lp_rows)
+            plan.n_input.append(len(lp_rows))
+        else:
+            plan.n_input.append(0)
+        samples = end == req.fill_len
+        if samples:
+            plan.rows.append(offset + n - 1)
+        plan.samples.append(samples)
+    return plan
 
 
 def _write_cached_prefixes(batch: ScheduledBatch, req_to_token: ReqToTokenPool) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.batch.req import Req
+from engine.batch.scheduled_batch import ScheduledBatch
 
 _NO_TOKENS = np.empty(0, dtype=np.int64)
 
@@ -43,6 +44,9 @@ class LaunchedStep:
     # score(): each request's label-token logprobs at the position after its prompt (device)
     label_logprobs: list[tuple[Req, torch.Tensor]] = field(default_factory=list)
     constrained: bool = False  # a grammar request drew here: read this before planning the next
+    # a verify step's batch (its drafts and starts): `tokens` is then [B, K + 1], each row's new
+    # tokens then PAD_TOKEN, and the step is read before the next is planned
+    verify: ScheduledBatch | None = None
     ready: torch.cuda.Event | None = None
     # (the previous step's end, this step's start) in device time: see DeviceIdleClock
     idle_gap: tuple[torch.cuda.Event | None, torch.cuda.Event | None] = (None, None)

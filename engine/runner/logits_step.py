@@ -26,6 +26,7 @@ from engine.runner.launched_step import HostBuffers, InputLogprobs, LaunchedStep
 from engine.sampling.grammar import GrammarMasks
 from engine.sampling.penalties import PenaltyState, penalised_rows
 from engine.sampling.sampler import SamplingBatch, sample
+from engine.speculative.verify import verify_chain, verify_greedy
 from engine.transfer import to_device
 
 
@@ -49,6 +50,8 @@ class LogitsStep:
         decode_rows: torch.Tensor,
     ) -> LaunchedStep:
         """Queue the step's logits work; `decode_rows` are a decode batch's request rows (device)."""
+        if batch.verifies:
+            return self._verify(batch, logits, decode_rows)
         step = LaunchedStep(batch.reqs)
         if batch.mode is ForwardMode.DECODE:  # every request samples; nothing else to plan
             step.sample_reqs = batch.reqs
@@ -68,6 +71,60 @@ class LogitsStep:
             self.penalties.record(reqs, step.tokens, asks.penalised)
         step.copy_to_host(self._to_host)
         return step
+
+    def _verify(self, batch: ScheduledBatch, logits: torch.Tensor, pool_rows: torch.Tensor):
+        """A verify step: accept each request's drafts against its logits [T, V] (the rows of
+        its last token and drafts, in batch order), and store its last new token as its next
+        decode input. `step.tokens` is [B, K + 1]: each row's new tokens, then PAD_TOKEN.
+
+        Requests that draft have no penalties, bias, grammar or min_new_tokens to meet
+        (engine/scheduler/speculation.py); the others drafted nothing and get those applied at
+        their one position, as a decode step would."""
+        reqs = batch.reqs
+        step = LaunchedStep(reqs, sample_reqs=reqs, verify=batch)
+        lens = np.asarray(batch.extend_lens)
+        width = int(lens.max())
+        # row j of request i: its position min(j, k_i) (padding repeats its last)
+        index = (np.cumsum(lens) - lens)[:, None] + np.minimum(np.arange(width), lens[:, None] - 1)
+        index = to_device(index, torch.int64, self.device)
+        drafts = to_device(
+            [d + [0] * (width - 1 - len(d)) for d in batch.drafts], torch.int64, self.device
+        ).view(len(reqs), width - 1)
+        draft_lens = to_device(lens - 1, torch.int64, self.device)
+        asks = _Asks.of(reqs)
+        plain = not (asks.penalised or asks.biased or asks.maybe_constrained or asks.min_new_tokens)
+        if asks.all_greedy and plain and not asks.logprob_rows:
+            result = verify_greedy(logits.argmax(-1)[index], drafts, draft_lens)
+        else:
+            padded = logits[index]  # [B, K + 1, V]
+            first = padded[:, 0]  # (a view: what a decode step would sample from)
+            self.penalties.apply(reqs, first, asks.penalised, asks.biased)
+            if asks.maybe_constrained:
+                step.constrained = self.grammar_masks.apply(reqs, first)
+            _suppress_early_stops(reqs, asks.min_new_tokens, first)
+            sampling = self._sampling_batch(reqs, asks, batch.drawn)
+            result = verify_chain(padded, drafts, draft_lens, sampling)
+            if asks.logprob_rows:
+                self._verify_logprobs(step, padded, result.tokens, asks.logprob_rows)
+        last = result.tokens[torch.arange(len(reqs), device=self.device), result.accepted]
+        self.next_token.index_copy_(0, pool_rows, last)
+        self.penalties.record(reqs, result.tokens[:, 0], asks.penalised)  # (they drafted none)
+        step.tokens = result.tokens
+        step.copy_to_host(self._to_host)
+        return step
+
+    def _verify_logprobs(
+        self, step: LaunchedStep, padded: torch.Tensor, tokens: torch.Tensor, rows: list[int]
+    ) -> None:
+        """Output logprobs at every position of the requests that asked ([R, K + 1], and top
+        [R, K + 1, k]); the host keeps those of the tokens it appends."""
+        k = max(step.reqs[i].top_logprobs_num for i in rows)
+        index = to_device(rows, torch.int64, padded.device)
+        lp = torch.log_softmax(padded[index].float(), dim=-1)
+        chosen = tokens[index].clamp_min(0)
+        step.logprob_rows = rows
+        step.chosen = lp.gather(-1, chosen[..., None]).squeeze(-1)
+        step.top_values, step.top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
 
     def _asks_of(self, reqs: list[Req]) -> _Asks:
         """A decode batch's asks, computed again only when its requests change (the decode
@@ -134,7 +191,7 @@ class LogitsStep:
             top_ks=[self.vocab_size if s.top_k == -1 else s.top_k for s in sp],
             top_ps=[s.top_p for s in sp],
             min_ps=[s.min_p for s in sp],
-            seeds=asks.seeds,
+            seeds=asks.seeds or [0] * len(reqs),  # (all greedy: a verify step's, unused)
             steps=drawn,
             device=self.device,
         )

@@ -142,6 +142,8 @@ class ReqOutput:
     decode: DecodeSpec | None = None  # first output only
     embedding: list[float] | None = None  # encode(): the result, with the final output
     label_logprobs: list[float] | None = None  # score(): with the final output
+    # speculative decoding: (verify steps, draft tokens, accepted ones) so far; None when off
+    spec: tuple[int, int, int] | None = None
     text: str = ""  # filled by the detokenizer: new text since the previous output
 
 

@@ -23,6 +23,7 @@ from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate
 from engine.scheduler.prefix_grouping import shared_prefixes
 from engine.scheduler.queues import RequestQueues
+from engine.scheduler.speculation import Speculation
 from engine.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ class DecodePlanner:
         self._last: list[Req] = []
         self._last_groups: list[SharedPrefix] = []
 
-    def plan(self) -> ScheduledBatch | None:
-        """NOTE: O(1) Python work per request: the batch's columns (rows, KV lengths, draws) are
+    def plan(self, speculation: Speculation | None = None) -> ScheduledBatch | None:
+        """One token for every running request, or, when `speculation` drafts this step, each
+        request's last token and its drafts to verify (an EXTEND step).
+
+        NOTE: O(1) Python work per request: the batch's columns (rows, KV lengths, draws) are
         numpy arrays of ReqRows, gathered and advanced for the whole batch at once."""
         q, table = self.queues, self.kv.rows
         rows = _rows_of(q.running)
@@ -82,6 +86,10 @@ class DecodePlanner:
             groups = shared_prefixes(reqs) if self.group_shared_prefixes else []
             self._last, self._last_groups = reqs, groups
         starts = table.kv_len[rows]
+        if speculation is not None and speculation.wants_fresh_tokens():
+            drafts = speculation.drafts(reqs)
+            if drafts is not None and self._fits(reqs, drafts):
+                return self._verify(reqs, rows, starts, drafts)
         slots = self.kv.extend_by_one(rows)  # new pages in one allocation
         batch = ScheduledBatch(
             ForwardMode.DECODE, reqs, [1] * len(reqs), starts, slots,
@@ -89,6 +97,29 @@ class DecodePlanner:
         )  # fmt: skip
         self.stats.shared_prefix_steps += bool(batch.shared_prefixes)  # (what the runner gets)
         return batch
+
+    def _fits(self, reqs: list[Req], drafts: list[list[int]]) -> bool:
+        """Whether the pool has the pages of every request's drafts and its own token (else the
+        step decodes plainly, and retracts if it must)."""
+        kv = self.kv
+        need = sum(
+            kv.pages_for(r.kv_len + len(d) + 1) - kv.pages_held(r) for r, d in zip(reqs, drafts)
+        )
+        return need <= kv.available_pages
+
+    def _verify(
+        self, reqs: list[Req], rows: np.ndarray, starts: np.ndarray, drafts: list[list[int]]
+    ) -> ScheduledBatch:
+        """A verify step: each request computes its last token and its drafts, whose logits
+        judge the drafts; its KV length is cut back to what was accepted when the step is read
+        (Scheduler._collect_verify)."""
+        self.stats.verify_steps += 1
+        lens = [len(d) + 1 for d in drafts]
+        slots = np.concatenate([self.kv.extend(r, n) for r, n in zip(reqs, lens)])
+        return ScheduledBatch(
+            ForwardMode.EXTEND, reqs, lens, starts, slots,
+            rows=rows, drawn=self.kv.rows.drawn[rows], drafts=drafts,
+        )  # fmt: skip
 
     def retract(self, req: Req) -> None:
         """Put an admitted request back at the head of the queue; its KV stays in the prefix cache."""

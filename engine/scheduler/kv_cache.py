@@ -138,6 +138,15 @@ class KVCache:
             return len(rows)
         return int(np.count_nonzero(self.rows.kv_len[rows] % self.page_size == 0))
 
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Cut the request's KV back to its first `kv_len` tokens (a verify step's rejected
+        drafts), freeing its own pages past them; kv_len >= its cached prefix's length."""
+        row = req.pool_row
+        held, keep = self.pages_held(req), self.pages_for(kv_len)
+        if held > keep:
+            self.allocator.free(self.rows.own(row, keep, held))
+        self.rows.kv_len[row] = kv_len
+
     def cache_prefix(self, req: Req) -> None:
         """Share what a still-running request has computed: move its page-aligned KV into the cache
         (where requests admitted later find it) and hold it locked for the request."""
@@ -167,7 +176,9 @@ class KVCache:
         keep = req.prefix_len // ps  # own pages from here on are freed
         end = self.pages_held(req)
         if self.tree is not None:
-            kv_len = req.kv_len
+            # NOTE: K/V of tokens the host has not read yet (a step still in flight) is not
+            # cached: the cache's keys are tokens
+            kv_len = min(req.kv_len, req.fill_len)
             aligned = max(kv_len - kv_len % ps, req.prefix_len)
             present = self._insert_computed(req, aligned)[0]
             # the cache now owns [present, aligned); the request's [prefix_len, present) duplicate it

@@ -36,6 +36,8 @@ def _output(req: Req) -> ReqOutput:
         embedding=req.embedding,
         label_logprobs=req.label_logprobs,
     )
+    if req.spec is not None:
+        out.spec = (req.spec.verify_ct, req.spec.drafted, req.spec.accepted)
     if first:
         out.decode = DecodeSpec(
             sp.skip_special_tokens, sp.spaces_between_special_tokens, sp.stop_strings,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from engine.batch.forward_batch import ForwardMode
@@ -44,6 +45,7 @@ from engine.scheduler.new_tokens import NewTokenEstimate
 from engine.scheduler.prefill import PrefillPlanner
 from engine.scheduler.queues import RequestQueues
 from engine.scheduler.sessions import Sessions
+from engine.scheduler.speculation import Speculation
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
 from engine.tokenization import IncrementalDecoder, TokenizerOnDemand
@@ -79,6 +81,8 @@ class Scheduler:
         # finished on arrival, or aborted here: the next step reports them
         self._refused: list[Req] = []
         self.sessions = Sessions(self.kv)  # open_session / session_params
+        # speculative decoding (speculative_algorithm): drafts, and when they are worth a verify
+        self.speculation = Speculation(args) if args.speculative else None
         self.idle_clock = DeviceIdleClock(device)
 
     @property
@@ -193,9 +197,10 @@ class Scheduler:
         finished). With overlap the step read is the one launched before; else this one."""
         t0 = time.perf_counter()
         advanced, self._refused = self._refused, []
-        if self._inflight is not None and self._inflight.constrained:
-            # NOTE: a grammar mask needs its matcher to have accepted every drawn token, so a
-            # step that drew for a constrained request is read before the next is planned
+        if self._inflight is not None and self._read_first(self._inflight):
+            # NOTE: a grammar mask needs its matcher to have accepted every drawn token, and a
+            # draft the tokens before it (and a verify step's KV lengths its accepted count), so
+            # such a step is read before the next is planned
             advanced += self._collect(self._inflight)
             self._inflight = None
             self._filter_finished()
@@ -204,7 +209,7 @@ class Scheduler:
         launched = self._launch(batch) if batch is not None else None
         launch = time.perf_counter() - t_launch
         self.stats.launch_seconds += launch
-        if batch is not None and batch.mode is ForwardMode.EXTEND:
+        if batch is not None and batch.mode is ForwardMode.EXTEND and not batch.verifies:
             self.stats.prefill_launch_seconds += launch
         if self._inflight is not None:
             advanced += self._collect(self._inflight)
@@ -220,6 +225,14 @@ class Scheduler:
         self.stats.busy_seconds += time.perf_counter() - t0
         return advanced
 
+    def _read_first(self, step: LaunchedStep) -> bool:
+        spec = self.speculation
+        return (
+            step.constrained
+            or step.verify is not None
+            or (spec is not None and spec.wants_fresh_tokens())
+        )
+
     def _schedule(self) -> ScheduledBatch | None:
         q = self.queues
         if not (self._after_chunk and q.running):
@@ -230,7 +243,7 @@ class Scheduler:
                 return batch
         if q.running:
             self._after_chunk = False
-            return self.decode.plan()
+            return self.decode.plan(self.speculation)
         return None
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
@@ -238,6 +251,10 @@ class Scheduler:
         gap = self.idle_clock.around_launch()
         step = self.runner.step(batch)
         step.idle_gap = gap
+        if batch.verifies:  # (its draws are counted when it is read: _collect_verify)
+            self.stats.draft_tokens += sum(batch.extend_lens) - len(batch.reqs)
+            self.idle_clock.launched(step.ready)
+            return step
         if batch.mode is ForwardMode.EXTEND:
             self.stats.prefill_tokens_computed += sum(batch.extend_lens)
             for req in batch.reqs:  # later requests find what this step computed
@@ -258,6 +275,10 @@ class Scheduler:
         self.stats.wait_seconds += t1 - t0
         self.stats.device_idle_seconds += self.idle_clock.seconds(step.idle_gap)
         advanced = [r for r in step.reqs if r.finish_reason is None]
+        if step.verify is not None:
+            self._collect_verify(step, tokens, chosen, top_values, top_ids)
+            self.stats.collect_seconds += time.perf_counter() - t1
+            return advanced
         for lp in step.input_logprobs:
             if lp.req.finish_reason is None:
                 lp.req.input_logprobs += lp.chosen.tolist()
@@ -283,6 +304,43 @@ class Scheduler:
         self.stats.collect_seconds += time.perf_counter() - t1
         return advanced
 
+    def _collect_verify(
+        self, step: LaunchedStep, tokens: np.ndarray, chosen: list, top_values: list, top_ids: list
+    ) -> None:
+        """Read a verify step: each request's accepted drafts and the target's token, appended
+        one by one until one ends it; its KV cut back to the tokens it now holds."""
+        batch = step.verify
+        logprobs = dict(zip(step.logprob_rows, range(len(step.logprob_rows))))
+        for i, req in enumerate(step.reqs):
+            if req.finish_reason is not None:  # aborted meanwhile (its KV is released)
+                continue
+            new = tokens[i][tokens[i] >= 0].tolist()
+            drafted = len(batch.drafts[i])
+            self.speculation.verified(req, drafted, len(new) - 1)
+            self.stats.accepted_draft_tokens += len(new) - 1
+            j = logprobs.get(i)
+            appended = 0
+            for token in new:
+                req.append_token(token)
+                if j is not None:
+                    k = req.top_logprobs_num
+                    req.output_logprobs.append(chosen[j][appended])
+                    req.output_top_logprobs.append(
+                        (top_values[j][appended][:k], top_ids[j][appended][:k])
+                    )
+                appended += 1
+                if req.grammar is None or not self.grammar.accept(req, token):
+                    req.check_finished(token)
+                if req.finish_reason is not None:
+                    break
+            # NOTE: its K/V holds its last token and the accepted drafts (the new token's is
+            # computed by its next step); past a token that ended it, nothing is kept
+            req.drawn = req.drawn + len(new)
+            self.kv.truncate(req, int(batch.starts[i]) + appended)
+            self.stats.generated_tokens += appended
+            if req.finish_reason is not None:
+                self._retire(req, req.finish_reason)
+
     @staticmethod
     def _append_logprobs(step: LaunchedStep, chosen: list, top_values: list, top_ids: list) -> None:
         """Output logprobs of the requests that asked, for the token each drew this step."""
@@ -298,6 +356,8 @@ class Scheduler:
             req.finish(reason)
         if req.finish_reason["type"] in ("length", "stop"):
             self.estimate.finished(req)
+            if self.speculation is not None:
+                self.speculation.finished(req)
         req.grammar = None
         if req.pool_row < 0:  # retracted while its last token was pending: it holds nothing
             self.queues.waiting.remove(req)

@@ -17,6 +17,10 @@ class SchedulerStats:
     decode_steps: int = 0
     shared_prefix_steps: int = 0  # decode steps that read a shared prefix once per group
     retractions: int = 0
+    # speculative decoding: decode steps that verified drafts, draft tokens, accepted ones
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     busy_seconds: float = 0.0
     # where a step's time goes: planning and launching (host), waiting for the device, reading
     launch_seconds: float = 0.0

@@ -200,8 +200,28 @@ def verify_chain(
         bonus = sample(stop, dataclasses.replace(batch, steps=batch.steps + accepted))
         extra = torch.where(greedy, extra, torch.where(rejected, corrected, bonus))
 
-    columns = torch.arange(width, device=device)
+    return _result(drafts, accepted, extra)
+
+
+def verify_greedy(
+    argmax: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor
+) -> VerifyResult:
+    """`verify_chain` of an all-greedy batch from each position's argmax alone ([B, K + 1]
+    int64, the target's `logits.float().argmax(-1)`): no [B, K + 1, V] logits are gathered."""
+    k_max = argmax.shape[1] - 1
+    drafts = drafts.long()
+    ok = drafts == argmax[:, :k_max]
+    ok &= torch.arange(k_max, device=argmax.device) < draft_lens[:, None]
+    accepted = ok.long().cumprod(-1).sum(-1)
+    extra = argmax[torch.arange(argmax.shape[0], device=argmax.device), accepted]
+    return _result(drafts, accepted, extra)
+
+
+def _result(drafts: torch.Tensor, accepted: torch.Tensor, extra: torch.Tensor) -> VerifyResult:
+    """Each row's accepted drafts, then the target's token, then PAD_TOKEN."""
+    n_rows, k_max = drafts.shape
+    columns = torch.arange(k_max + 1, device=drafts.device)
     tokens = torch.cat([drafts, drafts.new_zeros(n_rows, 1)], -1)
     tokens = torch.where(columns < accepted[:, None], tokens, PAD_TOKEN)
-    tokens[rows, accepted] = extra
+    tokens[torch.arange(n_rows, device=drafts.device), accepted] = extra
     return VerifyResult(accepted=accepted, tokens=tokens, lengths=accepted + 1)

@@ -1,0 +1,134 @@
+"""When to draft, and how many tokens: the policy that keeps speculative decoding from ever
+costing a batch job more than it saves.
+
+A verify step costs more than a decode step: it is read before the next step is planned (the
+host needs the accepted counts to know each request's KV length), so it gives up overlap
+scheduling, and it computes k + 1 positions per request. It pays only when enough drafts are
+accepted. Published results say the same at scale: n-gram speculation is slower than none at
+hundreds of running requests when drafts miss. So the policy decides at three levels, from
+counts alone (never from timings: every tensor-parallel rank must decide alike, and a seeded
+run must replay alike):
+
+- **the step**: a verify step runs only when the batch's expected accepted drafts reach
+  VERIFY_GAIN per running request (`worth_verifying`); the expected count of a chain of k drafts
+  at per-token acceptance r is r + r^2 + ... + r^k;
+- **the engine**: while verify steps keep paying, drafting stays on (and every step is read
+  before the next is planned). When a step's drafts do not pay, drafting pauses and overlap
+  scheduling resumes; it probes again after a pause that doubles each time a probe fails, up to
+  MAX_PAUSE steps (`wants_fresh_tokens`). A batch whose outputs never repeat (nothing to accept)
+  so pays one probe every MAX_PAUSE steps;
+- **the request**: its draft budget grows while all its drafts are accepted and shrinks to what
+  was accepted; after drafts that missed entirely it waits 1, 3, 7, ... steps (up to MAX_WAIT)
+  before it drafts again.
+
+`speculative_policy="always"` skips all three (every request drafts every step, as many as it
+may): the mechanism's ceiling, and what the tests use to exercise it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# expected accepted drafts per running request that a verify step must promise (adaptive)
+VERIFY_GAIN = 0.25
+MAX_PAUSE = 64  # steps between probes, at most, while drafting does not pay
+MAX_WAIT = 31  # steps a request waits after a draft that missed, at most
+# a request's acceptance rate starts at the engine's, weighted as this many drafted tokens
+PRIOR_TOKENS = 4.0
+
+
+@dataclass(slots=True)
+class DraftState:
+    """One request's drafting: what the policy adapts, and what meta_info reports."""
+
+    budget: int  # drafts it may take at its next verify
+    wait: int = 0  # steps before it drafts again
+    misses: int = 0  # verifies in a row with nothing accepted
+    verify_ct: int = 0  # verify steps it took part in (SGLang's spec_verify_ct)
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of them, accepted
+
+
+class DraftPolicy:
+    def __init__(self, max_drafts: int, always: bool = False) -> None:
+        self.max_drafts = max_drafts
+        self.always = always
+        self.active = True  # drafting on: every decode step is planned with fresh tokens
+        self._steps = 0
+        self._resume_at = 0  # while paused: the step of the next probe
+        self._pause = 1
+        # the engine's acceptance so far (counts of drafted and accepted tokens)
+        self._drafted = PRIOR_TOKENS
+        self._accepted = PRIOR_TOKENS / 2
+
+    def new_state(self) -> DraftState:
+        return DraftState(budget=self.max_drafts)
+
+    # ------------------------------------------------------------------ the engine
+    def wants_fresh_tokens(self) -> bool:
+        """Whether the next decode step may draft (so its batch's tokens must be read first)."""
+        return self.always or self.active or self._steps >= self._resume_at
+
+    def tick(self) -> None:
+        """One decode step planned."""
+        self._steps += 1
+
+    def after_plan(self, verified: bool) -> None:
+        """A decode step planned with fresh tokens either verified drafts or did not."""
+        if self.always:
+            return
+        if verified:
+            self.active, self._pause = True, 1
+            return
+        self.active = False
+        self._resume_at = self._steps + self._pause
+        self._pause = min(2 * self._pause, MAX_PAUSE)
+
+    # ------------------------------------------------------------------ the request
+    def budget(self, state: DraftState, left: int) -> int:
+        """Drafts the request may take this step; `left`: draws before its length limit ends it,
+        this step's own token included (a verify adds its drafts plus one)."""
+        room = min(self.max_drafts, left - 1)
+        if self.always:
+            return max(room, 0)
+        if state.wait > 0:
+            state.wait -= 1
+            return 0
+        return max(min(state.budget, room), 0)
+
+    def expected(self, state: DraftState, drafts: int) -> float:
+        """Expected accepted tokens of a chain of `drafts` drafts of this request."""
+        r = self.rate(state)
+        return r * (1 - r**drafts) / (1 - r) if r < 1 else float(drafts)
+
+    def rate(self, state: DraftState) -> float:
+        """The request's per-token acceptance, starting from the engine's."""
+        engine = self._accepted / self._drafted
+        return (state.accepted + PRIOR_TOKENS * engine) / (state.drafted + PRIOR_TOKENS)
+
+    def worth_verifying(self, expected: float, batch: int, drafted: int) -> bool:
+        if self.always:
+            return drafted > 0
+        return drafted > 0 and expected >= VERIFY_GAIN * batch
+
+    def verified(self, state: DraftState, drafted: int, accepted: int) -> None:
+        """A verify step's outcome for one request (drafted 0: it only took its one token)."""
+        state.verify_ct += 1
+        if drafted == 0:
+            return
+        state.drafted += drafted
+        state.accepted += accepted
+        self._drafted += drafted
+        self._accepted += accepted
+        if self.always:
+            return
+        if accepted == drafted:
+            state.budget = min(2 * state.budget, self.max_drafts)
+            state.misses = 0
+        elif accepted == 0:
+            state.misses += 1
+            state.budget = max(state.budget // 2, 1)
+            state.wait = min(2**state.misses - 1, MAX_WAIT)
+        else:
+            state.budget = max(accepted + 1, 1)
+            state.misses = 0

@@ -1,0 +1,82 @@
+"""engine/speculative/policy.py: when drafting pauses and resumes, how a request's budget
+follows its acceptance, and the expected-acceptance arithmetic (against a direct sum)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.speculative.policy import MAX_PAUSE, MAX_WAIT, VERIFY_GAIN, DraftPolicy
+
+
+def test_expected_acceptance_is_the_sum_of_the_chain_probabilities():
+    policy = DraftPolicy(max_drafts=7)
+    state = policy.new_state()
+    state.drafted, state.accepted = 40, 30
+    r = policy.rate(state)
+    for k in range(8):
+        assert policy.expected(state, k) == pytest.approx(sum(r**j for j in range(1, k + 1)))
+
+
+def test_drafting_pauses_when_it_does_not_pay_and_probes_ever_more_rarely():
+    policy = DraftPolicy(max_drafts=4)
+    probes = []
+    for step in range(400):
+        if policy.wants_fresh_tokens():
+            probes.append(step)
+            policy.tick()
+            policy.after_plan(verified=False)  # every probe finds nothing worth verifying
+        else:
+            policy.tick()
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    # the plain (overlapped) steps between two probes: 1, 2, 4, ... up to MAX_PAUSE
+    assert [g - 1 for g in gaps[:6]] == [1, 2, 4, 8, 16, 32]
+    assert {g - 1 for g in gaps[6:]} == {MAX_PAUSE}
+    # a probe that pays turns drafting back on for every step
+    while not policy.wants_fresh_tokens():
+        policy.tick()
+    policy.tick()
+    policy.after_plan(verified=True)
+    assert all(policy.wants_fresh_tokens() for _ in range(3))
+
+
+def test_a_step_verifies_only_when_expected_acceptance_reaches_the_gain():
+    policy = DraftPolicy(max_drafts=4)
+    batch = 100
+    assert not policy.worth_verifying(VERIFY_GAIN * batch - 0.01, batch, drafted=50)
+    assert policy.worth_verifying(VERIFY_GAIN * batch, batch, drafted=50)
+    assert not policy.worth_verifying(1e9, batch, drafted=0)
+    always = DraftPolicy(max_drafts=4, always=True)
+    assert always.worth_verifying(0.0, batch, drafted=1)
+
+
+def test_a_requests_budget_grows_while_all_is_accepted_and_waits_after_misses():
+    policy = DraftPolicy(max_drafts=8)
+    state = policy.new_state()
+    state.budget = 2
+    policy.verified(state, drafted=2, accepted=2)
+    assert state.budget == 4
+    policy.verified(state, drafted=4, accepted=4)
+    assert state.budget == 8
+    policy.verified(state, drafted=8, accepted=3)
+    assert state.budget == 4 and state.wait == 0
+    waits = []
+    for _ in range(7):
+        policy.verified(state, drafted=state.budget, accepted=0)
+        waits.append(state.wait)
+        state.wait = 0
+    assert waits == [min(2**m - 1, MAX_WAIT) for m in range(1, 8)]
+    assert state.budget == 1
+    assert (state.verify_ct, state.drafted) == (10, 2 + 4 + 8 + 4 + 2 + 1 + 1 + 1 + 1 + 1)
+
+
+def test_budget_respects_the_length_limit_and_the_wait():
+    policy = DraftPolicy(max_drafts=5)
+    state = policy.new_state()
+    assert policy.budget(state, left=1) == 0  # its last token: nothing to draft after it
+    assert policy.budget(state, left=3) == 2
+    state.wait = 2
+    assert [policy.budget(state, left=50) for _ in range(3)] == [0, 0, 5]
+    always = DraftPolicy(max_drafts=5, always=True)
+    waiting = always.new_state()
+    waiting.wait = 9
+    assert always.budget(waiting, left=50) == 5
