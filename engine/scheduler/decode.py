@@ -86,9 +86,9 @@ class DecodePlanner:
             groups = shared_prefixes(reqs) if self.group_shared_prefixes else []
             self._last, self._last_groups = reqs, groups
         starts = table.kv_len[rows]
-        if speculation is not None and speculation.wants_fresh_tokens():
+        if speculation is not None:
             drafts = speculation.drafts(reqs)
-            if drafts is not None and self._fits(reqs, drafts):
+            if drafts is not None and self._fits(rows, drafts):
                 return self._verify(reqs, rows, starts, drafts)
         slots = self.kv.extend_by_one(rows)  # new pages in one allocation
         batch = ScheduledBatch(
@@ -98,14 +98,10 @@ class DecodePlanner:
         self.stats.shared_prefix_steps += bool(batch.shared_prefixes)  # (what the runner gets)
         return batch
 
-    def _fits(self, reqs: list[Req], drafts: list[list[int]]) -> bool:
+    def _fits(self, rows: np.ndarray, drafts: list[list[int]]) -> bool:
         """Whether the pool has the pages of every request's drafts and its own token (else the
         step decodes plainly, and retracts if it must)."""
-        kv = self.kv
-        need = sum(
-            kv.pages_for(r.kv_len + len(d) + 1) - kv.pages_held(r) for r, d in zip(reqs, drafts)
-        )
-        return need <= kv.available_pages
+        return self.kv.pages_to_extend(rows, _counts(drafts)) <= self.kv.available_pages
 
     def _verify(
         self, reqs: list[Req], rows: np.ndarray, starts: np.ndarray, drafts: list[list[int]]
@@ -114,10 +110,10 @@ class DecodePlanner:
         judge the drafts; its KV length is cut back to what was accepted when the step is read
         (Scheduler._collect_verify)."""
         self.stats.verify_steps += 1
-        lens = [len(d) + 1 for d in drafts]
-        slots = np.concatenate([self.kv.extend(r, n) for r, n in zip(reqs, lens)])
+        counts = _counts(drafts)
+        slots = self.kv.extend_rows(rows, counts)
         return ScheduledBatch(
-            ForwardMode.EXTEND, reqs, lens, starts, slots,
+            ForwardMode.EXTEND, reqs, counts.tolist(), starts, slots,
             rows=rows, drawn=self.kv.rows.drawn[rows], drafts=drafts,
         )  # fmt: skip
 
@@ -139,3 +135,8 @@ _pool_row = attrgetter("pool_row")
 def _rows_of(reqs: list[Req]) -> np.ndarray:
     """The requests' table rows (int64), gathered in C: no Python step per request."""
     return np.fromiter(map(_pool_row, reqs), np.int64, len(reqs))
+
+
+def _counts(drafts: list[list[int]]) -> np.ndarray:
+    """Tokens each request computes in a verify step: its last one and its drafts."""
+    return np.fromiter(map(len, drafts), np.int64, len(drafts)) + 1

@@ -132,11 +132,47 @@ class KVCache:
         table.kv_len[rows] = kv_len + 1
         return slots
 
+    def extend_rows(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """A verify step's slots (int64): `counts[k]` more tokens for each request row `rows[k]`
+        (distinct), in row order, new pages in one allocation, no Python work per request."""
+        ps, table = self.page_size, self.rows
+        start = table.kv_len[rows]
+        end = start + counts
+        first, last = -(-start // ps), -(-end // ps)  # pages held before, and after
+        grow = last - first
+        if grow.any():
+            owner = np.repeat(rows, grow)
+            index = np.repeat(first, grow) + _ranks(grow)
+            table.set_page(owner, index, self._alloc(int(grow.sum())))
+        positions = np.repeat(start, counts) + _ranks(counts)
+        owner = np.repeat(rows, counts)
+        table.kv_len[rows] = end
+        if ps == 1:
+            return table.page_at(owner, positions)
+        return table.page_at(owner, positions // ps) * ps + positions % ps
+
+    def pages_to_extend(self, rows: np.ndarray, counts: np.ndarray) -> int:
+        """Pages `extend_rows(rows, counts)` allocates."""
+        start = self.rows.kv_len[rows]
+        ps = self.page_size
+        return int((-(-(start + counts) // ps) - -(-start // ps)).sum())
+
     def pages_to_extend_by_one(self, rows: np.ndarray) -> int:
         """Pages a decode step of `rows` allocates."""
         if self.page_size == 1:
             return len(rows)
         return int(np.count_nonzero(self.rows.kv_len[rows] % self.page_size == 0))
+
+    def truncate_rows(self, rows: np.ndarray, kv_lens: np.ndarray) -> None:
+        """`truncate` for many request rows at once (distinct), no Python work per request."""
+        table, ps = self.rows, self.page_size
+        held, keep = -(-table.kv_len[rows] // ps), -(-kv_lens // ps)
+        drop = held - keep
+        if drop.any():
+            owner = np.repeat(rows, drop)
+            index = np.repeat(keep, drop) + _ranks(drop)
+            self.allocator.free(table.pages[index - table.base[owner], owner])
+        table.kv_len[rows] = kv_lens
 
     def truncate(self, req: Req, kv_len: int) -> None:
         """Cut the request's KV back to its first `kv_len` tokens (a verify step's rejected
@@ -224,3 +260,10 @@ class KVCache:
         if short > 0 and self.tree is not None:
             self.tree.evict(short * self.page_size)
         return self.allocator.alloc(num_pages)
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """0..counts[k]-1 for each k, concatenated (int64)."""
+    total = int(counts.sum())
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total) - starts

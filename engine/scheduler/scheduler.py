@@ -308,38 +308,71 @@ class Scheduler:
         self, step: LaunchedStep, tokens: np.ndarray, chosen: list, top_values: list, top_ids: list
     ) -> None:
         """Read a verify step: each request's accepted drafts and the target's token, appended
-        one by one until one ends it; its KV cut back to the tokens it now holds."""
+        up to the one that ends it; its KV cut back to the tokens it now holds."""
         batch = step.verify
         logprobs = dict(zip(step.logprob_rows, range(len(step.logprob_rows))))
-        for i, req in enumerate(step.reqs):
+        lengths = (tokens >= 0).sum(1).tolist()
+        cut_rows, cut_lens = [], []  # the KV lengths of requests that go on, cut back at once
+        for i, (req, n) in enumerate(zip(step.reqs, lengths)):
             if req.finish_reason is not None:  # aborted meanwhile (its KV is released)
                 continue
-            new = tokens[i][tokens[i] >= 0].tolist()
-            drafted = len(batch.drafts[i])
-            self.speculation.verified(req, drafted, len(new) - 1)
-            self.stats.accepted_draft_tokens += len(new) - 1
+            new = tokens[i, :n].tolist()
             j = logprobs.get(i)
-            appended = 0
-            for token in new:
-                req.append_token(token)
-                if j is not None:
-                    k = req.top_logprobs_num
-                    req.output_logprobs.append(chosen[j][appended])
-                    req.output_top_logprobs.append(
-                        (top_values[j][appended][:k], top_ids[j][appended][:k])
-                    )
-                appended += 1
-                if req.grammar is None or not self.grammar.accept(req, token):
-                    req.check_finished(token)
-                if req.finish_reason is not None:
-                    break
+            if req.stop_decoder is None and req.grammar is None and j is None:
+                kept = self._append_plain(req, new)
+            else:
+                kept = self._append_one_by_one(req, new, j, chosen, top_values, top_ids)
             # NOTE: its K/V holds its last token and the accepted drafts (the new token's is
             # computed by its next step); past a token that ended it, nothing is kept
-            req.drawn = req.drawn + len(new)
-            self.kv.truncate(req, int(batch.starts[i]) + appended)
-            self.stats.generated_tokens += appended
-            if req.finish_reason is not None:
+            req.drawn = req.drawn + n
+            self.speculation.verified(req, len(batch.drafts[i]), new)
+            self.stats.accepted_draft_tokens += n - 1
+            self.stats.generated_tokens += kept
+            if req.finish_reason is None:
+                cut_rows.append(req.pool_row)
+                cut_lens.append(int(batch.starts[i]) + kept)
+            else:  # (cut back before the pages it keeps are cached)
+                self.kv.truncate(req, int(batch.starts[i]) + kept)
                 self._retire(req, req.finish_reason)
+        if cut_rows:
+            self.kv.truncate_rows(np.asarray(cut_rows), np.asarray(cut_lens))
+
+    @staticmethod
+    def _append_plain(req: Req, new: list[int]) -> int:
+        """Append a verify step's tokens to a request with no stop strings, grammar or
+        logprobs: up to its first stop id (once min_new_tokens are out) or its limit, then
+        `check_finished` on the last, as appending them one by one would end it."""
+        keep = min(len(new), req.draw_limit - len(req.output_ids))
+        stop_ids = req.sampling.stop_ids
+        if stop_ids:
+            first = len(req.output_ids) + 1  # the count once new[0] is appended
+            wait = req.sampling.min_new_tokens
+            keep = next(
+                (i + 1 for i, t in enumerate(new[:keep]) if t in stop_ids and first + i >= wait),
+                keep,
+            )
+        req.output_ids += new[:keep]
+        req.check_finished(new[keep - 1])
+        return keep
+
+    def _append_one_by_one(
+        self, req: Req, new: list[int], j: int | None, chosen: list, top_values: list, top_ids: list
+    ) -> int:
+        """Append a verify step's tokens one at a time (stop strings, a grammar, logprobs),
+        up to the one that ends the request."""
+        kept = 0
+        for token in new:
+            req.append_token(token)
+            if j is not None:
+                k = req.top_logprobs_num
+                req.output_logprobs.append(chosen[j][kept])
+                req.output_top_logprobs.append((top_values[j][kept][:k], top_ids[j][kept][:k]))
+            kept += 1
+            if req.grammar is None or not self.grammar.accept(req, token):
+                req.check_finished(token)
+            if req.finish_reason is not None:
+                break
+        return kept
 
     @staticmethod
     def _append_logprobs(step: LaunchedStep, chosen: list, top_values: list, top_ids: list) -> None:

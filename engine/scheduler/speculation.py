@@ -20,7 +20,7 @@ from engine.batch.req import Req
 from engine.sampling.penalties import has_penalties
 from engine.server_args import ServerArgs
 from engine.speculative.ngram import NgramDrafter, drafts_from_sglang
-from engine.speculative.policy import DraftPolicy
+from engine.speculative.policy import DraftPolicy, DraftState
 
 # The most tokens (each request's last token and its drafts) a verify step computes: the LM
 # head runs on every one of them, [tokens, vocab] logits (1.2 GB at 4096 tokens of a 152k
@@ -46,29 +46,62 @@ class Speculation:
 
     def drafts(self, reqs: list[Req]) -> list[list[int]] | None:
         """Each request's drafts for a verify step (possibly none for some), or None: a plain
-        decode step. NOTE: needs every request's tokens read (none pending)."""
+        decode step. Called for every decode step; it drafts only when `wants_fresh_tokens`
+        said so before the step was planned (every request's tokens read, none pending)."""
         policy = self.policy
-        policy.tick()
-        if any(r.pending for r in reqs):
+        wanted = policy.wants_fresh_tokens()  # (what the scheduler asked before this plan)
+        policy.tick()  # NOTE: every decode step counts, drafting or not: pauses are in steps
+        if not wanted or any(r.pending for r in reqs):
             return None
         per_request = max((self.max_tokens - len(reqs)) // max(len(reqs), 1), 0)
         drafts: list[list[int]] = []
         expected, drafted = 0.0, 0
         for req in reqs:
-            if req.spec is None:
-                req.spec = policy.new_state()
-            k = policy.budget(req.spec, req.draw_limit - req.drawn) if _may_draft(req) else 0
-            draft = self.drafter.draft(req.fill_ids, min(k, per_request)) if k else []
+            state = req.spec
+            if state is None:
+                state = req.spec = policy.new_state()
+            elif state.shadow is not None:
+                policy.judge_shadow(state, req.fill_ids)
+            k = policy.budget(state, req.draw_limit - req.drawn) if _may_draft(req) else 0
+            draft = self._draft(req, state, min(k, per_request)) if k else []
             if draft:
-                expected += policy.expected(req.spec, len(draft))
+                expected += policy.expected(state, len(draft))
                 drafted += len(draft)
             drafts.append(draft)
         verify = policy.worth_verifying(expected, len(reqs), drafted)
         policy.after_plan(verify)
-        return drafts if verify else None
+        if verify:
+            return drafts
+        for req, draft in zip(reqs, drafts):  # judged later, against what the request draws
+            if draft and req.spec.shadow is None:
+                req.spec.shadow = (req.fill_len, draft)
+        return None
 
-    def verified(self, req: Req, drafted: int, accepted: int) -> None:
-        self.policy.verified(req.spec, drafted, accepted)
+    def _draft(self, req: Req, state: DraftState, k: int) -> list[int]:
+        """The request's draft: where its last one was all accepted and its source went on as
+        its output did, the same source's next tokens (no search: the common case of a long
+        copied span); else a search of its tokens and the corpus."""
+        tokens = req.fill_ids
+        follow = state.follow
+        if follow is not None and follow[1] == len(tokens):
+            state.source = follow[0]
+            return self.drafter.follow(tokens, follow[0], k)
+        draft, state.source = self.drafter.draft_with_source(tokens, k)
+        return draft
+
+    def verified(self, req: Req, drafted: int, new: list[int]) -> None:
+        """A verify step's outcome for a request whose `new` tokens were appended (its accepted
+        drafts, then the target's own token)."""
+        state = req.spec
+        accepted = len(new) - 1
+        self.policy.verified(state, drafted, accepted)
+        state.follow = None
+        if drafted and accepted == drafted and state.source >= 0:
+            # the source's token after the draft is the one the target added: it goes on alike
+            tokens = req.fill_ids
+            after = state.source + drafted
+            if after < len(tokens) - 1 and tokens[after] == new[-1]:
+                state.follow = (after + 1, len(tokens))
 
     def finished(self, req: Req) -> None:
         """A request that ended by its stop or length: its output joins the drafter's corpus."""

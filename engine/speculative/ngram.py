@@ -125,9 +125,17 @@ class NgramDrafter:
     def draft(self, tokens: np.ndarray, max_tokens: int | None = None) -> list[int]:
         """Up to `min(num_draft_tokens, max_tokens)` guessed tokens to follow `tokens`, a
         request's whole sequence (prompt + output so far; int64, a view will do, not written)."""
+        return self.draft_with_source(tokens, max_tokens)[0]
+
+    def draft_with_source(
+        self, tokens: np.ndarray, max_tokens: int | None = None
+    ) -> tuple[list[int], int]:
+        """`draft`, and where a draft from the request's own tokens was copied from (the
+        position after its match: the draft is `follow(tokens, source, k)`); -1 for a draft
+        from the corpus, or none."""
         k = self.num_draft_tokens if max_tokens is None else min(self.num_draft_tokens, max_tokens)
         if k <= 0:
-            return []
+            return [], -1
         if not isinstance(tokens, np.ndarray):
             tokens = np.asarray(tokens, dtype=np.int64)
         own_n, own_end = self._own_match(tokens)
@@ -135,8 +143,16 @@ class NgramDrafter:
         if self._index and own_n < min(self.max_window, len(tokens)):
             corpus_n, at = self._corpus_match(tokens)
             if corpus_n > own_n:
-                return self._corpus_draft(at, k)
-        return _copy_forward(tokens, own_end, k) if own_n else []
+                return self._corpus_draft(at, k), -1
+        return (_copy_forward(tokens, own_end, k), own_end) if own_n else ([], -1)
+
+    def follow(self, tokens: np.ndarray, source: int, max_tokens: int | None = None) -> list[int]:
+        """The draft copied from `source` on (a position of `tokens`, as `draft_with_source`
+        gives), without a search: for a request whose last draft was all accepted and whose
+        source went on as its output did (the scheduler's shortcut, engine/scheduler/
+        speculation.py). Up to `min(num_draft_tokens, max_tokens)` tokens."""
+        k = self.num_draft_tokens if max_tokens is None else min(self.num_draft_tokens, max_tokens)
+        return _copy_forward(tokens, source, k) if k > 0 else []
 
     def draft_batch(
         self, seqs: Sequence[np.ndarray], max_tokens: Sequence[int] | int | None = None

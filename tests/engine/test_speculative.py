@@ -70,6 +70,18 @@ def test_greedy_outputs_are_the_tokens_of_decoding_without_speculation(model, ov
     assert pool_state(speculated) == pool_state(plain)
 
 
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_pages_of_several_tokens(llama_dir, page_size):
+    """Verify steps allocate and cut back pages of several tokens: outputs and the pool's end
+    state as without speculation."""
+    prompts = repeating_prompts(12, seed=9)
+    base, plain = run(llama_dir, prompts, GREEDY, spec=False, page_size=page_size)
+    spec, speculated = run(llama_dir, prompts, GREEDY, spec=True, page_size=page_size)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in base]
+    assert_speculated(speculated)
+    assert pool_state(speculated) == pool_state(plain)
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 17, 31])
 def test_the_length_limit_cuts_a_draft(llama_dir, max_new_tokens):
     prompts = repeating_prompts(12)
