@@ -10,8 +10,9 @@ counts alone (never from timings: every tensor-parallel rank must decide alike, 
 run must replay alike):
 
 - **the step**: a verify step runs only when the batch's expected accepted drafts reach
-  VERIFY_GAIN per running request (`worth_verifying`); the expected count of a chain of k drafts
-  at per-token acceptance r is r + r^2 + ... + r^k;
+  VERIFY_GAIN per running request, which grows with the batch as a verify step's measured cost
+  does (`worth_verifying`); the expected count of a chain of k drafts at per-token acceptance r
+  is r + r^2 + ... + r^k;
 - **the engine**: while verify steps keep paying, drafting stays on (and every step is read
   before the next is planned). When a step's drafts do not pay, drafting pauses and overlap
   scheduling resumes; it probes again after a pause that doubles each time a probe fails, up to
@@ -33,12 +34,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Expected accepted drafts per running request that a verify step must promise (adaptive).
-# Measured on an H200 (Qwen3-0.6B shape, 1000 tokens in): a verify step costs about twice a
-# decode step at batch 1 (the host's work is not overlapped) and at batch 256 (drafting and
-# reading each request's tokens on the host, and the extend attention reading K/V per query
-# head); so a step must promise at least one accepted draft per request to break even.
-VERIFY_GAIN = 1.0
+# Expected accepted drafts per running request that a verify step must promise (adaptive), by
+# the running batch: what a verify step costs over a decode step, less the one token a decode
+# step gives too, plus a margin of 0.25. A verify step is read before the next step is planned
+# (no overlap), drafts on the host, and its extend attention reads K/V once per query head.
+# Measured on an H200 (Qwen3-0.6B shape, 1000 tokens in, 4 waves of each batch size: `python -m
+# bench.speculative`, its "verify / decode step" column): 2.1x a decode step at batch 1, 2.4x
+# at 16, 3.0-3.3x at 64, 3.1-3.6x at 256. (batch at least, gain), ascending.
+VERIFY_GAIN = ((1, 1.35), (16, 1.65), (64, 2.55), (256, 2.85))
 MAX_PAUSE = 64  # steps between probes, at most, while drafting does not pay
 MAX_WAIT = 31  # steps a request waits after a draft that missed, at most
 # a request's acceptance rate starts at the engine's, weighted as this many drafted tokens
@@ -154,7 +157,7 @@ class DraftPolicy:
     def worth_verifying(self, expected: float, batch: int, drafted: int) -> bool:
         if self.always:
             return drafted > 0
-        return drafted > 0 and expected >= VERIFY_GAIN * batch
+        return drafted > 0 and expected >= gain_for(batch) * batch
 
     def verified(self, state: DraftState, drafted: int, accepted: int) -> None:
         """A verify step's outcome for one request (drafted 0: it only took its one token)."""
@@ -177,3 +180,8 @@ class DraftPolicy:
         else:
             state.budget = max(accepted + 1, 1)
             state.misses = 0
+
+
+def gain_for(batch: int) -> float:
+    """VERIFY_GAIN's entry for a running batch of `batch` requests."""
+    return next(gain for least, gain in reversed(VERIFY_GAIN) if batch >= least)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.speculative.policy import MAX_PAUSE, MAX_WAIT, VERIFY_GAIN, DraftPolicy
+from engine.speculative.policy import MAX_PAUSE, MAX_WAIT, VERIFY_GAIN, DraftPolicy, gain_for
 
 
 def test_expected_acceptance_is_the_sum_of_the_chain_probabilities():
@@ -41,12 +41,16 @@ def test_drafting_pauses_when_it_does_not_pay_and_probes_ever_more_rarely():
 
 def test_a_step_verifies_only_when_expected_acceptance_reaches_the_gain():
     policy = DraftPolicy(max_drafts=4)
-    batch = 100
-    assert not policy.worth_verifying(VERIFY_GAIN * batch - 0.01, batch, drafted=50)
-    assert policy.worth_verifying(VERIFY_GAIN * batch, batch, drafted=50)
-    assert not policy.worth_verifying(1e9, batch, drafted=0)
+    for batch in (1, 7, 16, 100, 256, 1000):
+        need = gain_for(batch) * batch
+        assert not policy.worth_verifying(need - 0.01, batch, drafted=50)
+        assert policy.worth_verifying(need, batch, drafted=50)
+        assert not policy.worth_verifying(1e9, batch, drafted=0)
+    # the gain asked grows with the batch, as a verify step's measured cost does
+    gains = [gain_for(b) for b in range(1, 1025)]
+    assert gains == sorted(gains) and gains[0] == VERIFY_GAIN[0][1]
     always = DraftPolicy(max_drafts=4, always=True)
-    assert always.worth_verifying(0.0, batch, drafted=1)
+    assert always.worth_verifying(0.0, 256, drafted=1)
 
 
 def test_a_requests_budget_grows_while_all_is_accepted_and_waits_after_misses():
