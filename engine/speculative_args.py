@@ -14,6 +14,12 @@ SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 SPECULATIVE_BUILT = ("NGRAM",)
 SPECULATIVE_POLICIES = ("adaptive", "always")
 DEFAULT_NUM_DRAFT_TOKENS = 8  # speculative_num_draft_tokens: 7 drafts and the root
+# The most tokens (each request's last token and its drafts) a verify step computes: the LM
+# head runs on every one of them, [tokens, vocab] logits (1.2 GB at 4096 tokens of a 152k
+# vocabulary in bfloat16), which start-up's activation peak (a prefill's last rows) does not
+# hold; the scheduler drafts within it (engine/scheduler/speculation.py), and start-up warms
+# the LM head's row buckets up to it (engine/runner/model_runner.py).
+MAX_VERIFY_TOKENS = 2048
 
 _POSITIVE = Rule(("a positive integer",), minimum=1)
 # each argument's rule, part of ServerArgs' table (engine/server_args.py: _RULES)

@@ -44,6 +44,7 @@ from engine.runner.logits_step import LogitsStep
 from engine.runner.prefill_graph import PrefillCudaGraphs, prefill_capture_sizes
 from engine.sampling.penalties import PenaltyState
 from engine.server_args import ServerArgs
+from engine.speculative_args import MAX_VERIFY_TOKENS
 from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,11 @@ class ModelRunner:
         if self.lora is not None:  # each request's adapter in a slot, and the block table
             names = [r.lora_name for r in batch.reqs]
             self.lora.prepare(names, list(batch.extend_lens), self._graph_size(forward, width))
-        if plan.rows is None:  # every row (decode)
+        if batch.verifies:  # every row, on a bucket of rows (below): counts vary every step
+            n = forward.input_ids.shape[0]
+            rows = torch.arange(self._logit_rows_bucket(n), device=self.device).clamp_(max=n - 1)
+            logits = self.forward(forward, rows)[:n]
+        elif plan.rows is None:  # every row (decode)
             logits = self.forward(forward, None)
         else:
             n = len(plan.rows)
@@ -333,8 +338,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up_lm_head(self) -> None:
         """The LM head at every row bucket a prefill's sampled rows can take (at most one per
-        running request), so its kernels load now rather than in the first steps."""
+        running request) or a verify step's rows, so its kernels load now rather than in the
+        first steps."""
         most = self._logit_rows_bucket(self.req_to_token.padding_row)
+        if self.args.speculative:  # a verify step's rows: every token it computes
+            most = max(most, self._logit_rows_bucket(MAX_VERIFY_TOKENS))
         hidden = torch.zeros(
             most, self.config.hidden_size, dtype=self.config.dtype, device=self.device
         )

@@ -21,11 +21,7 @@ from engine.sampling.penalties import has_penalties
 from engine.server_args import ServerArgs
 from engine.speculative.ngram import NgramDrafter, drafts_from_sglang
 from engine.speculative.policy import DraftPolicy, DraftState
-
-# The most tokens (each request's last token and its drafts) a verify step computes: the LM
-# head runs on every one of them, [tokens, vocab] logits (1.2 GB at 4096 tokens of a 152k
-# vocabulary in bfloat16), which start-up's activation peak (a prefill's last rows) does not hold.
-MAX_VERIFY_TOKENS = 2048
+from engine.speculative_args import MAX_VERIFY_TOKENS
 
 
 class Speculation:
