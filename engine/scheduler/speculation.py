@@ -42,16 +42,39 @@ class Speculation:
 
     def drafts(self, reqs: list[Req]) -> list[list[int]] | None:
         """Each request's drafts for a verify step (possibly none for some), or None: a plain
-        decode step. Called for every decode step; it drafts only when `wants_fresh_tokens`
-        said so before the step was planned (every request's tokens read, none pending)."""
+        decode step. Called for every decode step: it drafts when `wants_fresh_tokens` said so
+        before the step was planned (every request's tokens read), or, drafting off, when the
+        policy probes (from the tokens read so far: drafts judged later, never verified)."""
         policy = self.policy
-        wanted = policy.wants_fresh_tokens()  # (what the scheduler asked before this plan)
+        fresh = policy.wants_fresh_tokens()  # (what the scheduler asked before this plan)
+        probe = policy.probes_now()
         policy.tick()  # NOTE: every decode step counts, drafting or not: pauses are in steps
-        if not wanted or any(r.pending for r in reqs):
+        if fresh and any(r.pending for r in reqs):
+            fresh, probe = False, True  # (a step the scheduler could not read first)
+        if not (fresh or probe):
             return None
+        drafts, expected = self._drafts(reqs)
+        drafted = sum(map(len, drafts))
+        worth = policy.worth_verifying(expected, len(reqs), drafted)
+        if fresh:
+            policy.after_plan(worth)
+        else:
+            policy.after_probe(worth)
+        if fresh and worth:
+            return drafts
+        for req, draft in zip(reqs, drafts):  # judged later, against what the request draws
+            if draft and req.spec.shadow is None:
+                req.spec.shadow = (req.fill_len, draft)
+        return None
+
+    def _drafts(self, reqs: list[Req]) -> tuple[list[list[int]], float]:
+        """Each request's draft from the tokens read so far, and the accepted tokens the batch's
+        drafts are expected to give. A request with tokens still pending drafts its pending
+        token first (a probe's draft, only judged later)."""
+        policy = self.policy
         per_request = max((self.max_tokens - len(reqs)) // max(len(reqs), 1), 0)
         drafts: list[list[int]] = []
-        expected, drafted = 0.0, 0
+        expected = 0.0
         for req in reqs:
             state = req.spec
             if state is None:
@@ -62,16 +85,8 @@ class Speculation:
             draft = self._draft(req, state, min(k, per_request)) if k else []
             if draft:
                 expected += policy.expected(state, len(draft))
-                drafted += len(draft)
             drafts.append(draft)
-        verify = policy.worth_verifying(expected, len(reqs), drafted)
-        policy.after_plan(verify)
-        if verify:
-            return drafts
-        for req, draft in zip(reqs, drafts):  # judged later, against what the request draws
-            if draft and req.spec.shadow is None:
-                req.spec.shadow = (req.fill_len, draft)
-        return None
+        return drafts, expected
 
     def _draft(self, req: Req, state: DraftState, k: int) -> list[int]:
         """The request's draft: where its last one was all accepted and its source went on as

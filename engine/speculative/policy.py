@@ -14,10 +14,12 @@ run must replay alike):
   does (`worth_verifying`); the expected count of a chain of k drafts at per-token acceptance r
   is r + r^2 + ... + r^k;
 - **the engine**: while verify steps keep paying, drafting stays on (and every step is read
-  before the next is planned). When a step's drafts do not pay, drafting pauses and overlap
-  scheduling resumes; it probes again after a pause that doubles each time a probe fails, up to
-  MAX_PAUSE steps (`wants_fresh_tokens`). A batch whose outputs never repeat (nothing to accept)
-  so pays one probe every MAX_PAUSE steps;
+  before the next is planned). When a step's drafts do not pay, drafting goes off and overlap
+  scheduling resumes. It probes again after a pause that doubles each time a probe finds no
+  gain, up to MAX_PAUSE steps: a probe drafts from the tokens read so far (one step behind the
+  device; nothing is read early for it) and only judges its drafts later against the drawn
+  tokens, so a batch whose outputs never repeat (nothing to accept) pays a probe's drafting
+  every MAX_PAUSE steps and nothing else (`wants_fresh_tokens`, `probes_now`);
 - **the request**: its draft budget grows while all its drafts are accepted and shrinks to what
   was accepted; after drafts that missed entirely it waits 1, 3, 7, ... steps (up to MAX_WAIT)
   before it drafts again.
@@ -76,9 +78,10 @@ class DraftPolicy:
     def __init__(self, max_drafts: int, always: bool = False) -> None:
         self.max_drafts = max_drafts
         self.always = always
-        self.active = True  # drafting on: every decode step is planned with fresh tokens
+        # drafting on: every decode step is planned with fresh tokens (read before it)
+        self.active = False
         self._steps = 0
-        self._resume_at = 0  # while paused: the step of the next probe
+        self._resume_at = 0  # while off: the step of the next probe
         self._pause = 1
         # the engine's acceptance so far (counts of drafted and accepted tokens)
         self._drafted = PRIOR_TOKENS
@@ -89,21 +92,37 @@ class DraftPolicy:
 
     # ------------------------------------------------------------------ the engine
     def wants_fresh_tokens(self) -> bool:
-        """Whether the next decode step may draft (so its batch's tokens must be read first)."""
-        return self.always or self.active or self._steps >= self._resume_at
+        """Whether the next decode step may verify drafts (so the step before it is read first)."""
+        return self.always or self.active
+
+    def probes_now(self) -> bool:
+        """Whether this step, drafting off, drafts from the tokens read so far (its drafts are
+        judged later against the drawn ones, and never verified): no step is read early for it."""
+        return not self.always and not self.active and self._steps >= self._resume_at
 
     def tick(self) -> None:
         """One decode step planned."""
         self._steps += 1
 
     def after_plan(self, verified: bool) -> None:
-        """A decode step planned with fresh tokens either verified drafts or did not."""
+        """A decode step planned with fresh tokens either verified drafts or did not (then
+        drafting goes off until a probe finds it worth it again)."""
         if self.always:
             return
         if verified:
+            self._pause = 1
+        else:
+            self.active = False
+            self._pause_more()
+
+    def after_probe(self, worth: bool) -> None:
+        """A probe's drafts would have been worth a verify step (drafting goes on) or not."""
+        if worth:
             self.active, self._pause = True, 1
-            return
-        self.active = False
+        else:
+            self._pause_more()
+
+    def _pause_more(self) -> None:
         self._resume_at = self._steps + self._pause
         self._pause = min(2 * self._pause, MAX_PAUSE)
 

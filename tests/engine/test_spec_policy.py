@@ -19,24 +19,35 @@ def test_expected_acceptance_is_the_sum_of_the_chain_probabilities():
 
 def test_drafting_pauses_when_it_does_not_pay_and_probes_ever_more_rarely():
     policy = DraftPolicy(max_drafts=4)
+    assert not policy.wants_fresh_tokens()  # off until a probe finds drafts worth verifying
     probes = []
     for step in range(400):
-        if policy.wants_fresh_tokens():
+        assert not policy.wants_fresh_tokens()  # (a probe never makes a step be read early)
+        if policy.probes_now():
             probes.append(step)
             policy.tick()
-            policy.after_plan(verified=False)  # every probe finds nothing worth verifying
+            policy.after_probe(worth=False)  # every probe finds nothing worth verifying
         else:
             policy.tick()
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     # the plain (overlapped) steps between two probes: 1, 2, 4, ... up to MAX_PAUSE
     assert [g - 1 for g in gaps[:6]] == [1, 2, 4, 8, 16, 32]
     assert {g - 1 for g in gaps[6:]} == {MAX_PAUSE}
-    # a probe that pays turns drafting back on for every step
-    while not policy.wants_fresh_tokens():
+    # a probe that finds a gain turns drafting on: every step is then read first and drafts,
+    # until one step's drafts are not worth verifying
+    while not policy.probes_now():
         policy.tick()
     policy.tick()
-    policy.after_plan(verified=True)
-    assert all(policy.wants_fresh_tokens() for _ in range(3))
+    policy.after_probe(worth=True)
+    for _ in range(3):
+        assert policy.wants_fresh_tokens() and not policy.probes_now()
+        policy.tick()
+        policy.after_plan(verified=True)
+    policy.tick()
+    policy.after_plan(verified=False)
+    assert not policy.wants_fresh_tokens() and not policy.probes_now()
+    policy.tick()
+    assert policy.probes_now()  # (the pause starts again from one step)
 
 
 def test_a_step_verifies_only_when_expected_acceptance_reaches_the_gain():
