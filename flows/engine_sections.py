@@ -134,6 +134,15 @@ class EngineConfig(_Open):
         description=f"{_E['kv_cache_dtype']} (the model's dtype), or float8: half the KV bytes "
         "(a GPU)",
     )
+    speculative_algorithm: _engine("speculative_algorithm") | None = Field(
+        None,
+        description="NGRAM: drafts from each row's own text and finished rows, checked by the "
+        "model (same output); default none",
+    )
+    speculative_policy: _engine("speculative_policy") | None = Field(
+        None,
+        description=f"{_E['speculative_policy']}: draft where it pays; always: every step",
+    )
 
 
 class SamplingConfig(_Open):

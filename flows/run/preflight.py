@@ -78,19 +78,21 @@ def check_engine(engine: EngineConfig, problems: list[tuple[str, str]]) -> str:
 
     args = engine.arguments()
     model_path = args.pop("model_path")
-    # one argument at a time first, so each message is pinned on the field that caused it
-    bad = [
-        (f"engine.{name}", str(e))
-        for name, value in args.items()
-        if (e := _refusal(ServerArgs.from_kwargs, model_path=model_path, **{name: value}))
-    ]
-    if bad:
-        problems += bad
-        return ""
     try:
         server_args = ServerArgs.from_kwargs(model_path=model_path, **args)
-    except ValueError as e:
-        problems.append(("engine", str(e)))
+    except ValueError as whole:
+        # one argument at a time, so each message is pinned on the field that caused it (a
+        # speculative_* argument with the algorithm it belongs to); else the section's message
+        algorithm = {k: v for k, v in args.items() if k == "speculative_algorithm"}
+        bad = [
+            (f"engine.{name}", str(e))
+            for name, value in args.items()
+            if (e := _refusal(
+                ServerArgs.from_kwargs, model_path=model_path,
+                **{**(algorithm if name.startswith("speculative_") else {}), name: value},
+            ))
+        ]  # fmt: skip
+        problems += bad or [("engine", str(whole))]
         return ""
     if e := _refusal(
         ModelConfig.from_folder, model_path, server_args.dtype, server_args.context_length
