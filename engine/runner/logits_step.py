@@ -97,11 +97,17 @@ class LogitsStep:
             result = verify_greedy(logits.argmax(-1)[index], drafts, draft_lens)
         else:
             padded = logits[index]  # [B, K + 1, V]
-            first = padded[:, 0]  # (a view: what a decode step would sample from)
-            self.penalties.apply(reqs, first, asks.penalised, asks.biased)
+            # each row's last position: the first for a row without drafts (what a decode step
+            # would sample from), the one after a constrained row's forced drafts; penalties,
+            # bias and min_new_tokens only ever touch rows without drafts
+            rows = torch.arange(len(reqs), device=self.device)
+            ends = draft_lens
+            last = padded[rows, ends]
+            self.penalties.apply(reqs, last, asks.penalised, asks.biased)
             if asks.maybe_constrained:
-                step.constrained = self.grammar_masks.apply(reqs, first)
-            _suppress_early_stops(reqs, asks.min_new_tokens, first)
+                step.constrained = self._grammar_masks(batch, padded, last)
+            _suppress_early_stops(reqs, asks.min_new_tokens, last)
+            padded[rows, ends] = last
             sampling = self._sampling_batch(reqs, asks, batch.drawn)
             result = verify_chain(padded, drafts, draft_lens, sampling)
             if asks.logprob_rows:
@@ -112,6 +118,27 @@ class LogitsStep:
         step.tokens = result.tokens
         step.copy_to_host(self._to_host)
         return step
+
+    def _grammar_masks(self, batch: ScheduledBatch, padded: torch.Tensor, last: torch.Tensor):
+        """A verify step's grammar masks: a constrained row's forced drafts (the only token
+        its grammar allows at each of their positions) as one-hot logits, so they are accepted
+        whatever the draw; its last position masked as its grammar stands after them (each
+        matcher advanced through its drafts for the mask, then rolled back: reading the step
+        feeds it every token kept)."""
+        reqs, drafts = batch.reqs, batch.drafts
+        forced = [i for i, r in enumerate(reqs) if r.grammar is not None and drafts[i]]
+        for i in forced:
+            for token in drafts[i]:
+                reqs[i].grammar.accept_token(token)
+        constrained = self.grammar_masks.apply(reqs, last)
+        for i in forced:
+            reqs[i].grammar.rollback(len(drafts[i]))
+        if forced:
+            at = [(i, j, t) for i in forced for j, t in enumerate(drafts[i])]
+            rows, cols, tokens = to_device(list(zip(*at)), torch.int64, self.device)
+            padded[rows, cols] = float("-inf")
+            padded[rows, cols, tokens] = 0.0
+        return constrained
 
     def _verify_logprobs(
         self, step: LaunchedStep, padded: torch.Tensor, tokens: torch.Tensor, rows: list[int]

@@ -25,6 +25,7 @@ import re
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ class GrammarBackend:
         self._compiler: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self.compilations = 0  # distinct grammars compiled so far (for tests and stats)
+        self._row: Any = None  # one bitmask row, for forced_tokens
 
     def attach(self, req: Req) -> None:
         """Give a constrained request its matcher (the request arrived in this process)."""
@@ -139,6 +141,38 @@ class GrammarBackend:
                 req.finish({"type": "stop", "matched": token})
             return True
         return False
+
+    def forced_tokens(self, req: Req, limit: int) -> list[int]:
+        """The tokens the request's grammar allows one way only from where its matcher stands,
+        up to `limit` of them (speculative decoding's free drafts: a JSON key, punctuation).
+        A token that would end the grammar is left to the model's draw. The matcher is left as
+        it was found."""
+        matcher, forced = req.grammar, []
+        mask = self._mask_row()
+        while len(forced) < limit and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(mask, 0)
+            allowed = np.flatnonzero(
+                np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")
+            )
+            if len(allowed) != 1 or int(allowed[0]) >= self.vocab_size:
+                break
+            token = int(allowed[0])
+            if not matcher.accept_token(token):
+                break
+            if matcher.is_terminated():  # (the model's draw ends it, as without speculation)
+                matcher.rollback(1)
+                break
+            forced.append(token)
+        if forced:
+            matcher.rollback(len(forced))
+        return forced
+
+    def _mask_row(self) -> Any:
+        if self._row is None:
+            import xgrammar as xgr
+
+            self._row = xgr.allocate_token_bitmask(1, self.vocab_size)
+        return self._row
 
     def _compile(self, key: tuple[str, str]) -> Any:
         compiled = self._compiled.get(key)

@@ -82,7 +82,9 @@ class Scheduler:
         self._refused: list[Req] = []
         self.sessions = Sessions(self.kv)  # open_session / session_params
         # speculative decoding (speculative_algorithm): drafts, and when they are worth a verify
-        self.speculation = Speculation(args) if args.speculative else None
+        self.speculation = (
+            Speculation(args, self.grammar.forced_tokens) if args.speculative else None
+        )
         self.idle_clock = DeviceIdleClock(device)
 
     @property

@@ -9,12 +9,16 @@ verifies is an EXTEND forward of each request's last token and its drafts
 device: engine/speculative/verify.py), read before the next step is planned.
 
 A request drafts only where its draws need nothing a draft would get wrong without the tokens
-before it: no grammar (its mask follows each accepted token), no penalties or logit_bias
-(they count the tokens drawn before), and min_new_tokens met. The others take one token in the
-verify step, drawn exactly as a decode step draws it.
+before it: no penalties or logit_bias (they count the tokens drawn before), and min_new_tokens
+met. The others take one token in the verify step, drawn exactly as a decode step draws it. A
+request under a grammar drafts what its grammar forces (the tokens it allows one way only:
+a JSON key, punctuation), never n-grams: those drafts are sure to be accepted, and its draw
+after them sees the grammar's mask at that point (engine/runner/logits_step.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from engine.batch.req import Req
 from engine.sampling.penalties import has_penalties
@@ -25,7 +29,10 @@ from engine.speculative_args import MAX_VERIFY_TOKENS
 
 
 class Speculation:
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, forced: Callable[[Req, int], list[int]]) -> None:
+        """`forced`: a constrained request's tokens its grammar allows one way only, up to a
+        limit (GrammarBackend.forced_tokens): its drafts, sure to be accepted."""
+        self.forced = forced
         drafts = drafts_from_sglang(args.speculative_num_draft_tokens)
         self.drafter = NgramDrafter(
             args.speculative_ngram_min_match_window_size,
@@ -63,7 +70,7 @@ class Speculation:
         if fresh and worth:
             return drafts
         for req, draft in zip(reqs, drafts):  # judged later, against what the request draws
-            if draft and req.spec.shadow is None:
+            if draft and req.spec.shadow is None and req.grammar is None:
                 req.spec.shadow = (req.fill_len, draft)
         return None
 
@@ -82,9 +89,14 @@ class Speculation:
             elif state.shadow is not None:
                 policy.judge_shadow(state, req.fill_ids)
             k = policy.budget(state, req.draw_limit - req.drawn) if _may_draft(req) else 0
-            draft = self._draft(req, state, min(k, per_request)) if k else []
-            if draft:
-                expected += policy.expected(state, len(draft))
+            k = min(k, per_request)
+            if req.grammar is not None:  # what its grammar forces: accepted whatever is drawn
+                draft = self.forced(req, k) if k and not req.pending else []
+                expected += len(draft)
+            else:
+                draft = self._draft(req, state, k) if k else []
+                if draft:
+                    expected += policy.expected(state, len(draft))
             drafts.append(draft)
         return drafts, expected
 
@@ -122,9 +134,4 @@ class Speculation:
 
 def _may_draft(req: Req) -> bool:
     sp = req.sampling
-    return (
-        req.grammar is None
-        and not sp.logit_bias
-        and not has_penalties(req)
-        and req.drawn >= sp.min_new_tokens
-    )
+    return not sp.logit_bias and not has_penalties(req) and req.drawn >= sp.min_new_tokens

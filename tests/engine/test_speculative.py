@@ -167,6 +167,35 @@ def test_grammar_and_penalised_rows_beside_drafting_ones(llama_dir):
     assert_speculated(speculated)
 
 
+def test_a_grammar_forces_drafts_that_are_all_accepted(llama_dir):
+    """Constrained requests draft what their grammar allows one way only (keys, punctuation):
+    every such draft is accepted, and the outputs, greedy and seeded sampled, are the tokens
+    of decoding without speculation (a forced token is drawn from a point mass either way)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 4},
+            "count": {"type": "integer", "minimum": 0, "maximum": 9},
+            "flag": {"type": "boolean"},
+        },
+        "required": ["name", "count", "flag"],
+        "additionalProperties": False,
+    }
+    prompts = repeating_prompts(8, seed=10)
+    constrained = {"json_schema": json.dumps(schema), "max_new_tokens": 96}
+    sampling = [
+        {**constrained, "temperature": 0.0} if i % 2 else {**constrained, "temperature": 0.9}
+        for i in range(len(prompts))
+    ]
+    args = {"constrained_json_disable_any_whitespace": True, "random_seed": 3}
+    base, _ = run(llama_dir, prompts, sampling, spec=False, **args)
+    spec, speculated = run(llama_dir, prompts, sampling, spec=True, **args)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in base]
+    assert all(r.finish_reason["type"] == "stop" for r in spec)
+    stats_ = speculated.stats
+    assert stats_.accepted_draft_tokens == stats_.draft_tokens > len(prompts) * 3
+
+
 def test_sampled_tokens_keep_their_distribution(llama_dir):
     """1500 seeded requests draw 16 tokens at temperature 0.3 after one prompt, drafts often
     accepted by then; the joint frequencies of their 7th and 8th tokens with speculation must
