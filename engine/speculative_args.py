@@ -11,9 +11,10 @@ from typing import Any
 from engine.rules import Rule, one_of
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
-SPECULATIVE_BUILT = ("NGRAM",)
+SPECULATIVE_BUILT = ("NGRAM", "STANDALONE")
 SPECULATIVE_POLICIES = ("adaptive", "always")
 DEFAULT_NUM_DRAFT_TOKENS = 8  # speculative_num_draft_tokens: 7 drafts and the root
+DEFAULT_DRAFT_STEPS = 3  # speculative_num_steps of a draft model (STANDALONE), as SGLang's
 # The most tokens (each request's last token and its drafts) a verify step computes: the LM
 # head runs on every one of them, [tokens, vocab] logits (1.2 GB at 4096 tokens of a 152k
 # vocabulary in bfloat16), which start-up's activation peak (a prefill's last rows) does not
@@ -55,22 +56,27 @@ def check_speculative(args: Any) -> None:
         return
     if algorithm not in SPECULATIVE_BUILT:
         raise ValueError(
-            f"speculative_algorithm={algorithm!r} is not built in this version (a draft model "
-            f"or draft head); use one of {', '.join(SPECULATIVE_BUILT)}: drafts from each "
-            "request's own tokens and the engine's finished outputs"
+            f"speculative_algorithm={algorithm!r} is not built in this version (a draft head); "
+            f"use one of {', '.join(SPECULATIVE_BUILT)}: drafts from each request's own tokens "
+            "and the engine's finished outputs, or from a draft model"
         )
-    for name, why in (
-        ("speculative_draft_model_path", "a draft model's (STANDALONE, not built)"),
-        ("speculative_num_steps", "the drafting steps of a draft model (STANDALONE, not "
-         "built); NGRAM drafts speculative_num_draft_tokens - 1 tokens"),
-    ):  # fmt: skip
-        if getattr(args, name) is not None:
-            raise ValueError(f"{name} does not apply to speculative_algorithm='NGRAM': {why}")
     if args.speculative_eagle_topk not in (None, 1):
         raise ValueError(
             f"speculative_eagle_topk must be 1 (a chain of drafts), got "
             f"{args.speculative_eagle_topk}: tree verification is not built in this version"
         )
+    if args.is_embedding:
+        raise ValueError("speculative_algorithm needs a generation engine (is_embedding=False)")
+    if algorithm == "STANDALONE":
+        _check_standalone(args)
+        return
+    for name, why in (
+        ("speculative_draft_model_path", "a draft model's (STANDALONE)"),
+        ("speculative_num_steps", "the drafting steps of a draft model (STANDALONE); NGRAM "
+         "drafts speculative_num_draft_tokens - 1 tokens"),
+    ):  # fmt: skip
+        if getattr(args, name) is not None:
+            raise ValueError(f"{name} does not apply to speculative_algorithm='NGRAM': {why}")
     lo = args.speculative_ngram_min_match_window_size
     hi = args.speculative_ngram_max_match_window_size
     if lo > hi:
@@ -78,5 +84,25 @@ def check_speculative(args: Any) -> None:
             f"speculative_ngram_min_match_window_size ({lo}) must be <= "
             f"speculative_ngram_max_match_window_size ({hi})"
         )
-    if args.is_embedding:
-        raise ValueError("speculative_algorithm needs a generation engine (is_embedding=False)")
+
+
+def _check_standalone(args: Any) -> None:
+    """A draft model's: its folder, and its steps and draft tokens, which a chain makes one
+    apart (num_draft_tokens = num_steps + 1, the root counted); the one not given follows."""
+    if args.speculative_draft_model_path is None:
+        raise ValueError(
+            "speculative_algorithm='STANDALONE' needs speculative_draft_model_path: a model "
+            "folder with the target's tokenizer and vocabulary"
+        )
+    steps, tokens = args.speculative_num_steps, args.speculative_num_draft_tokens
+    if steps is not None and tokens is not None and tokens != steps + 1:
+        raise ValueError(
+            f"speculative_num_draft_tokens ({tokens}) must be speculative_num_steps ({steps}) "
+            "+ 1 for a chain of drafts (speculative_eagle_topk 1): set one of them"
+        )
+    steps = steps if steps is not None else (tokens - 1 if tokens else DEFAULT_DRAFT_STEPS)
+    object.__setattr__(args, "speculative_num_steps", steps)
+    object.__setattr__(args, "speculative_num_draft_tokens", steps + 1)
+    for f in dataclasses.fields(args):
+        if f.name.startswith("speculative_ngram_") and getattr(args, f.name) != f.default:
+            raise ValueError(f"{f.name} applies to speculative_algorithm='NGRAM', not STANDALONE")

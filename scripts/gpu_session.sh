@@ -74,7 +74,8 @@ run_step() {
       gpu) tests tests/engine/test_gpu_path.py tests/engine/test_generate_vs_transformers.py \
              tests/engine/test_shared_prefix_decode.py::test_gpu_grouped_decode_equals_cpu_reference \
              tests/engine/test_spec_verify.py \
-             tests/engine/test_speculative.py::test_greedy_on_the_gpu_equals_decoding_without_speculation -n 8 ;;
+             tests/engine/test_speculative.py::test_greedy_on_the_gpu_equals_decoding_without_speculation \
+             tests/engine/test_spec_standalone.py::test_greedy_on_the_gpu_equals_decoding_without -n 8 ;;
       # speculative decoding: NGRAM against no speculation at batch 1 to 256 (bench/speculative.py)
       spec) python3 -m bench.speculative --model-config qwen3-0.6b --batch 1 16 64 256 --input-len 1000 \
                 --output-len 200 --json "$OUT/spec.json" 2>&1 | grep "^|\|Error" ;;

@@ -9,6 +9,7 @@ build a batch. The model runner turns the batch into device tensors
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,9 @@ class ScheduledBatch:
     # a verify step (speculative decoding): each request's drafts, after its last token; the
     # step computes [last token, *drafts] per request (EXTEND) and every row's logits
     drafts: list[list[int]] | None = field(default=None, kw_only=True)
+    # a draft model's distributions the drafts were drawn from [B, K, V] (device), None for
+    # guessed drafts (n-grams, a grammar's) or all-greedy rows
+    draft_probs: Any = field(default=None, kw_only=True)
 
     @property
     def verifies(self) -> bool:

@@ -109,7 +109,10 @@ class LogitsStep:
             _suppress_early_stops(reqs, asks.min_new_tokens, last)
             padded[rows, ends] = last
             sampling = self._sampling_batch(reqs, asks, batch.drawn)
-            result = verify_chain(padded, drafts, draft_lens, sampling)
+            probs = batch.draft_probs  # a draft model's distributions (STANDALONE), or None
+            if probs is not None:
+                probs = probs[:, : width - 1]
+            result = verify_chain(padded, drafts, draft_lens, sampling, probs)
             if asks.logprob_rows:
                 self._verify_logprobs(step, padded, result.tokens, asks.logprob_rows)
         last = result.tokens[torch.arange(len(reqs), device=self.device), result.accepted]
@@ -212,21 +215,33 @@ class LogitsStep:
         self, reqs: list[Req], asks: _Asks, drawn: np.ndarray | list[int]
     ) -> SamplingBatch:
         """`drawn`: each request's draws so far, pending ones included (the draw's step)."""
-        sp = [r.sampling for r in reqs]
-        return SamplingBatch.from_rows(
-            temperatures=[0.0 if s.is_greedy else s.temperature for s in sp],
-            top_ks=[self.vocab_size if s.top_k == -1 else s.top_k for s in sp],
-            top_ps=[s.top_p for s in sp],
-            min_ps=[s.min_p for s in sp],
-            seeds=asks.seeds or [0] * len(reqs),  # (all greedy: a verify step's, unused)
-            steps=drawn,
-            device=self.device,
-        )
+        return sampling_batch(reqs, self.vocab_size, drawn, self.device, asks.seeds)
 
     def _label_logprobs(self, row: torch.Tensor, label_token_ids: list[int]) -> torch.Tensor:
         """score(): [len(label_token_ids)] log-softmax values of one logits row (read later)."""
         ids = to_device(label_token_ids, torch.int64, row.device)
         return torch.log_softmax(row.float(), dim=-1)[ids]
+
+
+def sampling_batch(
+    reqs: list[Req],
+    vocab_size: int,
+    drawn: np.ndarray | list[int],
+    device: torch.device,
+    seeds: list[int] | None = None,
+) -> SamplingBatch:
+    """The requests' sampling parameters as the sampler reads them, at output step `drawn`
+    (each request's draws so far); `seeds` when known (all greedy: none needed)."""
+    sp = [r.sampling for r in reqs]
+    return SamplingBatch.from_rows(
+        temperatures=[0.0 if s.is_greedy else s.temperature for s in sp],
+        top_ks=[vocab_size if s.top_k == -1 else s.top_k for s in sp],
+        top_ps=[s.top_p for s in sp],
+        min_ps=[s.min_p for s in sp],
+        seeds=seeds if seeds is not None and len(seeds) else [r.request.seed for r in reqs],
+        steps=drawn,
+        device=device,
+    )
 
 
 def _input_logprobs(req: Req, logits: torch.Tensor) -> InputLogprobs:

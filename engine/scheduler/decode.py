@@ -89,7 +89,7 @@ class DecodePlanner:
         if speculation is not None:
             drafts = speculation.drafts(reqs)
             if drafts is not None and self._fits(rows, drafts):
-                return self._verify(reqs, rows, starts, drafts)
+                return self._verify(reqs, rows, starts, drafts, speculation.draft_probs)
         slots = self.kv.extend_by_one(rows)  # new pages in one allocation
         batch = ScheduledBatch(
             ForwardMode.DECODE, reqs, [1] * len(reqs), starts, slots,
@@ -104,7 +104,12 @@ class DecodePlanner:
         return self.kv.pages_to_extend(rows, _counts(drafts)) <= self.kv.available_pages
 
     def _verify(
-        self, reqs: list[Req], rows: np.ndarray, starts: np.ndarray, drafts: list[list[int]]
+        self,
+        reqs: list[Req],
+        rows: np.ndarray,
+        starts: np.ndarray,
+        drafts: list[list[int]],
+        draft_probs: object = None,
     ) -> ScheduledBatch:
         """A verify step: each request computes its last token and its drafts, whose logits
         judge the drafts; its KV length is cut back to what was accepted when the step is read
@@ -114,7 +119,7 @@ class DecodePlanner:
         slots = self.kv.extend_rows(rows, counts)
         return ScheduledBatch(
             ForwardMode.EXTEND, reqs, counts.tolist(), starts, slots,
-            rows=rows, drawn=self.kv.rows.drawn[rows], drafts=drafts,
+            rows=rows, drawn=self.kv.rows.drawn[rows], drafts=drafts, draft_probs=draft_probs,
         )  # fmt: skip
 
     def retract(self, req: Req) -> None:

@@ -83,7 +83,7 @@ class Scheduler:
         self.sessions = Sessions(self.kv)  # open_session / session_params
         # speculative decoding (speculative_algorithm): drafts, and when they are worth a verify
         self.speculation = (
-            Speculation(args, self.grammar.forced_tokens) if args.speculative else None
+            Speculation(args, self.grammar.forced_tokens, self.runner) if args.speculative else None
         )
         self.idle_clock = DeviceIdleClock(device)
 

@@ -21,6 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.batch.req import Req
+from engine.runner.draft_runner import DraftRunner
+from engine.runner.logits_step import sampling_batch
+from engine.runner.model_runner import ModelRunner
 from engine.sampling.penalties import has_penalties
 from engine.server_args import ServerArgs
 from engine.speculative.ngram import NgramDrafter, drafts_from_sglang
@@ -29,18 +32,35 @@ from engine.speculative_args import MAX_VERIFY_TOKENS
 
 
 class Speculation:
-    def __init__(self, args: ServerArgs, forced: Callable[[Req, int], list[int]]) -> None:
+    def __init__(
+        self,
+        args: ServerArgs,
+        forced: Callable[[Req, int], list[int]],
+        runner: ModelRunner,
+    ) -> None:
         """`forced`: a constrained request's tokens its grammar allows one way only, up to a
-        limit (GrammarBackend.forced_tokens): its drafts, sure to be accepted."""
+        limit (GrammarBackend.forced_tokens): its drafts, sure to be accepted. `runner`: the
+        target's, whose request rows and pool a draft model's mirror."""
         self.forced = forced
+        self.draft_model: DraftRunner | None = None
+        self.draft_probs = None  # the last drafts' distributions (a draft model's), or None
+        if args.speculative_algorithm == "STANDALONE":
+            rows = args.max_request_rows
+            # every row's whole context, and each row's drafts beyond it
+            tokens = runner.max_total_tokens + (rows + 1) * args.speculative_num_draft_tokens
+            self.draft_model = DraftRunner(args, runner.config, rows, tokens, runner.device)
+            self.vocab_size = runner.config.vocab_size
         drafts = drafts_from_sglang(args.speculative_num_draft_tokens)
+        standalone = args.speculative_algorithm == "STANDALONE"
         self.drafter = NgramDrafter(
             args.speculative_ngram_min_match_window_size,
             args.speculative_ngram_max_match_window_size,
             drafts,
             args.speculative_ngram_capacity,
         )
-        self.policy = DraftPolicy(drafts, always=args.speculative_policy == "always")
+        # NOTE: a draft model drafts every step in this version (the policy's costs are an
+        # n-gram drafter's); its drafts are drawn, not guessed, and judged as such
+        self.policy = DraftPolicy(drafts, always=standalone or args.speculative_policy == "always")
         self.max_tokens = min(MAX_VERIFY_TOKENS, args.max_prefill_tokens)
 
     def wants_fresh_tokens(self) -> bool:
@@ -60,6 +80,8 @@ class Speculation:
             fresh, probe = False, True  # (a step the scheduler could not read first)
         if not (fresh or probe):
             return None
+        if self.draft_model is not None:
+            return self._model_drafts(reqs) if fresh else None
         drafts, expected = self._drafts(reqs)
         drafted = sum(map(len, drafts))
         worth = policy.worth_verifying(expected, len(reqs), drafted)
@@ -79,7 +101,7 @@ class Speculation:
         drafts are expected to give. A request with tokens still pending drafts its pending
         token first (a probe's draft, only judged later)."""
         policy = self.policy
-        per_request = max((self.max_tokens - len(reqs)) // max(len(reqs), 1), 0)
+        per_request = self._per_request(reqs)
         drafts: list[list[int]] = []
         expected = 0.0
         for req in reqs:
@@ -100,6 +122,39 @@ class Speculation:
             drafts.append(draft)
         return drafts, expected
 
+    def _model_drafts(self, reqs: list[Req]) -> list[list[int]] | None:
+        """The draft model's drafts: as many for every request as the one that may take the
+        most, each then cut to what its own limits allow (none for a request that may not
+        draft: engine/runner/draft_runner.py runs the batch as one)."""
+        policy, per_request = self.policy, self._per_request(reqs)
+        ks = []
+        for req in reqs:
+            if req.spec is None:
+                req.spec = policy.new_state()
+            may = _may_draft(req) and req.grammar is None
+            ks.append(
+                min(policy.budget(req.spec, req.draw_limit - req.drawn), per_request) if may else 0
+            )
+        k = max(ks)
+        if k == 0:
+            self.draft_probs = None
+            return None
+        greedy = all(r.sampling.is_greedy for r in reqs)
+        drawn = [r.drawn for r in reqs]
+        sampling = (
+            None
+            if greedy
+            else sampling_batch(reqs, self.vocab_size, drawn, self.draft_model.device)
+        )
+        chains, self.draft_probs = self.draft_model.draft(reqs, k, sampling)
+        if chains is None:
+            return None
+        return [chain[:n] for chain, n in zip(chains, ks)]
+
+    def _per_request(self, reqs: list[Req]) -> int:
+        """Drafts a request may take within MAX_VERIFY_TOKENS for the batch."""
+        return max((self.max_tokens - len(reqs)) // max(len(reqs), 1), 0)
+
     def _draft(self, req: Req, state: DraftState, k: int) -> list[int]:
         """The request's draft: where its last one was all accepted and its source went on as
         its output did, the same source's next tokens (no search: the common case of a long
@@ -118,6 +173,9 @@ class Speculation:
         state = req.spec
         accepted = len(new) - 1
         self.policy.verified(state, drafted, accepted)
+        if self.draft_model is not None:  # (every row of its verify step ran in the draft)
+            self.draft_model.kept(req, accepted)
+            return
         state.follow = None
         if drafted and accepted == drafted and state.source >= 0:
             # the source's token after the draft is the one the target added: it goes on alike

@@ -1,0 +1,183 @@
+"""STANDALONE speculative decoding's draft model: a small model of the same vocabulary that
+drafts each request's next tokens, one forward per drafted token, for the target to verify.
+
+It owns what ModelRunner owns for the target, in small: the weights, a K/V pool of its own
+(page size 1) and a request->slot table whose rows are the target's request rows. A request's
+draft K/V catches up on the tokens it has not seen (its prompt at its first draft, then the
+target's tokens since) in the draft's first forward of a step; that forward's last row gives
+the first draft, and each further forward takes one draft in and gives the next. After the
+verify step, `kept` cuts the request's draft K/V back to the tokens that stood.
+
+Drafts are drawn as the target's sampler draws: argmax for greedy rows, else `sample()` at
+the request's seed and the output step the draft stands for, with the distribution it drew
+from (`processed_probs`) kept for the lossless acceptance rule (engine/speculative/verify.py).
+
+NOTE: no prefix cache and no CUDA graphs here: every request prefills its whole prompt in the
+draft, eagerly. The pool holds as many tokens as the target's and each row's drafts besides;
+rows whose request has gone are reclaimed when it runs short, and a step it still cannot hold
+decodes without drafts (requests that share a cached prefix in the target each hold a copy of
+it here).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.attention import create_backend
+from engine.batch.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.attention import attention_layers, use_backend
+from engine.memory.kv_pool import KVPool
+from engine.memory.page_allocator import PageAllocator
+from engine.memory.req_to_token import ReqToTokenPool
+from engine.model_config import ModelConfig
+from engine.runner.loader import load_model
+from engine.sampling.sampler import SamplingBatch, sample
+from engine.server_args import ServerArgs
+from engine.speculative.verify import processed_probs
+from engine.transfer import to_device
+
+if TYPE_CHECKING:
+    from engine.batch.req import Req
+
+
+class DraftRunner:
+    def __init__(
+        self, args: ServerArgs, target: ModelConfig, rows: int, pool_tokens: int, device
+    ) -> None:
+        path = args.speculative_draft_model_path
+        config = ModelConfig.from_folder(path, args.dtype, None)
+        if config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_draft_model_path {path!r} has a vocabulary of {config.vocab_size} "
+                f"tokens, the model {target.vocab_size}: a draft model must share the target's "
+                "tokenizer and vocabulary"
+            )
+        self.config = config
+        self.device = device
+        self.model = load_model(config, args.load_format, device)
+        attn = attention_layers(self.model)[0]
+        self.backend = create_backend(args.attention_backend, device, attn, config.dtype)
+        use_backend(self.model, self.backend)
+        self.pool = KVPool(
+            pool_tokens, 1, config.num_layers, attn.num_kv_heads, config.head_dim,
+            config.dtype, device,
+        )  # fmt: skip
+        self.allocator = PageAllocator(pool_tokens)
+        context = max(target.context_length, config.context_length)
+        self.table = ReqToTokenPool(rows, context, device)
+        self.lens = np.zeros(rows + 1, dtype=np.int64)  # draft K/V tokens of each row
+        self.slots: list[np.ndarray] = [np.empty(0, np.int64)] * (rows + 1)
+        self.owner: list[Req | None] = [None] * (rows + 1)
+        self.base = np.zeros(rows + 1, dtype=np.int64)  # each row's tokens at its last draft
+        self.steps = 0  # drafts per request of the last draft call
+
+    # ------------------------------------------------------------------ a step's drafts
+    @torch.inference_mode()
+    def draft(
+        self, reqs: list[Req], k: int, sampling: SamplingBatch | None
+    ) -> tuple[list[list[int]] | None, torch.Tensor | None]:
+        """`k` drafts for each request, from its tokens (none pending); `sampling`: the rows'
+        sampling parameters at the step of their first draft (None: all greedy). Returns the
+        drafts and, unless all greedy, the distributions they were drawn from [B, k, V]; no
+        drafts (None) when the draft's pool cannot hold the step."""
+        rows = [r.pool_row for r in reqs]
+        for req, row in zip(reqs, rows):
+            if self.owner[row] is not req:  # (the row's last request has gone)
+                self.release(row)
+                self.owner[row] = req
+        need = sum(r.fill_len - int(self.lens[row]) for r, row in zip(reqs, rows))
+        if not self._room(need + len(reqs) * (k - 1)):
+            return None, None  # (the step decodes without drafts)
+        # forward 1: each request's unseen tokens, its last token among them
+        ids, lens = [], []
+        for req, row in zip(reqs, rows):
+            tokens = req.fill_ids
+            ids.append(tokens[self.lens[row] :])
+            lens.append(len(tokens) - int(self.lens[row]))
+            self.base[row] = len(tokens)
+        logits = self._extend(rows, np.concatenate(ids), np.asarray(lens))
+        drafts, probs = [], []
+        for j in range(k):
+            if j:
+                logits = self._extend(rows, drafts[-1].cpu().numpy(), np.ones(len(rows), np.int64))
+            token, q = self._draw(logits, sampling, j)
+            drafts.append(token)
+            if q is not None:
+                probs.append(q)
+        self.steps = k
+        chains = torch.stack(drafts, 1).tolist() if drafts else [[] for _ in reqs]
+        return chains, (torch.stack(probs, 1) if probs else None)
+
+    def _draw(self, logits: torch.Tensor, sampling: SamplingBatch | None, j: int):
+        if sampling is None:
+            return logits.float().argmax(-1), None
+        at = SamplingBatch(
+            sampling.temperatures, sampling.top_ks, sampling.top_ps, sampling.min_ps,
+            sampling.seeds, sampling.steps + j, greedy_hint=sampling.greedy_hint,
+        )  # fmt: skip
+        return sample(logits, at), processed_probs(logits, at)
+
+    def _extend(self, rows: list[int], ids: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+        """An EXTEND forward of the draft: `lens[i]` tokens of `ids` for request row rows[i],
+        after its draft K/V; the logits of each request's last token [B, V]."""
+        starts = self.lens[rows]
+        slots = self._alloc(int(lens.sum()))
+        offset = 0
+        for row, n in zip(rows, lens.tolist()):
+            self.slots[row] = np.concatenate([self.slots[row], slots[offset : offset + n]])
+            offset += n
+        self.lens[rows] = starts + lens
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
+        host = np.stack([ids, positions, slots, np.repeat(rows, lens)])
+        dev = to_device(host, torch.int64, self.device)
+        self.table.write_slots(dev[3], dev[1], dev[2])
+        seq_lens = (starts + lens).tolist()
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=dev[0],
+            positions=dev[1],
+            out_cache_loc=dev[2],
+            req_pool_indices=to_device(rows, torch.int64, self.device),
+            seq_lens=to_device(seq_lens, torch.int64, self.device),
+            seq_lens_cpu=seq_lens,
+            extend_lens_cpu=lens.tolist(),
+            kv_pool=self.pool,
+            req_to_token=self.table.table,
+        )
+        self.backend.init_forward_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        last = to_device(np.cumsum(lens) - 1, torch.int64, self.device)
+        return self.model.compute_logits(hidden[last])
+
+    # ------------------------------------------------------------------ after the verify step
+    def kept(self, req: Req, accepted: int) -> None:
+        """The request's verify step accepted `accepted` of its drafts: its draft K/V keeps its
+        tokens up to the last draft both drafted from and accepted."""
+        row = req.pool_row
+        base = int(self.base[row])
+        self._cut(row, min(base + accepted, base + max(self.steps - 1, 0)))
+
+    def release(self, row: int) -> None:
+        """The row's request has gone: its draft K/V too."""
+        self._cut(row, 0)
+        self.owner[row] = None
+
+    def _cut(self, row: int, length: int) -> None:
+        if len(self.slots[row]) > length:
+            self.allocator.free(self.slots[row][length:])
+            self.slots[row] = self.slots[row][:length]
+        self.lens[row] = min(int(self.lens[row]), length)
+
+    def _room(self, n: int) -> bool:
+        """Whether `n` slots are free, once the rows whose request has left them are reclaimed."""
+        if n > self.allocator.num_free:
+            for row, req in enumerate(self.owner):
+                if req is not None and req.pool_row != row:
+                    self.release(row)
+        return n <= self.allocator.num_free
+
+    def _alloc(self, n: int) -> np.ndarray:
+        return self.allocator.alloc(n)
