@@ -136,8 +136,9 @@ class EngineConfig(_Open):
     )
     speculative_algorithm: _engine("speculative_algorithm") | None = Field(
         None,
-        description="NGRAM: drafts from each row's own text and finished rows, checked by the "
-        "model (same output); default none",
+        description="NGRAM: drafts from each row's own text and finished rows; STANDALONE: from "
+        "a draft model (speculative_draft_model_path); checked by the model, same output. "
+        "Default none",
     )
     speculative_policy: _engine("speculative_policy") | None = Field(
         None,
