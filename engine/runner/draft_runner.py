@@ -13,7 +13,8 @@ the request's seed and the output step the draft stands for, with the distributi
 from (`processed_probs`) kept for the lossless acceptance rule (engine/speculative/verify.py).
 
 NOTE: no prefix cache and no CUDA graphs here: every request prefills its whole prompt in the
-draft, eagerly. The pool holds as many tokens as the target's and each row's drafts besides;
+draft, eagerly. The pool holds as many tokens as the target's and each row's drafts besides
+(on a GPU, at most what memory has left beside the target's: its pool is sized first);
 rows whose request has gone are reclaimed when it runs short, and a step it still cannot hold
 decodes without drafts (requests that share a cached prefix in the target each hold a copy of
 it here).
@@ -21,6 +22,7 @@ it here).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,6 +44,9 @@ from engine.transfer import to_device
 if TYPE_CHECKING:
     from engine.batch.req import Req
 
+logger = logging.getLogger(__name__)
+DRAFT_SLACK_BYTES = 1 << 30  # left free beside the draft's pool (its activations, the target's)
+
 
 class DraftRunner:
     def __init__(
@@ -61,6 +66,15 @@ class DraftRunner:
         attn = attention_layers(self.model)[0]
         self.backend = create_backend(args.attention_backend, device, attn, config.dtype)
         use_backend(self.model, self.backend)
+        if device.type == "cuda":  # what is left beside the target's pool, less some slack
+            per_token = config.kv_bytes_per_token(config.dtype, attn.num_kv_heads)
+            free = torch.cuda.mem_get_info(device)[0] - DRAFT_SLACK_BYTES
+            if pool_tokens * per_token > free:
+                pool_tokens = max(int(free // per_token), 1)
+                logger.warning(
+                    "the draft model's K/V pool holds %d tokens (what GPU memory has left): "
+                    "steps it cannot hold decode without drafts", pool_tokens,
+                )  # fmt: skip
         self.pool = KVPool(
             pool_tokens, 1, config.num_layers, attn.num_kv_heads, config.head_dim,
             config.dtype, device,

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from scipy import stats
 
 from tests.engine.core import InProcessCore
-from tests.engine.test_speculative import CORE, GREEDY, repeating_prompts, run
+from tests.engine.test_speculative import CORE, GREEDY, p_value, repeating_prompts, run
 from tests.tiny_models import make_tiny_model
 
 
@@ -104,14 +102,6 @@ def test_sampled_tokens_keep_their_distribution(llama_dir, noisy_draft):
 
     def outcomes(reqs):
         return [tuple(r.output_ids[6:8]) for r in reqs]
-
-    def p_value(a, b):
-        keys = sorted(set(a) | set(b))
-        counts = np.array([[a.count(k) for k in keys], [b.count(k) for k in keys]])
-        frequent = counts.sum(0) >= 10  # (rare outcomes pooled into one cell)
-        table = np.column_stack([counts[:, frequent], counts[:, ~frequent].sum(1)])
-        table = table[:, table.sum(0) > 0]
-        return stats.chi2_contingency(table)[1]
 
     assert p_value(outcomes(spec), outcomes(base)) > 1e-4
     assert p_value(outcomes(hotter), outcomes(base)) < 1e-4  # the negative control

@@ -50,6 +50,17 @@ def pool_state(scheduler) -> tuple[int, int]:
     return scheduler.kv.free_tokens, scheduler.kv.cached_tokens
 
 
+def p_value(a: list, b: list) -> float:
+    """Chi-square test that two samples of outcomes share one distribution (outcomes seen
+    fewer than 10 times in all pooled into one cell)."""
+    keys = sorted(set(a) | set(b))
+    counts = np.array([[a.count(k) for k in keys], [b.count(k) for k in keys]])
+    frequent = counts.sum(0) >= 10
+    table = np.column_stack([counts[:, frequent], counts[:, ~frequent].sum(1)])
+    table = table[:, table.sum(0) > 0]
+    return stats.chi2_contingency(table)[1]
+
+
 def assert_speculated(scheduler) -> None:
     stats_ = scheduler.stats
     assert stats_.verify_steps > 0 and stats_.accepted_draft_tokens > 0, stats_
@@ -211,14 +222,6 @@ def test_sampled_tokens_keep_their_distribution(llama_dir):
 
     def outcomes(reqs):
         return [tuple(r.output_ids[6:8]) for r in reqs]
-
-    def p_value(a, b):
-        keys = sorted(set(a) | set(b))
-        counts = np.array([[a.count(k) for k in keys], [b.count(k) for k in keys]])
-        frequent = counts.sum(0) >= 10  # (rare outcomes pooled into one cell)
-        table = np.column_stack([counts[:, frequent], counts[:, ~frequent].sum(1)])
-        table = table[:, table.sum(0) > 0]
-        return stats.chi2_contingency(table)[1]
 
     assert p_value(outcomes(spec), outcomes(base)) > 1e-4
     assert p_value(outcomes(hotter), outcomes(base)) < 1e-4  # the negative control
