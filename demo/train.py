@@ -37,6 +37,7 @@ from demo import data
 from demo.tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, build_tokenizer
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
+DRAFT_DIR = Path(__file__).resolve().parent / "draft"
 IGNORE = -100  # label of tokens the loss skips (everything but the assistant's reply)
 
 
@@ -69,6 +70,14 @@ class TrainConfig:
     # what the record keeps
     log_every: int = 50
     first_losses: int = 20
+
+
+# The demo's draft model (speculative decoding, STANDALONE): one layer of half the width, the
+# same tokenizer and data, so it drafts the demo model's replies cheaply and often right.
+DRAFT = TrainConfig(
+    hidden_size=64, intermediate_size=192, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=1,
+)  # fmt: skip
 
 
 @dataclass
@@ -293,16 +302,24 @@ def _round_up(n: int, multiple: int) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=MODEL_DIR)
+    parser.add_argument("--out", type=Path, help=f"default {MODEL_DIR} ({DRAFT_DIR} with --draft)")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    parser.add_argument(
+        "--draft", action="store_true",
+        help="the demo's draft model instead (DRAFT: 1 layer of half the width, the same data "
+        "and tokenizer), for speculative_algorithm='STANDALONE'",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    cfg = TrainConfig(steps=args.steps, seed=args.seed)
+    base = DRAFT if args.draft else TrainConfig()
+    cfg = dataclasses.replace(base, steps=args.steps, seed=args.seed)
     result = train(cfg)
-    record = save(result, cfg, args.out)
-    print(
-        f"saved {args.out}: final loss {record['final_loss']:.4f} in {record['wall_seconds']:.0f}s"
-    )
+    out = args.out or (DRAFT_DIR if args.draft else MODEL_DIR)
+    record = save(result, cfg, out)
+    if args.draft:  # (what the record says, beside the model)
+        record["command"] = "python -m demo.train --draft"
+        (out / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"saved {out}: final loss {record['final_loss']:.4f} in {record['wall_seconds']:.0f}s")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -20,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from demo import data
 from demo.make_inputs import INPUTS_DIR, arithmetic_rows, product_rows, review_rows
 from demo.tokenizer import build_tokenizer
-from demo.train import MODEL_DIR, TrainConfig, train
+from demo.train import DRAFT, DRAFT_DIR, MODEL_DIR, TrainConfig, train
 
 REPRO_STEPS = 5
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -48,6 +49,18 @@ def test_training_script_reproduces_the_recorded_losses():
     cfg = TrainConfig(**record["config"])
     result = train(cfg, max_steps=REPRO_STEPS, log=None)
     assert result.losses == pytest.approx(record["first_losses"][:REPRO_STEPS], rel=1e-5)
+
+
+def test_the_draft_is_the_draft_config_and_its_losses_are_reproduced():
+    """demo/draft (speculative decoding's draft of the demo model): trained by the same script
+    with DRAFT's shape, on the same tokenizer."""
+    record = json.loads((DRAFT_DIR / "training_record.json").read_text())
+    cfg = TrainConfig(**record["config"])
+    assert cfg == dataclasses.replace(DRAFT, steps=cfg.steps, seed=cfg.seed)
+    result = train(cfg, max_steps=REPRO_STEPS, log=None)
+    assert result.losses == pytest.approx(record["first_losses"][:REPRO_STEPS], rel=1e-5)
+    shipped = Tokenizer.from_file(str(DRAFT_DIR / "tokenizer.json"))
+    assert shipped.get_vocab() == Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")).get_vocab()
 
 
 def test_tokenizer_and_inputs_are_rebuilt_by_the_scripts():
