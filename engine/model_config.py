@@ -166,6 +166,11 @@ class ModelConfig:
         return int(self.hf.get("head_dim") or self.hidden_size // self.num_heads)
 
     @property
+    def context_len(self) -> int:
+        """SGLang's name of context_length (clients read `tokenizer_manager.model_config`)."""
+        return self.context_length
+
+    @property
     def vocab_size(self) -> int:
         return int(self.hf["vocab_size"])
 

@@ -53,6 +53,29 @@ _PEER_DEATH_GRACE_S = 0.5
 
 
 class TokenizerManager:
+    # NOTE: besides `tokenizer`, the attributes SGLang's TokenizerManager has that clients read
+    # (evaluation harnesses truncate prompts to `context_len`): the same names, read-only
+    @property
+    def server_args(self) -> ServerArgs:
+        return self.args
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config
+
+    @property
+    def context_len(self) -> int:
+        """Tokens one request may hold, prompt and output: context_length, or the model's."""
+        return self.config.context_length
+
+    @property
+    def is_generation(self) -> bool:
+        return not self.args.is_embedding
+
+    @property
+    def model_path(self) -> str:
+        return self.args.model_path
+
     def __init__(self, args: ServerArgs, config: ModelConfig) -> None:
         self.args = args
         self.config = config

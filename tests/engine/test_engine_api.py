@@ -263,6 +263,26 @@ def test_tokenizer_is_exposed_as_in_sglang(engine, llama_dir):
     assert out["output_ids"] == engine.generate("hello", GREEDY)["output_ids"]
 
 
+def test_tokenizer_manager_has_the_attributes_sglang_clients_read(engine, llama_dir):
+    """An evaluation harness reads `tokenizer_manager.context_len` (and `model_config`,
+    `server_args`) to truncate its prompts; the reference is the model folder's config.json.
+    A prompt cut to what context_len leaves for max_new_tokens then runs, and one token more is
+    refused by that length."""
+    tm = engine.tokenizer_manager
+    config = json.loads((llama_dir / "config.json").read_text())
+    assert tm.context_len == config["max_position_embeddings"]
+    assert tm.model_config.context_len == tm.context_len
+    assert tm.model_config.vocab_size == config["vocab_size"]
+    assert tm.server_args is engine.server_args and tm.model_path == str(llama_dir)
+    assert tm.is_generation
+    long = [5 + i % 400 for i in range(tm.context_len + 50)]
+    fits = long[: tm.context_len - GREEDY["max_new_tokens"]]
+    out = engine.generate(input_ids=fits, sampling_params=GREEDY)
+    assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+    with pytest.raises(ValueError, match=str(tm.context_len)):
+        engine.generate(input_ids=long[: tm.context_len + 1], sampling_params=GREEDY)
+
+
 # ---------------------------------------------------------------------------------------------
 # a long list is sent in chunks as it is tokenized (InputProcessor.make_calls)
 # ---------------------------------------------------------------------------------------------
