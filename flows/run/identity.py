@@ -3,7 +3,8 @@
 Everything that can change an output row is in: the model (its config and tokenizer files,
 and a sampled hash of each weight file), the LoRA adapters' files, the engine arguments that
 change numerics, the input's content, the prompt, the flow's prompt variables, the sampling parameters, the seed.
-What only changes speed or memory (max_running_requests, max_in_flight, shard_size, ...), how
+A value set to the engine's default counts as not set (the Prefect form writes out every
+field it shows). What only changes speed or memory (max_running_requests, max_in_flight, shard_size, ...), how
 many engines share the work (the `parallel` section; an engine's data-parallel copies: dp_size,
 load_balance_method; which GPUs: base_gpu_id, gpu_id_step) and where results go (output_dir,
 run_name) are out, so tuning them resumes the same run, whatever the worker count was before.
@@ -40,10 +41,13 @@ _SAMPLE_BYTES = 1 << 20
 
 
 def run_identity(config: RunConfig, checked: Checked) -> dict[str, Any]:
+    from engine import SamplingParams, ServerArgs  # (lazily: importing the flows loads no torch)
+
     engine_args = config.engine.arguments()
+    engine = {k: v for k, v in engine_args.items() if k not in PERFORMANCE_ARGS}
     identity = {
         "model": model_identity(engine_args["model_path"], checked.tokenizer_path),
-        "engine": {k: v for k, v in engine_args.items() if k not in PERFORMANCE_ARGS},
+        "engine": _set_apart_from_defaults(engine, ServerArgs.rules()),
         "source": {
             "sha256": content_digest(config.source),
             "format": checked.source_format,
@@ -52,7 +56,7 @@ def run_identity(config: RunConfig, checked: Checked) -> dict[str, Any]:
         "prompt": _prompt_identity(config),
         "template_variables": config.template_variables(),
         "samples_per_row": config.samples_per_row,
-        "sampling": config.sampling_params(),
+        "sampling": _set_apart_from_defaults(config.sampling_params(), SamplingParams.rules()),
         "seed": config.seed,
         "logprobs": [config.logprobs, config.top_logprobs],
     }
@@ -64,6 +68,14 @@ def run_identity(config: RunConfig, checked: Checked) -> dict[str, Any]:
     if config.prompt.image_column is not None:  # the pictures themselves (inputs/image_column.py)
         identity["images"] = checked.images_digest
     return identity
+
+
+def _set_apart_from_defaults(values: dict[str, Any], rules: dict[str, Any]) -> dict[str, Any]:
+    """The values a config sets to other than the engine's defaults: a value written out as
+    the default (the Prefect form sends every untouched toggle: `ignore_eos: false`) makes the
+    same rows as one left out, so it is the same run. (A run whose config left defaults out
+    keeps its fingerprint.)"""
+    return {k: v for k, v in values.items() if k not in rules or v != rules[k].default}
 
 
 def _prompt_identity(config: RunConfig) -> dict[str, Any]:

@@ -105,15 +105,25 @@ def test_the_fingerprint_changes_with_what_changes_rows_and_only_that(llama_dir,
         return run_identity(config, preflight(config))
 
     base = identity_of()
+    # what the Prefect form sends for a custom run: every field it shows, untouched ones at the
+    # engine's defaults; those rows are the command line's, and so is the run
+    form = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": False, "top_p": 1.0,
+            "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "repetition_penalty": 1.0, "skip_special_tokens": True}  # fmt: skip
+    engine = {**base_config(llama_dir, source, tmp_path)["engine"], "kv_cache_dtype": "auto"}
     same = [
         identity_of(max_in_flight=3, shard_size=7, output_dir=tmp_path / "elsewhere"),
         identity_of(engine={"max_running_requests": 8, "max_total_tokens": 4096}),
         identity_of(run_name="renamed"),
+        identity_of(sampling=form, engine=engine),
     ]
+    # (a config that leaves the defaults out hashes what it did before this rule)
+    assert base["sampling"] == {"temperature": 0, "max_new_tokens": 8}
     assert all(identity == base for identity in same)
     changed = [
         identity_of(seed=1),
         identity_of(sampling={"temperature": 0.5}),
+        identity_of(sampling={**form, "ignore_eos": True}),
         identity_of(prompt={"template": "Q: {{ question }}"}),
         identity_of(engine={"dtype": "bfloat16"}),
         identity_of(logprobs=True),
