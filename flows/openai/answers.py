@@ -128,6 +128,8 @@ async def _body(engine: EngineAPI, job: Job, model: str, seed: int) -> dict[str,
     echo = bool(request.body.get("echo"))
     if echo and texts is None:
         raise LineError("echo needs text prompts (the prompt is token ids)", param="echo")
+    if echo and top is not None:  # the prompt's logprobs too, from its first token
+        logprobs["logprob_start_len"] = 0
     results = await engine.async_generate(
         prompt=texts, input_ids=ids, sampling_params=params, **logprobs
     )

@@ -53,7 +53,7 @@ def chat_body(results: list[dict], model: str, top: int | None) -> dict[str, Any
         choices.append({
             "index": index,
             "message": {"role": "assistant", "content": result["text"], "refusal": None},
-            "logprobs": _chat_logprobs(meta) if top is not None else None,
+            "logprobs": _chat_logprobs(meta, result["text"]) if top is not None else None,
             "finish_reason": _finish_reason(meta),
         })  # fmt: skip
     return _completion("chatcmpl", "chat.completion", model, choices, _usage(results, len(results)))
@@ -67,10 +67,15 @@ def completion_body(
     for index, result in enumerate(results):
         meta = result["meta_info"]
         head = prompts[index // n] if echo else ""
+        logprobs = None
+        if top is not None:
+            logprobs = _completion_logprobs(meta, len(head), result["text"])
+            if echo:  # the prompt's tokens first, as OpenAI's legacy completions give them
+                logprobs = _joined(_prompt_logprobs(meta), logprobs)
         choices.append({
             "index": index,
             "text": head + result["text"],
-            "logprobs": _completion_logprobs(meta, len(head)) if top is not None else None,
+            "logprobs": logprobs,
             "finish_reason": _finish_reason(meta),
         })  # fmt: skip
     return _completion("cmpl", "text_completion", model, choices, _usage(results, per_prompt=n))
@@ -133,31 +138,78 @@ def _token(text: str | None) -> dict[str, Any]:
     return {"token": text, "bytes": list(text.encode("utf-8"))}
 
 
-def _chat_logprobs(meta: dict[str, Any]) -> dict[str, Any]:
-    tops = meta.get("output_top_logprobs") or [[] for _ in meta["output_token_logprobs"]]
+def _covering(meta: dict[str, Any], text: str) -> int:
+    """How many of the output's logprob entries the returned text covers: OpenAI's logprobs are
+    those of the text it returns, so a stop token the text leaves out (`<|im_end|>`), and the
+    tokens of a stop string trimmed off it, have none."""
+    entries = meta["output_token_logprobs"]
+    reason = meta.get("finish_reason") or {}
+    if reason.get("type") != "stop" or not entries:
+        return len(entries)
+    if isinstance(reason.get("matched"), int):
+        last = entries[-1][2] or ""
+        return len(entries) - (not last or not text.endswith(last))
+    covered, length = 0, 0
+    while covered < len(entries) and length < len(text):
+        length += len(entries[covered][2] or "")
+        covered += 1
+    return covered
+
+
+def _chat_logprobs(meta: dict[str, Any], text: str) -> dict[str, Any]:
+    n = _covering(meta, text)
+    entries = meta["output_token_logprobs"][:n]
+    tops = (meta.get("output_top_logprobs") or [[] for _ in entries])[:n]
     content = [
         {
-            **_token(text),
+            **_token(token),
             "logprob": logprob,
             "top_logprobs": [{**_token(t), "logprob": lp} for lp, _, t in top],
         }
-        for (logprob, _, text), top in zip(meta["output_token_logprobs"], tops)
+        for (logprob, _, token), top in zip(entries, tops)
     ]
     return {"content": content, "refusal": None}
 
 
-def _completion_logprobs(meta: dict[str, Any], offset: int) -> dict[str, Any]:
+def _completion_logprobs(meta: dict[str, Any], offset: int, text: str) -> dict[str, Any]:
+    n = _covering(meta, text)
+    entries = meta["output_token_logprobs"][:n]
+    tops = meta.get("output_top_logprobs")
+    return _legacy(entries, tops[:n] if tops else None, offset)
+
+
+def _prompt_logprobs(meta: dict[str, Any]) -> dict[str, Any]:
+    """The prompt's tokens as a legacy completion's logprobs (the first has none)."""
+    return _legacy(meta["input_token_logprobs"], meta.get("input_top_logprobs"), 0)
+
+
+def _legacy(entries: list, tops: list | None, offset: int) -> dict[str, Any]:
     tokens, offsets = [], []
-    for _, _, text in meta["output_token_logprobs"]:
+    for _, _, text in entries:
         offsets.append(offset)
         tokens.append(text or "")
         offset += len(text or "")
-    tops = meta.get("output_top_logprobs")
     return {
         "tokens": tokens,
-        "token_logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
-        "top_logprobs": [{t or "": lp for lp, _, t in top} for top in tops] if tops else None,
+        "token_logprobs": [lp for lp, _, _ in entries],
+        "top_logprobs": [None if top is None else {t or "": lp for lp, _, t in top} for top in tops]
+        if tops
+        else None,
         "text_offset": offsets,
+    }
+
+
+def _joined(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    top = None
+    if head["top_logprobs"] is not None or tail["top_logprobs"] is not None:
+        top = (head["top_logprobs"] or [None] * len(head["tokens"])) + (
+            tail["top_logprobs"] or [None] * len(tail["tokens"])
+        )
+    return {
+        "tokens": head["tokens"] + tail["tokens"],
+        "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+        "top_logprobs": top,
+        "text_offset": head["text_offset"] + tail["text_offset"],
     }
 
 

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from flows.cli import main
+from flows.openai.responses import chat_body, completion_body
 from flows.outputs.store import row_seed
 from tests.flows.fixtures import engine_arguments, flow_env, lent_engine, run_folder, wait_until
 from tests.tiny_models import SHARED_ENGINE_ARGS
@@ -76,6 +77,8 @@ def batch(prefect_api, shared_llama_engine, llama_dir, llama_context, tmp_path_f
         line("token-ids", COMPLETIONS, prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=3,
              temperature=0),
         line("echo-n", COMPLETIONS, prompt="The end", max_tokens=3, n=2, seed=7, echo=True),
+        line("echo-logprobs", COMPLETIONS, prompt="The end", max_tokens=3, temperature=0,
+             echo=True, logprobs=1),
         b"{this is not json",
         line("typo", CHAT, messages=[{"role": "user", "content": "x"}], max_tokns=3),
         line("chat-0", CHAT, messages=[{"role": "user", "content": "again"}]),
@@ -207,6 +210,59 @@ def test_completion_lines_equal_engine_generate(batch, shared_llama_engine):
     assert body["usage"]["prompt_tokens"] == want[0]["meta_info"]["prompt_tokens"]
 
 
+def test_echo_with_logprobs_gives_the_prompts_tokens_first(batch, shared_llama_engine):
+    """OpenAI's legacy completions with echo and logprobs: the prompt's tokens (the first
+    without a logprob) before the completion's, offsets into the echoed text."""
+    want = shared_llama_engine.generate(
+        "The end", {"max_new_tokens": 3, "temperature": 0}, return_logprob=True,
+        logprob_start_len=0, top_logprobs_num=1, return_text_in_logprobs=True,
+    )  # fmt: skip
+    meta = want["meta_info"]
+    entries = meta["input_token_logprobs"] + meta["output_token_logprobs"]
+    (choice,) = by_custom_id(batch[1])["echo-logprobs"]["response"]["body"]["choices"]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [t for _, _, t in entries]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == pytest.approx(
+        [lp for lp, _, _ in entries[1:]], abs=1e-4
+    )
+    assert choice["text"] == "The end" + want["text"]
+    assert [choice["text"][o:].startswith(t) for o, t in
+            zip(logprobs["text_offset"], logprobs["tokens"])] == [True] * len(entries)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["stop token", "stop string", "kept stop string", "length"])
+def test_logprobs_cover_the_returned_text(kind):
+    """OpenAI's logprobs are those of the text it returns: a stop token left out of the text
+    (`<|im_end|>`) and the tokens of a trimmed stop string have none; the reference is the
+    returned text itself, which the covered tokens' texts spell exactly."""
+    from openai.types.chat import ChatCompletion
+    from openai.types.completion import Completion
+
+    tokens = ["12", "6", " is", " it", "<|im_end|>"]
+    text, matched = {
+        "stop token": ("126 is it", 7),
+        "stop string": ("126", " is"),  # the stop string " is" trimmed, and what followed
+        "kept stop string": ("126 is", " is"),  # no_stop_trim: the stop string stays
+        "length": ("126 is it<|im_end|>", None),
+    }[kind]
+    reason = (
+        {"type": "length", "length": 5} if matched is None else {"type": "stop", "matched": matched}
+    )
+    meta = {
+        "output_token_logprobs": [(-0.1 * i, i, t) for i, t in enumerate(tokens)],
+        "output_top_logprobs": [[(-0.1 * i, i, t)] for i, t in enumerate(tokens)],
+        "finish_reason": reason, "prompt_tokens": 3, "completion_tokens": 5, "cached_tokens": 0,
+    }  # fmt: skip
+    result = {"text": text, "meta_info": meta}
+    chat = ChatCompletion.model_validate(chat_body([result], "m", 1))
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == text
+    completion = Completion.model_validate(completion_body([result], ["hi"], 1, "m", 1, False))
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == text and len(logprobs.top_logprobs) == len(logprobs.tokens)
+
+
 def test_lines_that_cannot_be_served_get_error_entries(batch, llama_context):
     _, output = batch
     errors = {o["custom_id"] or "malformed": o for o in output if o["error"] is not None}
@@ -219,7 +275,8 @@ def test_lines_that_cannot_be_served_get_error_entries(batch, llama_context):
         "picture": "invalid_request",
     }  # fmt: skip
     message = {k: e["error"]["message"] for k, e in errors.items()}
-    assert message["malformed"].startswith("line 10: not JSON")
+    malformed = 1 + next(i for i, item in enumerate(batch[0]) if isinstance(item, bytes))
+    assert message["malformed"].startswith(f"line {malformed}: not JSON")
     assert "unknown parameter 'max_tokns' (did you mean 'max_tokens'?)" in message["typo"]
     assert "already used on line 1" in message["chat-0"]
     assert "embeddings need an embedding model" in message["embed"]
