@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     batch.add_argument("-i", "--input", type=Path, required=True, help="the batch input (JSONL)")
     batch.add_argument("-o", "--output", type=Path, required=True, help="the output file (JSONL)")
+    batch.add_argument(
+        "-e", "--errors", type=Path,
+        help="the error file: the lines that failed (default: beside the output, OUT_errors.jsonl)",
+    )  # fmt: skip
     batch.add_argument("--model", required=True, help="a local Hugging Face model folder")
     batch.add_argument("--run-name", help="its results folder's name (default: the input's)")
     batch.add_argument(
@@ -189,7 +193,9 @@ def _batch_config(args: argparse.Namespace) -> Any:
     """`gristmill batch`'s arguments as an OpenAI batch config (flows/openai_batch.py)."""
     from flows.openai_batch import batch_config
 
-    return batch_config(args.input, args.output, args.model, args.run_name, args.overrides)
+    return batch_config(
+        args.input, args.output, args.model, args.run_name, args.overrides, args.errors
+    )
 
 
 def _error_of(state: Any) -> BaseException:

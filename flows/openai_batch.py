@@ -14,8 +14,10 @@ get OpenAI's response bodies (flows/openai/responses.py). It runs the steps of e
 flow, and so is resumable as they are: each answer lands in a checkpoint shard under
 `<output_dir>/<run_name>/<fingerprint>/` keyed by its custom_id, a rerun answers only the
 lines no shard has, and the output file is written once every line is answered, in input
-order, each custom_id exactly once. A line that cannot be served gets an error entry; the
-others are unaffected. A line without a seed samples with one derived from the run's `seed`
+order, each custom_id exactly once: the answered lines in the output file, the failed ones
+(an error entry each, naming why) in the error file beside it, as OpenAI's Batch API splits
+them. A file with a line that is not a JSON object with a custom_id is refused, naming its
+lines, before any engine starts (OpenAI validates the file first too). A line without a seed samples with one derived from the run's `seed`
 and its custom_id, so a rerun of a sampled line gives the same answer.
 
 An engine either generates or embeds: with embedding lines only, the engine is started as an
@@ -74,7 +76,13 @@ class OpenAIBatchConfig(RunBase):
     flow: Literal["openai_batch"] = Field("openai_batch", description="which flow runs the config")
     input: Path = Field(description="an OpenAI Batch API input file (JSONL request lines)")
     output: Path = Field(
-        description="the output file (JSONL), written in input order once every line is answered"
+        description="the output file (JSONL): the lines answered, in input order, written once "
+        "every line is"
+    )
+    errors: Path | None = Field(
+        None,
+        description="the error file (JSONL): the lines that failed, with why (OpenAI's error "
+        "file); default beside the output, <output>_errors.jsonl",
     )
     seed: int = Field(0, description="with each custom_id, the seed of lines that give none")
     shard_size: int = Field(1000, ge=1, description="answers per checkpoint shard")
@@ -84,11 +92,25 @@ class OpenAIBatchConfig(RunBase):
     def _output_is_not_the_input(self) -> OpenAIBatchConfig:
         if self.output.resolve() == self.input.resolve():
             raise ValueError("output must differ from input (the input is read on every rerun)")
+        if self.errors_path.resolve() in (self.input.resolve(), self.output.resolve()):
+            raise ValueError("errors must differ from input and output")
         return self
+
+    @property
+    def errors_path(self) -> Path:
+        """Where the lines that failed go: `errors`, or beside the output."""
+        if self.errors is not None:
+            return self.errors
+        return self.output.with_name(f"{self.output.stem}_errors{self.output.suffix or '.jsonl'}")
 
 
 def batch_config(
-    input: Path, output: Path, model: str, run_name: str | None, overrides: list[str]
+    input: Path,
+    output: Path,
+    model: str,
+    run_name: str | None,
+    overrides: list[str],
+    errors: Path | None = None,
 ) -> OpenAIBatchConfig:
     """`gristmill batch`'s config: its run is named after the input file unless named."""
     from flows.config import load_config
@@ -96,6 +118,8 @@ def batch_config(
     name = run_name or re.sub(r"[^A-Za-z0-9._-]+", "-", input.stem).strip("-._") or "batch"
     data = {"flow": "openai_batch", "run_name": name, "engine": {"model_path": model},
             "input": str(input), "output": str(output)}  # fmt: skip
+    if errors is not None:
+        data["errors"] = str(errors)
     return load_config(data, overrides, kind=OpenAIBatchConfig)
 
 
@@ -122,6 +146,13 @@ def check_batch(config: OpenAIBatchConfig) -> tuple[BatchChecked, dict[str, Any]
     requests = read_batch(data)
     if not requests:
         problems.append(("input", f"{config.input} has no request lines"))
+    # NOTE: as OpenAI validates a batch file before it runs any of it: a line that is not a
+    # JSON object with a custom_id cannot be answered or even named in an output line
+    unnamed = [r for r in requests if r.custom_id is None]
+    if unnamed:
+        problems.append(("input", f"{config.input}: " + "; ".join(
+            f"line {r.line}: {r.error}" for r in unnamed[:20]
+        ) + (f"; and {len(unnamed) - 20} more lines" if len(unnamed) > 20 else "")))  # fmt: skip
     kinds = {r.kind for r in requests if r.error is None and r.kind is not None}
     engine = config.engine
     if "is_embedding" not in engine.arguments() and _embeds(engine, kinds):
@@ -246,9 +277,14 @@ def write_output(plan: RunPlan, answered: Generated) -> dict[str, Any]:
     merged = store.merge(expected_ids=keys)
     merged = merged.take(pc.sort_indices(merged.column("line")))
     write_parquet(store.output_path, merged)
-    config.output.parent.mkdir(parents=True, exist_ok=True)
-    lines = "".join(line + "\n" for line in merged.column("output").to_pylist())
-    write_file(config.output, lines.encode("utf-8"))
+    # the answered lines in the output file, the failed ones in the error file (OpenAI's
+    # output_file_id and error_file_id; the error file is written empty when none failed, so
+    # no earlier run's is left there)
+    failed_rows = pc.is_valid(merged.column("error"))
+    for path, rows in ((config.output, pc.invert(failed_rows)), (config.errors_path, failed_rows)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        chosen = merged.filter(rows).column("output").to_pylist()
+        write_file(path, "".join(line + "\n" for line in chosen).encode("utf-8"))
 
     def total(column: str) -> int:
         return int(pc.sum(merged.column(column)).as_py() or 0)
@@ -268,6 +304,7 @@ def write_output(plan: RunPlan, answered: Generated) -> dict[str, Any]:
         "seconds": round(answered.seconds, 3),
         "tokens_per_second": round(answered.tokens_per_second, 1),
         "output": str(config.output),
+        "errors": str(config.errors_path),
     }
     store.write_json("summary.json", summary)
     logger.info("summary: %s", ", ".join(f"{k}={v}" for k, v in summary.items()))

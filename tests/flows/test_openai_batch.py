@@ -79,7 +79,6 @@ def batch(prefect_api, shared_llama_engine, llama_dir, llama_context, tmp_path_f
         line("echo-n", COMPLETIONS, prompt="The end", max_tokens=3, n=2, seed=7, echo=True),
         line("echo-logprobs", COMPLETIONS, prompt="The end", max_tokens=3, temperature=0,
              echo=True, logprobs=1),
-        b"{this is not json",
         line("typo", CHAT, messages=[{"role": "user", "content": "x"}], max_tokns=3),
         line("chat-0", CHAT, messages=[{"role": "user", "content": "again"}]),
         line("embed", EMBEDDINGS, input="hello"),
@@ -91,7 +90,8 @@ def batch(prefect_api, shared_llama_engine, llama_dir, llama_context, tmp_path_f
     output = root / "results.jsonl"
     with lent_engine(shared_llama_engine, engine_arguments(llama_dir)):
         assert main(batch_command(source, output, llama_dir, root / "runs")) == 0
-    return lines, read_lines(output)
+    # the answered lines, then the failed ones: the output file, then the error file beside it
+    return lines, read_lines(output) + read_lines(root / "results_errors.jsonl")
 
 
 def by_custom_id(output: list[dict]) -> dict[str, dict]:
@@ -105,10 +105,22 @@ def chat_prompt(engine: Any, messages: list[dict]) -> str:
 
 
 def test_every_line_is_answered_once_in_input_order(batch):
+    """The answered lines in the output file, the failed ones in the error file, each in input
+    order, every line in one of them once (OpenAI's output and error files)."""
     lines, output = batch
     assert len(output) == len(lines)
-    expected = [item["custom_id"] if isinstance(item, dict) else None for item in lines]
-    assert [o["custom_id"] for o in output] == expected
+    answered = [o for o in output if o["error"] is None]
+    failed = [o for o in output if o["error"] is not None]
+    assert output == answered + failed  # (the output file holds no error entry, and vice versa)
+    first = {}
+    for number, item in enumerate(lines, start=1):
+        first.setdefault(item["custom_id"], number)
+    # (an answered line's custom_id is its own; a failed line names its line number)
+    answered_at = [first[o["custom_id"]] for o in answered]
+    failed_at = [int(o["error"]["message"].split(":")[0].removeprefix("line ")) for o in failed]
+    assert answered_at == sorted(answered_at) and failed_at == sorted(failed_at)
+    assert sorted(answered_at + failed_at) == list(range(1, len(lines) + 1))
+    assert sorted(o["custom_id"] for o in output) == sorted(item["custom_id"] for item in lines)
     assert len({o["id"] for o in output}) == len(output)
     assert all(o["id"].startswith("batch_req_") for o in output)
 
@@ -265,18 +277,18 @@ def test_logprobs_cover_the_returned_text(kind):
 
 def test_lines_that_cannot_be_served_get_error_entries(batch, llama_context):
     _, output = batch
-    errors = {o["custom_id"] or "malformed": o for o in output if o["error"] is not None}
-    assert set(errors) == {"malformed", "typo", "chat-0", "embed", "too-long", "picture"}
+    errors = {o["custom_id"]: o for o in output if o["error"] is not None}
+    assert set(errors) == {"typo", "chat-0", "embed", "too-long", "picture"}
     assert all(e["response"] is None for e in errors.values())
     codes = {k: e["error"]["code"] for k, e in errors.items()}
     assert codes == {
-        "malformed": "invalid_json", "typo": "invalid_request", "chat-0": "duplicate_custom_id",
+        "typo": "invalid_request", "chat-0": "duplicate_custom_id",
         "embed": "unsupported_url", "too-long": "context_length_exceeded",
         "picture": "invalid_request",
     }  # fmt: skip
     message = {k: e["error"]["message"] for k, e in errors.items()}
-    malformed = 1 + next(i for i, item in enumerate(batch[0]) if isinstance(item, bytes))
-    assert message["malformed"].startswith(f"line {malformed}: not JSON")
+    typo = 1 + next(i for i, item in enumerate(batch[0]) if item["custom_id"] == "typo")
+    assert message["typo"].startswith(f"line {typo}: ")
     assert "unknown parameter 'max_tokns' (did you mean 'max_tokens'?)" in message["typo"]
     assert "already used on line 1" in message["chat-0"]
     assert "embeddings need an embedding model" in message["embed"]
@@ -284,6 +296,29 @@ def test_lines_that_cannot_be_served_get_error_entries(batch, llama_context):
     assert "takes text only" in message["picture"]
     # the first chat-0 (line 1) was answered as its own line
     assert [o["custom_id"] for o in output].count("chat-0") == 2
+
+
+def test_a_file_with_lines_no_output_line_can_name_is_refused_before_any_engine(
+    llama_dir, tmp_path, capsys
+):
+    """As OpenAI validates a batch file first: lines that are not JSON objects, or have no
+    string custom_id, refuse the whole file, naming each line, and no engine starts."""
+    lines = [
+        line("ok", CHAT, messages=[{"role": "user", "content": "hi"}]),
+        b"{this is not json",
+        line("", CHAT, messages=[{"role": "user", "content": "hi"}]),
+        b'["a list"]',
+        {"method": "POST", "url": CHAT, "body": {"messages": []}},
+    ]
+    source = write_lines(tmp_path / "bad.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+    with lent_engine(None, engine_arguments(llama_dir)) as asked:
+        assert main(batch_command(source, output, llama_dir, tmp_path / "runs")) != 0
+    message = capsys.readouterr().err
+    assert "line 2: not JSON" in message and "line 4: not a JSON object" in message
+    assert "line 3: custom_id must be a non-empty string" in message
+    assert "line 5: custom_id must be a non-empty string" in message and "line 1:" not in message
+    assert asked == [] and not output.exists()
 
 
 # ---------------------------------------------------------------------- embeddings
@@ -312,7 +347,9 @@ def test_embedding_lines_equal_encode(prefect_api, minilm_engine, tmp_path):
     with lent_engine(minilm_engine, {"model_path": path, "is_embedding": True}):
         assert main(["batch", "-i", str(source), "-o", str(output), "--model", path,
                      "--set", f"output_dir={tmp_path / 'runs'}"]) == 0  # fmt: skip
-    answers = {o["custom_id"]: o for o in read_lines(output)}
+    errors = read_lines(tmp_path / "out_errors.jsonl")  # (beside the output, by default)
+    assert [o["custom_id"] for o in errors] == ["chat"]
+    answers = {o["custom_id"]: o for o in read_lines(output) + errors}
     want = minilm_engine.encode(sentences)
     body = answers["many"]["response"]["body"]
     assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1, 2]
