@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from engine.runtime.messages import (
     CloseSession,
     ControlCall,
+    EncodeArgs,
     FlushCache,
     GenerateArgs,
     GetInfo,
@@ -55,6 +56,14 @@ class EngineAPI(Protocol):
         self, args: GenerateArgs
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """async_generate() with its arguments as one message."""
+
+    @abstractmethod
+    def run_encode(self, args: EncodeArgs) -> dict | list[dict]:
+        """encode() with its arguments as one message."""
+
+    @abstractmethod
+    async def async_run_encode(self, args: EncodeArgs) -> dict | list[dict]:
+        """async_encode() with its arguments as one message."""
 
     @abstractmethod
     def run_control(self, call: ControlCall) -> Any:
@@ -129,6 +138,38 @@ class EngineAPI(Protocol):
                 lora_path, image_data, routed_dp_rank, data_parallel_rank, unsupported,
             )
         )  # fmt: skip
+
+    # ------------------------------------------------------------------ embeddings
+    def encode(
+        self,
+        prompt: str | list[str],
+        image_data: Any = None,
+        audio_data: Any = None,
+        video_data: Any = None,
+        dimensions: int | None = None,
+        lora_path: Any = None,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict]:
+        """Embed text (is_embedding=True engines): one {"embedding", "meta_info"} per prompt, a
+        dict for a str and a list for a list; `dimensions` truncates (then renormalizes)."""
+        return self.run_encode(
+            EncodeArgs(prompt, image_data, audio_data, video_data, dimensions, lora_path, rid)
+        )
+
+    async def async_encode(
+        self,
+        prompt: str | list[str],
+        image_data: Any = None,
+        audio_data: Any = None,
+        video_data: Any = None,
+        dimensions: int | None = None,
+        lora_path: Any = None,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict]:
+        """As encode(), awaited on the caller's event loop."""
+        return await self.async_run_encode(
+            EncodeArgs(prompt, image_data, audio_data, video_data, dimensions, lora_path, rid)
+        )
 
     # ------------------------------------------------------------------ management
     @property

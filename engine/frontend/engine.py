@@ -39,6 +39,7 @@ from engine.quantization import resolve_quantization
 from engine.runtime.messages import (
     CloseSession,
     ControlCall,
+    EncodeArgs,
     FlushCache,
     GenerateArgs,
     GetInfo,
@@ -131,48 +132,23 @@ class Engine(EngineAPI):
         return calls, routed
 
     # ------------------------------------------------------------------ embeddings and scores
-    def encode(
-        self,
-        prompt: str | list[str],
-        image_data: Any = None,
-        audio_data: Any = None,
-        video_data: Any = None,
-        dimensions: int | None = None,
-        lora_path: Any = None,
-        rid: str | list[str] | None = None,
-    ) -> dict | list[dict]:
-        """Embed text (is_embedding=True engines): one {"embedding", "meta_info"} per prompt, a
-        dict for a str and a list for a list; `dimensions` truncates (then renormalizes)."""
+    def run_encode(self, args: EncodeArgs) -> dict | list[dict]:
         tm = self.tokenizer_manager
-        call = self._encode_call(
-            prompt, dimensions, rid, image_data, audio_data, video_data, lora_path
-        )
+        call = self._encode_call(args)
         channel = Channel()
         results = tm.wait_all(tm.submit(call, channel), channel)
         return results if call.is_batch else results[0]
 
-    async def async_encode(
-        self,
-        prompt: str | list[str],
-        image_data: Any = None,
-        audio_data: Any = None,
-        video_data: Any = None,
-        dimensions: int | None = None,
-        lora_path: Any = None,
-        rid: str | list[str] | None = None,
-    ) -> dict | list[dict]:
-        """As encode(), awaited on the caller's event loop."""
+    async def async_run_encode(self, args: EncodeArgs) -> dict | list[dict]:
         tm = self.tokenizer_manager
-        call = self._encode_call(
-            prompt, dimensions, rid, image_data, audio_data, video_data, lora_path
-        )
+        call = self._encode_call(args)
         channel = Channel(asyncio.get_running_loop())
         results = await tm.async_wait_all(tm.submit(call, channel), channel)
         return results if call.is_batch else results[0]
 
-    def _encode_call(self, prompt, dimensions, rid, *unsupported: Any):
+    def _encode_call(self, args: EncodeArgs):
         names = ("image_data", "audio_data", "video_data", "lora_path")
-        used = [name for name, value in zip(names, unsupported) if value is not None]
+        used = [name for name in names if getattr(args, name) is not None]
         if "image_data" in used:
             raise ValueError(
                 "encode() with image_data needs a multimodal embedding model, and gristmill "
@@ -186,7 +162,9 @@ class Engine(EngineAPI):
         if not self.server_args.is_embedding:
             raise ValueError("encode() needs an embedding engine: start it with is_embedding=True.")
         self.tokenizer_manager.check_usable()
-        return make_encode_call(self.tokenizer_manager.inputs, prompt, dimensions, rid)
+        return make_encode_call(
+            self.tokenizer_manager.inputs, args.prompt, args.dimensions, args.rid
+        )
 
     def score(
         self,

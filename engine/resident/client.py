@@ -39,7 +39,7 @@ import engine.resident.protocol as protocol
 from engine.api import EngineAPI
 from engine.frontend.results import Channel
 from engine.resident.registry import ResidentRecord, new_record, records, remove
-from engine.runtime.messages import ControlCall, GenerateArgs
+from engine.runtime.messages import ControlCall, EncodeArgs, GenerateArgs
 from engine.server_args import ServerArgs
 from engine.tokenization import load_tokenizer
 
@@ -78,18 +78,35 @@ class ResidentEngine(EngineAPI):
     # (generate, async_generate and the management methods: EngineAPI's, which build the
     # messages these send to the resident engine)
     def run_generate(self, args: GenerateArgs) -> Any:
+        return self._call(protocol.GENERATE, _not_streamed(args))
+
+    async def async_run_generate(self, args: GenerateArgs) -> Any:
+        """As Engine's; cancelling the awaiting task aborts the request."""
+        return await self._acall(protocol.GENERATE, _not_streamed(args))
+
+    def run_encode(self, args: EncodeArgs) -> Any:
+        """On a resident embedding engine (is_embedding=True), which checks the arguments as
+        an Engine does."""
+        return self._call(protocol.ENCODE, args)
+
+    async def async_run_encode(self, args: EncodeArgs) -> Any:
+        """As Engine's; cancelling the awaiting task aborts the request."""
+        return await self._acall(protocol.ENCODE, args)
+
+    def _call(self, op: str, payload: Any) -> Any:
+        """A request (generate, encode): its result, or its error raised; the request is
+        aborted if the wait ends otherwise (Ctrl-C)."""
         channel = Channel()
-        call_id = self._submit(protocol.GENERATE, _not_streamed(args), channel)
+        call_id = self._submit(op, payload, channel)
         try:
             return _value(channel.get())
         except BaseException:
             self._send(protocol.ABORT, call_id)
             raise
 
-    async def async_run_generate(self, args: GenerateArgs) -> Any:
-        """As Engine's; cancelling the awaiting task aborts the request."""
+    async def _acall(self, op: str, payload: Any) -> Any:
         channel = Channel(asyncio.get_running_loop())
-        call_id = self._submit(protocol.GENERATE, _not_streamed(args), channel)
+        call_id = self._submit(op, payload, channel)
         try:
             return _value(await channel.aget())
         except BaseException:

@@ -13,6 +13,7 @@ scheduler or detokenizer died stops too, and leaves its folder marked failed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -28,7 +29,7 @@ import zmq.asyncio
 import engine.resident.protocol as protocol
 from engine.frontend.engine import Engine
 from engine.resident.registry import ResidentRecord, remove, take_lock
-from engine.runtime.messages import ControlCall, GenerateArgs, GetInfo
+from engine.runtime.messages import ControlCall, GetInfo
 
 logger = logging.getLogger("engine.resident")
 
@@ -81,8 +82,15 @@ class ResidentServer:
             op, call_id, body = _load(payload)
             self.clients.add(client)
             if op == protocol.GENERATE:
-                task = asyncio.ensure_future(self._generate(client, call_id, body))
-                self.tasks[client, call_id] = task
+                work = self.engine.async_run_generate(body)
+                self.tasks[client, call_id] = asyncio.ensure_future(
+                    self._run(client, call_id, work)
+                )
+            elif op == protocol.ENCODE:
+                work = self.engine.async_encode(**dataclasses.asdict(body))
+                self.tasks[client, call_id] = asyncio.ensure_future(
+                    self._run(client, call_id, work)
+                )
             elif op == protocol.ABORT:
                 task = self.tasks.get((client, call_id))
                 if task is not None:
@@ -98,9 +106,11 @@ class ResidentServer:
                 )
                 await self._send(client, protocol.error_reply(call_id, error))
 
-    async def _generate(self, client: bytes, call_id: int, args: GenerateArgs) -> None:
+    async def _run(self, client: bytes, call_id: int, work: Any) -> None:
+        """A request's call (generate or encode) on the Engine, answered when it is done; a
+        cancelled one (the client aborted it) is not answered."""
         try:
-            result = await self.engine.async_run_generate(args)
+            result = await work
             reply = (protocol.RESULT, call_id, result)
             self.requests_served += len(result) if isinstance(result, list) else 1
         except asyncio.CancelledError:

@@ -115,6 +115,20 @@ class GenerateArgs:
     unsupported: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EncodeArgs:
+    """One encode() / async_encode() call's arguments: what a resident engine's client sends
+    it (a resident embedding engine embeds for every client)."""
+
+    prompt: str | list[str]
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    dimensions: int | None = None
+    lora_path: Any = None
+    rid: str | list[str] | None = None
+
+
 @dataclass
 class DecodeSpec:
     """How a request's tokens become text; sent once, with the request's first output."""

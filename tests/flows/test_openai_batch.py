@@ -332,6 +332,39 @@ def minilm_engine(shared_minilm_engine):
     return shared_minilm_engine
 
 
+def test_a_resident_embedding_engine_serves_embedding_lines(
+    prefect_api, minilm_engine, tmp_path, monkeypatch
+):
+    """A batch of embedding lines attaches to a resident embedding engine of its engine
+    section, as a generate run attaches to a resident generating one; the answers are the
+    engine's encode()."""
+    from engine import resident_engines, start_resident, stop_resident
+    from flows.config import EngineConfig
+    from flows.engines.resident import engine_labels
+
+    path = str(MINILM.get_model_path())
+    section = EngineConfig(model_path=path, is_embedding=True)
+    record = start_resident(section.arguments(), labels=engine_labels(section))
+
+    def no_engine_of_its_own(**kwargs):
+        raise AssertionError("the run started an engine of its own")
+
+    monkeypatch.setattr("engine.Engine", no_engine_of_its_own)
+    sentences = ["A cat sits on the mat.", "Stock prices fell sharply."]
+    source = write_lines(tmp_path / "embed.jsonl", [line("many", EMBEDDINGS, input=sentences)])
+    try:
+        code = main(["batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"),
+                     "--model", path, "--set", f"output_dir={tmp_path / 'runs'}"])  # fmt: skip
+        assert code == 0
+    finally:
+        stop_resident(record)
+    assert not [r for r in resident_engines() if r.alive()]
+    (answer,) = read_lines(tmp_path / "out.jsonl")
+    want = minilm_engine.encode(sentences)
+    got = [d["embedding"] for d in answer["response"]["body"]["data"]]
+    assert close(got, [w["embedding"] for w in want])
+
+
 def test_embedding_lines_equal_encode(prefect_api, minilm_engine, tmp_path):
     path = str(MINILM.get_model_path())
     sentences = ["A cat sits on the mat.", "Stock prices fell sharply.", "The cat is on a rug."]
