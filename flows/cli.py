@@ -2,6 +2,7 @@
 
     gristmill run [CONFIG.yaml] [--fresh] [--set key=value ...] run (or resume) a config;
                                                                 without one, the evaluate demo
+    gristmill run CONFIG --dry-run                              what it would cost, nothing started
     gristmill batch -i IN.jsonl -o OUT.jsonl --model PATH       answer an OpenAI batch file
                                                                 (flows/openai_batch.py)
     gristmill status RUN_DIR                                    rows done, tokens, shards
@@ -68,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     _config_arguments(run)
     run.add_argument("--fresh", action="store_true", help="delete this config's results first")
+    run.add_argument(
+        "--dry-run", action="store_true",
+        help="count what the run would do (rows, prompt tokens, the output the limits allow) "
+        "and start nothing",
+    )  # fmt: skip
     status = commands.add_parser(
         "status", parents=[common], help="rows done of the total, tokens, shards"
     )
@@ -137,6 +143,11 @@ def _run_config(args: argparse.Namespace) -> int:
     from flows.run.prefect_server import prefect_api
 
     config = _load(args) if args.command == "run" else _batch_config(args)
+    if getattr(args, "dry_run", False):
+        from flows.run.dry_run import dry_run
+
+        _print_summary(dry_run(config))
+        return 0
     # the config checked and the folder locked in a second or two: before Prefect or an engine
     plan = lock_run(config)
     try:
@@ -147,11 +158,14 @@ def _run_config(args: argparse.Namespace) -> int:
         unlock_run(plan)
     if not state.is_completed():
         return _report_failure(_error_of(state), args.debug)
-    summary = state.result()
+    _print_summary(state.result())
+    return 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
     width = max(map(len, summary))
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")
-    return 0
 
 
 def _config_arguments(command: argparse.ArgumentParser) -> None:
