@@ -215,6 +215,12 @@ class RunBase(Section):
         description="where results go; a relative path starts at the run's working directory",
     )
     engine: EngineConfig = Field(description="the inference engine: its model and arguments")
+    price_per_gpu_hour: float | None = Field(
+        None,
+        ge=0,
+        description="what one GPU-hour costs (any currency): the summary then gives the run's "
+        "cost, and --dry-run the most it can cost",
+    )
 
 
 class RunConfig(RunBase):

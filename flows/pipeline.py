@@ -293,10 +293,26 @@ def _summary(
         if generated.seconds
         else 0.0,
         "tokens_per_second": round(generated.tokens_per_second, 1),
+        **gpu_costs(config, generated.seconds, totals.sums["completion_tokens"]),
         # (counted by name: the merge has just checked every shard whole)
         "shards": sum(1 for _ in store.shards_dir.glob("shard-*.parquet")),
         "output": str(store.output_path),
     }
+
+
+def gpu_costs(config: RunConfig, seconds: float, tokens: int) -> dict[str, Any]:
+    """The generate step's GPU-seconds (its wall time on every GPU of every engine: tensor x
+    data parallel, times the Dask workers), output tokens per GPU-second and, with
+    price_per_gpu_hour, what they cost."""
+    gpus = config.gpus_per_worker * (config.parallel.workers if config.parallel.on_dask else 1)
+    gpu_seconds = seconds * gpus
+    costs: dict[str, Any] = {
+        "gpu_seconds": round(gpu_seconds, 3),
+        "tokens_per_gpu_second": round(tokens / gpu_seconds, 1) if gpu_seconds else 0.0,
+    }
+    if config.price_per_gpu_hour is not None:
+        costs["cost"] = round(gpu_seconds / 3600 * config.price_per_gpu_hour, 6)
+    return costs
 
 
 def _fmt(value: Any) -> str:

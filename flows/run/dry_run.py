@@ -7,7 +7,7 @@ them that a shared beginning lets the prefix cache serve, and the output tokens 
 allow. No engine starts and nothing is written (but the lock files every run takes beside its
 folder, for as long as it counts). Where earlier runs of the same model recorded
 their speed (`summary.json` under `output_dir`), it turns the output tokens into an estimate
-of the generation time at that speed.
+of the generation time at that speed, its GPU-seconds and, with `price_per_gpu_hour`, its cost.
 """
 
 from __future__ import annotations
@@ -71,8 +71,13 @@ def dry_run(config: RunConfig) -> dict[str, Any]:
     }
     speed = _recorded_speed(Path(config.output_dir), config.engine.arguments()["model_path"])
     if speed:
+        seconds = output_limit / speed
         summary["measured_tokens_per_second"] = speed
-        summary["generate_seconds_at_most"] = round(output_limit / speed, 1)
+        summary["generate_seconds_at_most"] = round(seconds, 1)
+        gpus = config.gpus_per_worker * (config.parallel.workers if config.parallel.on_dask else 1)
+        summary["gpu_seconds_at_most"] = round(seconds * gpus, 1)
+        if config.price_per_gpu_hour is not None:
+            summary["cost_at_most"] = round(seconds * gpus / 3600 * config.price_per_gpu_hour, 6)
     return summary
 
 

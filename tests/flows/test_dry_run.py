@@ -4,6 +4,7 @@ writes nothing, and after the run it finds nothing left to do."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from flows.cli import main
@@ -29,6 +30,7 @@ def test_dry_run_counts_what_the_run_then_reports(
     source = write_jsonl(tmp_path / "q.jsonl", question_rows(40, seed=41))
     config = base_config(llama_dir, source, tmp_path / "runs")
     config["prompt"] = {"template": INSTRUCTION + "Question {{ qid }}: {{ question }}"}
+    config["price_per_gpu_hour"] = 2.5
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
 
@@ -52,10 +54,18 @@ def test_dry_run_counts_what_the_run_then_reports(
     assert int(real["rows"]) == int(dry["rows"]) == 40
     assert int(real["prompt_tokens"]) == int(dry["prompt_tokens"])
     assert int(real["completion_tokens"]) <= int(dry["output_tokens_at_most"])
+    # the cost: the generate step's GPU-seconds (one engine, one device), tokens per GPU-second
+    gpu_seconds = float(real["gpu_seconds"])
+    assert gpu_seconds == pytest.approx(float(real["generate_seconds"]), abs=1e-3)
+    assert float(real["tokens_per_gpu_second"]) == pytest.approx(
+        int(real["completion_tokens"]) / gpu_seconds, rel=0.01
+    )
+    assert float(real["cost"]) == pytest.approx(gpu_seconds / 3600 * 2.5, abs=1e-6)
 
     # after the run: nothing left to do, and the run's speed makes an estimate
     assert main(["run", str(path), "--dry-run"]) == 0
     again = _summary(capsys.readouterr().out)
     assert int(again["rows_to_generate"]) == 0 and int(again["rows_from_earlier_runs"]) == 40
     assert float(again["measured_tokens_per_second"]) > 0
+    assert float(again["cost_at_most"]) == 0.0  # (nothing left to generate)
     assert run_folder(tmp_path / "runs").is_dir()
