@@ -327,6 +327,11 @@ class RunConfig(RunBase):
         return int(arguments.get("tp_size", 1)) * int(arguments.get("dp_size", 1))
 
     @property
+    def gpus(self) -> int:
+        """GPUs the run's engines hold: one engine's, times the Dask workers' engines."""
+        return self.gpus_per_worker * (self.parallel.workers if self.parallel.on_dask else 1)
+
+    @property
     def batch_rows(self) -> int:
         """Rows a Dask worker's engine takes at a time (flows/parallel/handout.py)."""
         return self.parallel.batch_rows or self.max_in_flight

@@ -304,8 +304,7 @@ def gpu_costs(config: RunConfig, seconds: float, tokens: int) -> dict[str, Any]:
     """The generate step's GPU-seconds (its wall time on every GPU of every engine: tensor x
     data parallel, times the Dask workers), output tokens per GPU-second and, with
     price_per_gpu_hour, what they cost."""
-    gpus = config.gpus_per_worker * (config.parallel.workers if config.parallel.on_dask else 1)
-    gpu_seconds = seconds * gpus
+    gpu_seconds = seconds * config.gpus
     costs: dict[str, Any] = {
         "gpu_seconds": round(gpu_seconds, 3),
         "tokens_per_gpu_second": round(tokens / gpu_seconds, 1) if gpu_seconds else 0.0,

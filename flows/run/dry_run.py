@@ -74,10 +74,10 @@ def dry_run(config: RunConfig) -> dict[str, Any]:
         seconds = output_limit / speed
         summary["measured_tokens_per_second"] = speed
         summary["generate_seconds_at_most"] = round(seconds, 1)
-        gpus = config.gpus_per_worker * (config.parallel.workers if config.parallel.on_dask else 1)
-        summary["gpu_seconds_at_most"] = round(seconds * gpus, 1)
+        summary["gpu_seconds_at_most"] = round(seconds * config.gpus, 1)
         if config.price_per_gpu_hour is not None:
-            summary["cost_at_most"] = round(seconds * gpus / 3600 * config.price_per_gpu_hour, 6)
+            cost = seconds * config.gpus / 3600 * config.price_per_gpu_hour
+            summary["cost_at_most"] = round(cost, 6)
     return summary
 
 
