@@ -222,6 +222,12 @@ class RunBase(Section):
         "cost, and --dry-run the most it can cost",
     )
 
+    @property
+    def gpus(self) -> int:
+        """GPUs the run's engine holds: tensor-parallel size x data-parallel size."""
+        arguments = self.engine.arguments()
+        return int(arguments.get("tp_size", 1)) * int(arguments.get("dp_size", 1))
+
 
 class RunConfig(RunBase):
     """A batch run: every row of `source` rendered by `prompt` and generated with `sampling`."""

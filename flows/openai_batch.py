@@ -53,7 +53,7 @@ from flows.pipeline import configure, init_engine, shutdown
 from flows.run.identity import PERFORMANCE_ARGS, model_identity
 from flows.run.lock import unlock_run
 from flows.run.paths import absolute_paths
-from flows.run.plan import RunPlan
+from flows.run.plan import RunPlan, gpu_costs
 from flows.run.preflight import check_engine
 
 # An output row of the checkpoint store: one per input line (NOTE: the on-disk format)
@@ -303,6 +303,7 @@ def write_output(plan: RunPlan, answered: Generated) -> dict[str, Any]:
         "cached_tokens": total("cached_tokens"),
         "seconds": round(answered.seconds, 3),
         "tokens_per_second": round(answered.tokens_per_second, 1),
+        **gpu_costs(config, answered.seconds, total("completion_tokens")),
         "output": str(config.output),
         "errors": str(config.errors_path),
     }

@@ -47,7 +47,7 @@ from flows.outputs.store import CheckpointStore, write_parquet_chunks
 from flows.parallel.generate import generate_in_parallel
 from flows.run.interrupts import Interrupted, interrupted, stop_softly
 from flows.run.lock import lock_run, unlock_run
-from flows.run.plan import Finish, Finisher, RunPlan, Work, plan_requests
+from flows.run.plan import Finish, Finisher, RunPlan, Work, gpu_costs, plan_requests
 
 
 # ---------------------------------------------------------------------- the flow
@@ -298,20 +298,6 @@ def _summary(
         "shards": sum(1 for _ in store.shards_dir.glob("shard-*.parquet")),
         "output": str(store.output_path),
     }
-
-
-def gpu_costs(config: RunConfig, seconds: float, tokens: int) -> dict[str, Any]:
-    """The generate step's GPU-seconds (its wall time on every GPU of every engine: tensor x
-    data parallel, times the Dask workers), output tokens per GPU-second and, with
-    price_per_gpu_hour, what they cost."""
-    gpu_seconds = seconds * config.gpus
-    costs: dict[str, Any] = {
-        "gpu_seconds": round(gpu_seconds, 3),
-        "tokens_per_gpu_second": round(tokens / gpu_seconds, 1) if gpu_seconds else 0.0,
-    }
-    if config.price_per_gpu_hour is not None:
-        costs["cost"] = round(gpu_seconds / 3600 * config.price_per_gpu_hour, 6)
-    return costs
 
 
 def _fmt(value: Any) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flows.config import RunConfig
+from flows.config import RunBase, RunConfig
 from flows.inputs.prompts import PromptRenderer
 from flows.inputs.summary import joined
 from flows.outputs.rows import input_columns, output_schema, work_table
@@ -163,3 +163,17 @@ def _request_ids(ids: pa.Array, samples: int) -> pa.Array:
     rows = pc.take(ids, pa.array(np.repeat(np.arange(len(ids)), samples)))
     suffix = pa.array(np.tile(np.arange(samples), len(ids)).astype(str))
     return pc.binary_join_element_wise(rows, suffix, "/")
+
+
+def gpu_costs(config: RunBase, seconds: float, tokens: int) -> dict[str, Any]:
+    """The generation's GPU-seconds (its wall time on every GPU of every engine: tensor x
+    data parallel, times the Dask workers: `config.gpus`), output tokens per GPU-second and,
+    with price_per_gpu_hour, what they cost."""
+    gpu_seconds = seconds * config.gpus
+    costs: dict[str, Any] = {
+        "gpu_seconds": round(gpu_seconds, 3),
+        "tokens_per_gpu_second": round(tokens / gpu_seconds, 1) if gpu_seconds else 0.0,
+    }
+    if config.price_per_gpu_hour is not None:
+        costs["cost"] = round(gpu_seconds / 3600 * config.price_per_gpu_hour, 6)
+    return costs
