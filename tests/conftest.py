@@ -49,6 +49,8 @@ LONGEST_FIRST = (
     "tests/engine/test_data_parallel.py", "tests/engine/test_resident_engine.py",
     "tests/engine/test_generate_vs_transformers.py", "tests/engine/test_prefill_graph.py",
     "tests/flows/test_openai_batch.py", "tests/engine/test_prefix_cache_scheduling.py",
+    "tests/engine/test_speculative.py", "tests/flows/test_dry_run.py",
+    "tests/engine/test_spec_standalone.py",
 )  # fmt: skip
 
 
