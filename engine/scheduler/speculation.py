@@ -1,8 +1,9 @@
 """Speculative decoding in the scheduler: which requests draft at a decode step, and what they
-draft (`speculative_algorithm="NGRAM"`).
+draft (`speculative_algorithm`: "NGRAM" or "STANDALONE").
 
-The drafter (engine/speculative/ngram.py) reads each request's own tokens and a corpus of the
-engine's finished outputs; the policy (engine/speculative/policy.py) decides from acceptance
+The n-gram drafter (engine/speculative/ngram.py) reads each request's own tokens and a corpus
+of the engine's finished outputs; a draft model (engine/runner/draft_runner.py) drafts with
+its own forwards instead. The policy (engine/speculative/policy.py) decides from acceptance
 counts whether a step verifies drafts at all and how many each request takes. A step that
 verifies is an EXTEND forward of each request's last token and its drafts
 (engine/scheduler/decode.py plans it, engine/runner/logits_step.py accepts the drafts on the
@@ -42,16 +43,16 @@ class Speculation:
         limit (GrammarBackend.forced_tokens): its drafts, sure to be accepted. `runner`: the
         target's, whose request rows and pool a draft model's mirror."""
         self.forced = forced
+        self.vocab_size = runner.config.vocab_size
         self.draft_model: DraftRunner | None = None
         self.draft_probs = None  # the last drafts' distributions (a draft model's), or None
-        if args.speculative_algorithm == "STANDALONE":
+        standalone = args.speculative_algorithm == "STANDALONE"
+        if standalone:
             rows = args.max_request_rows
             # every row's whole context, and each row's drafts beyond it
             tokens = runner.max_total_tokens + (rows + 1) * args.speculative_num_draft_tokens
             self.draft_model = DraftRunner(args, runner.config, rows, tokens, runner.device)
-            self.vocab_size = runner.config.vocab_size
         drafts = drafts_from_sglang(args.speculative_num_draft_tokens)
-        standalone = args.speculative_algorithm == "STANDALONE"
         self.drafter = NgramDrafter(
             args.speculative_ngram_min_match_window_size,
             args.speculative_ngram_max_match_window_size,
