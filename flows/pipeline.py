@@ -38,7 +38,7 @@ from engine import EngineAPI
 from flows.config import EngineConfig, RunConfig
 from flows.engines.generation import Generated, RequestOptions, generate_rows
 from flows.engines.progress import Progress, artifact_key
-from flows.engines.resident import open_engine
+from flows.engines.resident import give_back_gpus, open_engine
 from flows.inputs.image_column import image_placeholder
 from flows.inputs.prompts import ChatTemplate, PromptRenderer
 from flows.inputs.sources import input_for_run
@@ -98,7 +98,7 @@ def init_engine(plan: RunPlan, section: EngineConfig | None = None) -> EngineAPI
     (or `section`, where the checks settled another), attached to in a moment, or else one of
     the run's own."""
     started = time.perf_counter()
-    engine, how = open_engine(section or plan.config.engine)
+    engine, how = open_engine(section or plan.config.engine, get_run_logger())
     info = engine.get_server_info()
     get_run_logger().info(
         "engine %s: ready in %.1fs on %s (scheduler and detokenizer pids %s)",
@@ -226,6 +226,7 @@ def shutdown(engine: EngineAPI) -> None:
         get_run_logger().info("no engine to stop")
         return
     engine.shutdown()
+    give_back_gpus(engine)
     if isinstance(engine, ResidentEngine):
         get_run_logger().info("detached from resident engine %s: it stays up", engine.record.id)
     else:

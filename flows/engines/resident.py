@@ -16,9 +16,11 @@ from typing import Any
 
 from engine import EngineAPI
 from flows.config import EngineConfig
+from flows.engines.slots import GpuSlots, slot_names
 from flows.run.identity import PERFORMANCE_ARGS, adapters_identity, model_identity
 
 logger = logging.getLogger(__name__)
+_slots: dict[int, GpuSlots] = {}  # id(engine) -> its GPU slots, for the engines started here
 
 KEEP_ENGINES = "GRISTMILL_KEEP_ENGINES"  # how many engines runs keep resident (deployments)
 KEPT = "kept"  # the label of an engine a run started to keep
@@ -56,14 +58,18 @@ def find_resident(engine: EngineConfig) -> Any | None:
     return None
 
 
-def open_engine(engine: EngineConfig) -> tuple[EngineAPI, str]:
+def open_engine(engine: EngineConfig, say: Any = None) -> tuple[EngineAPI, str]:
     """An engine for a run: (the engine, how it came). Its shutdown() detaches from a resident
     engine, which stays up.
 
     With GRISTMILL_KEEP_ENGINES=N set (deployments/serve.py sets it for its flow runs), a run
     that finds none starts a resident engine rather than an engine of its own, for the next
     runs of the same engine section to attach to; at most N such kept engines live at once,
-    the oldest idle ones stopped to make room."""
+    the oldest idle ones stopped to make room.
+
+    An engine of the run's own first takes a slot of each GPU it runs on (flows/engines/
+    slots.py: a second run waits for the first's engine, `say` logging for what), given back
+    by `give_back_gpus` once it stops."""
     from engine import ResidentEngine, start_resident
 
     record = find_resident(engine)
@@ -78,13 +84,28 @@ def open_engine(engine: EngineConfig) -> tuple[EngineAPI, str]:
     if keep <= 0:
         from engine import Engine  # NOTE: here: attaching to a resident engine loads no torch
 
-        return Engine(**engine.arguments()), "started"
+        slots = GpuSlots(slot_names(engine.arguments()))
+        slots.take(say)
+        try:
+            started = Engine(**engine.arguments())
+        except BaseException:
+            slots.give_back()
+            raise
+        _slots[id(started)] = slots
+        return started, "started"
     _make_room(keep - 1)
     labels = {**engine_labels(engine), KEPT: True}
     record = start_resident(engine.arguments(), labels=labels)
     return ResidentEngine(
         record
     ), f"started resident engine {record.id} (pid {record.pid}), kept for later runs"
+
+
+def give_back_gpus(engine: EngineAPI) -> None:
+    """The GPU slots of a run's own engine, once it has stopped (none for a resident one)."""
+    slots = _slots.pop(id(engine), None)
+    if slots is not None:
+        slots.give_back()
 
 
 def stop_kept_engines() -> None:
