@@ -6,5 +6,5 @@ the flows by name (catalog.py), the steps every flow runs (pipeline.py) and the 
 them, by concern, each folder using only those below it: parallel/ (generate on Dask workers)
 over engines/ (which engine, the rows through it) over run/ (checks, identity, locks, the plan)
 over inputs/ (the source, a row's image and prompt) and outputs/ (the checkpoint store, the
-output row, the merge); openai/ (OpenAI batch files) over inputs/.
+output row, the merge); openai_files/ (OpenAI batch files) over inputs/.
 """

@@ -9,8 +9,8 @@ written as the Batch API's output file. The flow of `gristmill batch` and of `fl
     input: requests.jsonl
     output: results.jsonl
 
-Lines for /v1/chat/completions, /v1/completions and /v1/embeddings (flows/openai/requests.py)
-get OpenAI's response bodies (flows/openai/responses.py). It runs the steps of every gristmill
+Lines for /v1/chat/completions, /v1/completions and /v1/embeddings (flows/openai_files/requests.py)
+get OpenAI's response bodies (flows/openai_files/responses.py). It runs the steps of every gristmill
 flow, and so is resumable as they are: each answer lands in a checkpoint shard under
 `<output_dir>/<run_name>/<fingerprint>/` keyed by its custom_id, a rerun answers only the
 lines no shard has, and the output file is written once every line is answered, in input
@@ -46,8 +46,8 @@ from engine import EngineAPI
 from flows.config import ConfigError, EngineConfig, RunBase
 from flows.engines.generation import Generated, answer_rows
 from flows.engines.progress import Progress, artifact_key
-from flows.openai.answers import Job, answer, prepare_jobs
-from flows.openai.requests import BatchRequest, read_batch
+from flows.openai_files.answers import Job, answer, prepare_jobs
+from flows.openai_files.requests import BatchRequest, read_batch
 from flows.outputs.store import row_seed, write_file, write_parquet
 from flows.pipeline import configure, init_engine, shutdown
 from flows.run.identity import PERFORMANCE_ARGS, model_identity

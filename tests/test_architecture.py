@@ -111,7 +111,7 @@ def test_no_import_cycles():
 
 
 def test_the_folders_of_flows_import_each_other_in_layers():
-    """flows/ is grouped by concern into folders (inputs/, outputs/, openai/, run/, engines/,
+    """flows/ is grouped by concern into folders (inputs/, outputs/, openai_files/, run/, engines/,
     parallel/) under the modules at its top (the flows, the config, the command): taken whole,
     each folder uses only what is below it, so a reader can take them one layer at a time."""
 

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from flows.openai.requests import (
+from flows.openai_files.requests import (
     LineError,
     chat_conversation,
     completion_prompts,
@@ -17,7 +17,7 @@ from flows.openai.requests import (
     sampling_params,
     top_logprobs,
 )
-from flows.openai.responses import embedding_body, error_line
+from flows.openai_files.responses import embedding_body, error_line
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]

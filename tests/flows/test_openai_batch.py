@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from flows.cli import main
-from flows.openai.responses import chat_body, completion_body
+from flows.openai_files.responses import chat_body, completion_body
 from flows.outputs.store import row_seed
 from tests.flows.fixtures import engine_arguments, flow_env, lent_engine, run_folder, wait_until
 from tests.tiny_models import SHARED_ENGINE_ARGS

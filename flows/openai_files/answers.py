@@ -18,7 +18,7 @@ from typing import Any
 from engine import EngineAPI
 from flows.config import EngineConfig
 from flows.inputs.image_column import image_placeholder
-from flows.openai.requests import (
+from flows.openai_files.requests import (
     BatchRequest,
     LineError,
     chat_conversation,
@@ -27,7 +27,7 @@ from flows.openai.requests import (
     sampling_params,
     top_logprobs,
 )
-from flows.openai.responses import (
+from flows.openai_files.responses import (
     chat_body,
     completion_body,
     embedding_body,

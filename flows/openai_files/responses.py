@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any
 
-from flows.openai.requests import BatchRequest, LineError
+from flows.openai_files.requests import BatchRequest, LineError
 
 
 def _hex() -> str:
