@@ -4,9 +4,10 @@ slot for each GPU the engine runs on, and gives it back when the engine stops.
 Without this, two scheduled runs that land on one GPU at once each start an engine sized by
 `mem_fraction_static` for the whole GPU, and the second fails for memory. With it, the second
 waits (its log says for which GPU slot) until the first stops its engine. A slot is a global
-concurrency limit of 1 named `gristmill-gpu-<N>` (N the physical GPU, through
-CUDA_VISIBLE_DEVICES), created on first use; an operator may raise it to let runs share a
-GPU. Slots are leases the holder renews: a run killed with its slot frees it when the lease
+concurrency limit of 1 named `gristmill-<host>-gpu-<N>` (the machine, and N its GPU through
+CUDA_VISIBLE_DEVICES: one Prefect server may serve runs on many machines), created on first
+use; an operator may raise it to let runs share a GPU. The engines of a run's Dask parts take
+theirs on their own workers' machines. Slots are leases the holder renews: a run killed with its slot frees it when the lease
 runs out. A run that attaches to a resident engine takes none (that engine holds its GPU once,
 for every run), nor does an engine on the CPU.
 """
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 from contextlib import AbstractContextManager
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SLOT_PREFIX = "gristmill-gpu-"
+SLOT_PREFIX = "gristmill-"
 FIRST_TRY_SECONDS = 0.5  # a slot free now is taken without a word; else the run says it waits
 
 
@@ -35,8 +38,9 @@ def slot_names(arguments: dict[str, Any]) -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:  # (the process's GPU i is the host's visible[i])
         physical = [v.strip() for v in visible.split(",")]
-        return [f"{SLOT_PREFIX}{physical[i] if i < len(physical) else i}" for i in ids]
-    return [f"{SLOT_PREFIX}{i}" for i in ids]
+        ids = [physical[i] if i < len(physical) else i for i in ids]
+    host = re.sub(r"[^A-Za-z0-9.-]+", "-", socket.gethostname()) or "host"
+    return [f"{SLOT_PREFIX}{host}-gpu-{i}" for i in ids]
 
 
 class GpuSlots:

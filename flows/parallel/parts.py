@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.engines.generation import Generated, RequestOptions, generate_rows
 from flows.engines.progress import Progress
+from flows.engines.slots import GpuSlots, slot_names
 from flows.outputs.store import CheckpointStore
 from flows.parallel.handout import Handout
 from flows.run.gpus import engine_arguments
@@ -61,7 +62,14 @@ def generate_part(
     if not earlier and (handout.left() == 0 or store.stop_requested()):
         logger.info("part %d: no batch left, or the run is stopping: no engine started", index)
         return report
-    engine = Engine(**engine_arguments(config, index, local))
+    arguments = engine_arguments(config, index, local)
+    slots = GpuSlots(slot_names(arguments))  # (flows/engines/slots.py: this machine's GPUs)
+    slots.take(logger)
+    try:
+        engine = Engine(**arguments)
+    except BaseException:
+        slots.give_back()
+        raise
     try:
         logger.info(
             "part %d: on %s of %s (pid %d), engine ready in %.1fs",
@@ -89,6 +97,7 @@ def generate_part(
         )
     finally:
         engine.shutdown()
+        slots.give_back()
     report.rows = progress.rows
     if store.stop_requested():
         logger.info("part %d: stopped by the run's Ctrl-C, its finished rows written", index)

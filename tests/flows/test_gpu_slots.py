@@ -81,8 +81,10 @@ def test_slots_are_per_gpu_and_none_on_the_cpu(llama_dir, monkeypatch):
     monkeypatch.setattr("engine.platform.cuda_available", lambda: True)
     monkeypatch.setattr("engine.server_args.cuda_available", lambda: True)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr("socket.gethostname", lambda: "node_7")
     args = {"model_path": str(llama_dir), "tp_size": 2, "base_gpu_id": 2}
-    assert slot_names(args) == ["gristmill-gpu-2", "gristmill-gpu-3"]
+    assert slot_names(args) == ["gristmill-node-7-gpu-2", "gristmill-node-7-gpu-3"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert slot_names(args) == ["gristmill-gpu-6", "gristmill-gpu-7"]
-    assert slot_names({"model_path": str(llama_dir), "device": "cuda:1"}) == ["gristmill-gpu-5"]
+    assert slot_names(args) == ["gristmill-node-7-gpu-6", "gristmill-node-7-gpu-7"]
+    one = {"model_path": str(llama_dir), "device": "cuda:1"}
+    assert slot_names(one) == ["gristmill-node-7-gpu-5"]
