@@ -138,6 +138,31 @@ def test_retraction_under_a_small_pool(llama_dir):
     assert_speculated(core.scheduler)
 
 
+def test_an_abort_while_a_verify_step_is_in_flight_leaks_nothing(llama_dir):
+    """A request aborted between a verify step's launch and its reading: its pages (the
+    rejected drafts' included) all come back, nothing of it is cached past the tokens read,
+    and the others finish as without speculation."""
+    prompts = repeating_prompts(6)
+    base, _ = run(llama_dir, prompts, GREEDY, spec=False)
+    core = InProcessCore(llama_dir, **CORE, **SPEC)
+    scheduler = core.scheduler
+    reqs = core.submit(prompts, GREEDY)
+    aborted = None
+    while scheduler.has_work():
+        scheduler.step()
+        inflight = scheduler._inflight
+        if aborted is None and inflight is not None and inflight.verify is not None:
+            aborted = reqs[2]
+            assert scheduler.abort_request(aborted.request.rid) is aborted
+    assert aborted is not None, "no verify step was ever in flight"
+    assert aborted.finish_reason["type"] == "abort"
+    others = [i for i in range(len(reqs)) if reqs[i] is not aborted]
+    assert [reqs[i].output_ids for i in others] == [base[i].output_ids for i in others]
+    kv = scheduler.kv
+    # every page is free or the cache's (none is held by a request any more)
+    assert kv.allocator.num_free * kv.page_size + kv.tree.evictable_tokens == kv.pool.num_tokens
+
+
 def test_logprobs_of_accepted_drafts_are_the_decoded_ones(llama_dir):
     prompts = repeating_prompts(6, seed=4)
     sampling = {**GREEDY, "max_new_tokens": 24}
