@@ -138,7 +138,7 @@ class DraftRunner:
         """An EXTEND forward of the draft: `lens[i]` tokens of `ids` for request row rows[i],
         after its draft K/V; the logits of each request's last token [B, V]."""
         starts = self.lens[rows]
-        slots = self._alloc(int(lens.sum()))
+        slots = self.allocator.alloc(int(lens.sum()))  # (draft() made room: _room)
         offset = 0
         for row, n in zip(rows, lens.tolist()):
             self.slots[row] = np.concatenate([self.slots[row], slots[offset : offset + n]])
@@ -192,6 +192,3 @@ class DraftRunner:
                 if req is not None and req.pool_row != row:
                     self.release(row)
         return n <= self.allocator.num_free
-
-    def _alloc(self, n: int) -> np.ndarray:
-        return self.allocator.alloc(n)

@@ -53,11 +53,16 @@ class Speculation:
             tokens = runner.max_total_tokens + (rows + 1) * args.speculative_num_draft_tokens
             self.draft_model = DraftRunner(args, runner.config, rows, tokens, runner.device)
         drafts = drafts_from_sglang(args.speculative_num_draft_tokens)
-        self.drafter = NgramDrafter(
-            args.speculative_ngram_min_match_window_size,
-            args.speculative_ngram_max_match_window_size,
-            drafts,
-            args.speculative_ngram_capacity,
+        # (a draft model drafts alone: no n-gram drafter, and no corpus built at every finish)
+        self.drafter = (
+            None
+            if standalone
+            else NgramDrafter(
+                args.speculative_ngram_min_match_window_size,
+                args.speculative_ngram_max_match_window_size,
+                drafts,
+                args.speculative_ngram_capacity,
+            )
         )
         # NOTE: a draft model drafts every step in this version (the policy's costs are an
         # n-gram drafter's); its drafts are drawn, not guessed, and judged as such
@@ -187,7 +192,7 @@ class Speculation:
 
     def finished(self, req: Req) -> None:
         """A request that ended by its stop or length: its output joins the drafter's corpus."""
-        if req.output_ids:
+        if self.drafter is not None and req.output_ids:
             self.drafter.add_output(req.request.input_ids, req.output_ids)
 
 
