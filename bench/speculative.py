@@ -1,10 +1,14 @@
-"""Speculative decoding (speculative_algorithm="NGRAM") against the same engine without it.
+"""Speculative decoding (NGRAM, STANDALONE) against the same engine without it.
 
     python -m bench.speculative --model-config qwen3-0.6b --batch 1 16 64 256 --input-len 1000 --output-len 200
+    python -m bench.speculative --model-config qwen3-0.6b --modes off standalone standalone-eighth
     python -m bench.speculative --model FOLDER --batch 256 --prompts PROMPTS.json
 
 One engine per mode (speculation off; NGRAM with the adaptive policy; NGRAM drafting every step,
-`speculative_policy="always"`). For each `--batch` size, WAVES times that many requests go
+`speculative_policy="always"`; STANDALONE with the target itself as the draft model, whose
+drafts are all accepted: the mechanism's ceiling; STANDALONE with a draft of the target's
+architecture cut to 1/8 of its layers, with dummy weights under `--model-config`: the cost
+of a small draft model). For each `--batch` size, WAVES times that many requests go
 through it at most that many at once (a limit on the client's side, refilled as requests
 finish: the steady state of a batch job with many more rows than its running batch). It prints
 one table: per batch size and mode the wall time, output tok/s, the speed-up over speculation
@@ -27,7 +31,9 @@ import argparse
 import asyncio
 import json
 import random
+import tempfile
 import time
+from pathlib import Path
 
 from bench.throughput import dummy_folder
 
@@ -36,9 +42,22 @@ MODES = {
     "ngram": {"speculative_algorithm": "NGRAM"},
     "ngram-always": {"speculative_algorithm": "NGRAM", "speculative_policy": "always"},
 }
+STANDALONE_MODES = ("standalone", "standalone-eighth")
 _COUNTERS = ("verify_steps", "draft_tokens", "accepted_draft_tokens", "decode_steps")
 PREFILL_WALLS: dict[str, list[float]] = {}  # per batch: the off engine's prefill alone
 WAVES = 4  # requests per batch size: this many times the batch
+
+
+def standalone_args(mode: str, model: str) -> dict:
+    """Engine arguments of a STANDALONE mode: the draft is the target's folder itself, or a
+    copy of its config.json with 1/8 of the layers (dummy weights, as the target's)."""
+    draft = model
+    if mode == "standalone-eighth":
+        config = json.loads((Path(model) / "config.json").read_text())
+        config["num_hidden_layers"] = max(1, config["num_hidden_layers"] // 8)
+        draft = tempfile.mkdtemp(prefix="gristmill-draft-")
+        (Path(draft) / "config.json").write_text(json.dumps(config))
+    return {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": draft}
 
 
 def run_mode(model: str, dummy: bool, args: dict, prompts, sizes: list[int], sampling: dict):
@@ -109,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=200)
     ap.add_argument("--prompts", help="a JSON list of token-id prompts (instead of random ones)")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, *STANDALONE_MODES])
     ap.add_argument(
         "--engine-args", default="{}", help="JSON: more engine arguments for every mode"
     )
@@ -130,7 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [pool[i % len(pool)] for i in range(max(a.batch) * WAVES)]
     sampling = {"temperature": a.temperature, "max_new_tokens": a.output_len, "ignore_eos": True}
     extra = json.loads(a.engine_args)
-    runs = {m: run_mode(model, a.model is None, {**extra, **MODES[m]}, prompts, a.batch, sampling)
+    if "standalone-eighth" in a.modes and a.model:
+        raise SystemExit("--modes standalone-eighth needs --model-config (a dummy draft of 1/8 the layers)")
+    mode_args = {m: MODES[m] if m in MODES else standalone_args(m, model) for m in a.modes}
+    runs = {m: run_mode(model, a.model is None, {**extra, **mode_args[m]}, prompts, a.batch, sampling)
             for m in a.modes}  # fmt: skip
     header = (
         "| batch | mode | wall (s) | output tok/s | x off | verify steps | drafted | accepted "
