@@ -12,17 +12,23 @@ Drafts are drawn as the target's sampler draws: argmax for greedy rows, else `sa
 the request's seed and the output step the draft stands for, with the distribution it drew
 from (`processed_probs`) kept for the lossless acceptance rule (engine/speculative/verify.py).
 
+Memory: ModelRunner loads the draft's weights (`load_draft`) beside the target's, before it
+sizes the target's pool, and counts the draft's K/V bytes in each pooled token; so the target's
+pool and this one (as many tokens, and each row's drafts besides) share what
+`mem_fraction_static` gives, and the activation headroom the target measured stays free. A
+catch-up forward takes at most `max_prefill_tokens` tokens (a wave of new requests brings all
+their prompts at once), the size of the forward that headroom was measured on.
+
 NOTE: no prefix cache and no CUDA graphs here: every request prefills its whole prompt in the
-draft, eagerly. The pool holds as many tokens as the target's and each row's drafts besides
-(on a GPU, at most what memory has left beside the target's: its pool is sized first);
-rows whose request has gone are reclaimed when it runs short, and a step it still cannot hold
-decodes without drafts (requests that share a cached prefix in the target each hold a copy of
-it here).
+draft, eagerly. Rows whose request has gone are reclaimed when the pool runs short, and a step
+it still cannot hold decodes without drafts (requests that share a cached prefix in the target
+each hold a copy of it here).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,26 +54,44 @@ logger = logging.getLogger(__name__)
 DRAFT_SLACK_BYTES = 1 << 30  # left free beside the draft's pool (its activations, the target's)
 
 
+@dataclass(frozen=True)
+class DraftWeights:
+    """The draft model, loaded; `kv_bytes_per_token`: what each token costs in its K/V pool."""
+
+    config: ModelConfig
+    model: torch.nn.Module
+    kv_bytes_per_token: int
+
+
+def load_draft(args: ServerArgs, target: ModelConfig, device) -> DraftWeights:
+    """The draft model of `speculative_draft_model_path`, which must share the target's vocabulary."""
+    path = args.speculative_draft_model_path
+    config = ModelConfig.from_folder(path, args.dtype, None)
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_draft_model_path {path!r} has a vocabulary of {config.vocab_size} "
+            f"tokens, the model {target.vocab_size}: a draft model must share the target's "
+            "tokenizer and vocabulary"
+        )
+    model = load_model(config, args.load_format, device)
+    kv_heads = attention_layers(model)[0].num_kv_heads
+    return DraftWeights(config, model, config.kv_bytes_per_token(config.dtype, kv_heads))
+
+
 class DraftRunner:
     def __init__(
-        self, args: ServerArgs, target: ModelConfig, rows: int, pool_tokens: int, device
-    ) -> None:
-        path = args.speculative_draft_model_path
-        config = ModelConfig.from_folder(path, args.dtype, None)
-        if config.vocab_size != target.vocab_size:
-            raise ValueError(
-                f"speculative_draft_model_path {path!r} has a vocabulary of {config.vocab_size} "
-                f"tokens, the model {target.vocab_size}: a draft model must share the target's "
-                "tokenizer and vocabulary"
-            )
-        self.config = config
+        self, args: ServerArgs, target: ModelConfig, weights: DraftWeights, rows: int,
+        pool_tokens: int, device,
+    ) -> None:  # fmt: skip
+        config = self.config = weights.config
         self.device = device
-        self.model = load_model(config, args.load_format, device)
+        self.model = weights.model
+        self.chunk = args.max_prefill_tokens  # tokens a catch-up forward takes at most
         attn = attention_layers(self.model)[0]
         self.backend = create_backend(args.attention_backend, device, attn, config.dtype)
         use_backend(self.model, self.backend)
-        if device.type == "cuda":  # what is left beside the target's pool, less some slack
-            per_token = config.kv_bytes_per_token(config.dtype, attn.num_kv_heads)
+        if device.type == "cuda":  # (the plan left room: this guards a plan gone wrong)
+            per_token = weights.kv_bytes_per_token
             free = torch.cuda.mem_get_info(device)[0] - DRAFT_SLACK_BYTES
             if pool_tokens * per_token > free:
                 pool_tokens = max(int(free // per_token), 1)
@@ -106,13 +130,12 @@ class DraftRunner:
         if not self._room(need + len(reqs) * (k - 1)):
             return None, None  # (the step decodes without drafts)
         # forward 1: each request's unseen tokens, its last token among them
-        ids, lens = [], []
+        ids = []
         for req, row in zip(reqs, rows):
             tokens = req.fill_ids
-            ids.append(tokens[self.lens[row] :])
-            lens.append(len(tokens) - int(self.lens[row]))
+            ids.append(np.asarray(tokens[self.lens[row] :]))
             self.base[row] = len(tokens)
-        logits = self._extend(rows, np.concatenate(ids), np.asarray(lens))
+        logits = self._catch_up(rows, ids)
         drafts, probs = [], []
         for j in range(k):
             if j:
@@ -124,6 +147,30 @@ class DraftRunner:
         self.steps = k
         chains = torch.stack(drafts, 1).tolist() if drafts else [[] for _ in reqs]
         return chains, (torch.stack(probs, 1) if probs else None)
+
+    def _catch_up(self, rows: list[int], ids: list[np.ndarray]) -> torch.Tensor:
+        """Each row's unseen tokens `ids[i]` through the draft, at most `self.chunk` a forward
+        (a long one split across forwards); the logits of each row's last token [B, V].
+        NOTE: every row has an unseen token (its last, at least): fill_ids grows each step."""
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        todo = list(enumerate(ids))
+        while todo:
+            budget, part, rest = self.chunk, [], []
+            for i, tokens in todo:
+                n = min(len(tokens), budget)
+                if n:
+                    part.append((i, tokens[:n]))
+                    budget -= n
+                if n < len(tokens):
+                    rest.append((i, tokens[n:]))
+            lens = np.asarray([len(t) for _, t in part], dtype=np.int64)
+            logits = self._extend([rows[i] for i, _ in part], np.concatenate([t for _, t in part]), lens)
+            unfinished = {i for i, _ in rest}
+            for j, (i, _) in enumerate(part):
+                if i not in unfinished:
+                    out[i] = logits[j]
+            todo = rest
+        return torch.stack(out)
 
     def _draw(self, logits: torch.Tensor, sampling: SamplingBatch | None, j: int):
         if sampling is None:

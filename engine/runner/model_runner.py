@@ -6,11 +6,12 @@ prefill_graph.py for prefill), and hand the logits to the logits step, which sam
 device and returns a LaunchedStep. Logits never leave this object.
 
 Start-up on a GPU, in order:
-  1. load the weights;
+  1. load the weights (and a STANDALONE draft model's: engine/runner/draft_runner.py);
   2. a warm-up forward of the largest prefill step (`max_prefill_tokens`) over a throw-away
      pool measures the activation peak (and compiles the prefill kernels);
   3. the KV pool takes what `mem_fraction_static` allows for weights + pool, and never more
-     than what is free minus that peak and the decode graphs' share;
+     than what is free minus that peak and the decode graphs' share (a draft model's pool
+     holds as many tokens: each pooled token counts both);
   4. CUDA graphs are captured over the real pool (unless disabled): prefill first, then
      decode, in one memory pool (a replay never overlaps another).
 """
@@ -36,6 +37,7 @@ from engine.quantization import resolve_quantization
 from engine.quantization.fp8 import check_device
 from engine.runner.batch_builder import build_forward_batch
 from engine.runner.cuda_graph import DecodeCudaGraphs
+from engine.runner.draft_runner import DraftWeights, load_draft
 from engine.runner.decode_inputs import DecodeInputs
 from engine.runner.image_embedder import ImageEmbedder
 from engine.runner.launched_step import LaunchedStep
@@ -65,6 +67,10 @@ class ModelRunner:
         if self.fp8 is not None:
             check_device(device)
         self.model = load_model(config, args.load_format, device, self.fp8)
+        # a draft model's weights, here so that the pool below is sized beside them
+        self.draft: DraftWeights | None = None
+        if args.speculative_algorithm == "STANDALONE":
+            self.draft = load_draft(args, config, device)
         logger.info("weights loaded in %.1fs", time.perf_counter() - loading)
         # LoRA adapters (engine/lora/): a LoraLinear on each projection they may target
         self.lora = LoraManager(args, config, self.model, device) if args.lora_enabled else None
@@ -253,6 +259,8 @@ class ModelRunner:
 
     def _pool_tokens(self, activation_peak: int) -> int:
         per_token = self.config.kv_bytes_per_token(self.kv_dtype, self.num_kv_heads)
+        if self.draft is not None:  # (its pool holds the same tokens: engine/runner/draft_runner.py)
+            per_token += self.draft.kv_bytes_per_token
         if self.args.max_total_tokens is not None:
             tokens = self.args.max_total_tokens
         elif self.device.type == "cuda":

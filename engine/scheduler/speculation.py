@@ -51,7 +51,9 @@ class Speculation:
             rows = args.max_request_rows
             # every row's whole context, and each row's drafts beyond it
             tokens = runner.max_total_tokens + (rows + 1) * args.speculative_num_draft_tokens
-            self.draft_model = DraftRunner(args, runner.config, rows, tokens, runner.device)
+            self.draft_model = DraftRunner(
+                args, runner.config, runner.draft, rows, tokens, runner.device
+            )
         drafts = drafts_from_sglang(args.speculative_num_draft_tokens)
         # (a draft model drafts alone: no n-gram drafter, and no corpus built at every finish)
         self.drafter = (

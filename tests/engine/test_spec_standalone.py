@@ -68,6 +68,26 @@ def test_greedy_outputs_are_the_tokens_of_decoding_without(llama_dir, draft, req
         assert 0 < s.accepted_draft_tokens < s.draft_tokens
 
 
+def test_a_wave_of_prompts_catches_up_in_forwards_of_max_prefill_tokens(llama_dir):
+    """The draft's catch-up over new prompts splits into forwards of at most max_prefill_tokens
+    (a prompt across two of them): the target drafting for itself still has every draft
+    accepted, which K/V written at the wrong positions would break."""
+    prompts = repeating_prompts(8)
+    assert sum(map(len, prompts)) > 3 * 24 and max(map(len, prompts)) > 24
+    base, _ = run(llama_dir, prompts, GREEDY, spec=False)
+    core = InProcessCore(llama_dir, **CORE, max_prefill_tokens=24, **standalone(llama_dir))
+    chunks = []
+    extend = core.scheduler.speculation.draft_model._extend
+    core.scheduler.speculation.draft_model._extend = lambda rows, ids, lens: (
+        chunks.append(len(ids)) or extend(rows, ids, lens)
+    )
+    spec = core.generate(prompts, GREEDY)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in base]
+    assert max(chunks) <= 24 and chunks.count(24) >= 3  # (full forwards: prompts were split)
+    s = core.scheduler.stats
+    assert s.accepted_draft_tokens == s.draft_tokens > 0
+
+
 def test_limits_and_stop_ids_cut_inside_a_draft(llama_dir, noisy_draft):
     prompts = repeating_prompts(8, seed=2)
     base, _ = run(llama_dir, prompts, GREEDY, spec=False)
