@@ -25,7 +25,10 @@ _HOST_BUFFERS = 3
 
 
 class DecodeInputs:
-    def __init__(self, max_width: int, padding_row: int, device: torch.device) -> None:
+    def __init__(
+        self, max_width: int, padding_row: int, device: torch.device, buffers: int = _HOST_BUFFERS
+    ) -> None:
+        """`buffers`: pinned host buffers used in turn, more than the writes ever in flight."""
         self.device = device
         self.max_width = max_width
         self.padding = np.array([[0], [0], [padding_row], [1]], dtype=np.int64)
@@ -33,7 +36,7 @@ class DecodeInputs:
         if device.type == "cuda":
             self._pinned = [
                 torch.zeros(4 * max_width, dtype=torch.int64, pin_memory=True)
-                for _ in range(_HOST_BUFFERS)
+                for _ in range(buffers)
             ]
             self._host = [p.numpy() for p in self._pinned]
         else:
@@ -60,7 +63,7 @@ class DecodeInputs:
         if self._pinned:
             # the whole buffer: one copy of at most a few tens of KB, and no slicing call
             self.flat.copy_(self._pinned[self._next], non_blocking=True)
-            self._next = (self._next + 1) % _HOST_BUFFERS
+            self._next = (self._next + 1) % len(self._pinned)
         else:
             self.flat[: 4 * width].copy_(torch.from_numpy(host.reshape(-1)))
         columns, each = self._view(width)

@@ -19,8 +19,7 @@ pool and this one (as many tokens, and each row's drafts besides) share what
 catch-up forward takes at most `max_prefill_tokens` tokens (a wave of new requests brings all
 their prompts at once), the size of the forward that headroom was measured on.
 
-NOTE: no prefix cache and no CUDA graphs here: every request prefills its whole prompt in the
-draft, eagerly. Rows whose request has gone are reclaimed when the pool runs short, and a step
+NOTE: no prefix cache here: every request prefills its whole prompt in the draft, eagerly. Rows whose request has gone are reclaimed when the pool runs short, and a step
 it still cannot hold decodes without drafts (requests that share a cached prefix in the target
 each hold a copy of it here).
 """
@@ -41,6 +40,8 @@ from engine.memory.kv_pool import KVPool
 from engine.memory.page_allocator import PageAllocator
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.model_config import ModelConfig
+from engine.runner.cuda_graph import DecodeCudaGraphs
+from engine.runner.decode_inputs import DecodeInputs
 from engine.runner.loader import load_model
 from engine.sampling.sampler import SamplingBatch, sample
 from engine.server_args import ServerArgs
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 DRAFT_SLACK_BYTES = 1 << 30  # left free beside the draft's pool (its activations, the target's)
+# unseen tokens up to which a request catches up in decode forwards (one a token) rather than
+# an EXTEND: what a verify step leaves (its bonus token, and the last draft when all stood)
+DECODE_CATCH_UP = 2
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,19 @@ class DraftRunner:
         self.owner: list[Req | None] = [None] * (rows + 1)
         self.base = np.zeros(rows + 1, dtype=np.int64)  # each row's tokens at its last draft
         self.steps = 0  # drafts per request of the last draft call
+        # each row's input token of its next decode forward (the graphs gather it by row)
+        self.next_token = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        # NOTE: a draft call writes decode columns up to DECODE_CATCH_UP + steps - 1 times before
+        # it reads its drafts (its one wait): a pinned buffer is not rewritten before that
+        buffers = DECODE_CATCH_UP + args.speculative_num_steps + 1
+        self.decode_inputs = DecodeInputs(rows, self.table.padding_row, device, buffers)
+        self.graphs: DecodeCudaGraphs | None = None
+        if device.type == "cuda" and not args.disable_cuda_graph and self.backend.supports_cuda_graph:
+            self.graphs = DecodeCudaGraphs(
+                self._forward_decode, self.backend, self.pool, self.table, self.decode_inputs,
+                config.vocab_size, config.dtype, max_bs=min(args.cuda_graph_max_bs, rows),
+                pool=torch.cuda.graph_pool_handle(),
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ a step's drafts
     @torch.inference_mode()
@@ -138,8 +155,8 @@ class DraftRunner:
         logits = self._catch_up(rows, ids)
         drafts, probs = [], []
         for j in range(k):
-            if j:
-                logits = self._extend(rows, drafts[-1].cpu().numpy(), np.ones(len(rows), np.int64))
+            if j:  # (the draft stays on the device: nothing waits until the drafts are read)
+                logits = self._decode(np.asarray(rows), drafts[-1])
             token, q = self._draw(logits, sampling, j)
             drafts.append(token)
             if q is not None:
@@ -149,11 +166,22 @@ class DraftRunner:
         return chains, (torch.stack(probs, 1) if probs else None)
 
     def _catch_up(self, rows: list[int], ids: list[np.ndarray]) -> torch.Tensor:
-        """Each row's unseen tokens `ids[i]` through the draft, at most `self.chunk` a forward
-        (a long one split across forwards); the logits of each row's last token [B, V].
+        """Each row's unseen tokens `ids[i]` through the draft; the logits of each row's last
+        token [B, V]. Rows of at most DECODE_CATCH_UP tokens take decode forwards, one token a
+        pass; the others EXTEND forwards of at most `self.chunk` tokens (a long one split).
         NOTE: every row has an unseen token (its last, at least): fill_ids grows each step."""
-        out: list[torch.Tensor | None] = [None] * len(rows)
-        todo = list(enumerate(ids))
+        out = torch.empty(
+            (len(rows), self.config.vocab_size), dtype=self.config.dtype, device=self.device
+        )
+        short = [i for i, t in enumerate(ids) if len(t) <= DECODE_CATCH_UP]
+        for t in range(max((len(ids[i]) for i in short), default=0)):
+            members = [i for i in short if len(ids[i]) > t]
+            tokens = to_device([ids[i][t] for i in members], torch.int64, self.device)
+            logits = self._decode(np.asarray([rows[i] for i in members]), tokens)
+            last = [j for j, i in enumerate(members) if len(ids[i]) == t + 1]
+            where = to_device([members[j] for j in last], torch.int64, self.device)
+            out[where] = logits[to_device(last, torch.int64, self.device)]
+        todo = [(i, t) for i, t in enumerate(ids) if len(t) > DECODE_CATCH_UP]
         while todo:
             budget, part, rest = self.chunk, [], []
             for i, tokens in todo:
@@ -166,11 +194,49 @@ class DraftRunner:
             lens = np.asarray([len(t) for _, t in part], dtype=np.int64)
             logits = self._extend([rows[i] for i, _ in part], np.concatenate([t for _, t in part]), lens)
             unfinished = {i for i, _ in rest}
-            for j, (i, _) in enumerate(part):
-                if i not in unfinished:
-                    out[i] = logits[j]
+            done = [(i, j) for j, (i, _) in enumerate(part) if i not in unfinished]
+            where = to_device([i for i, _ in done], torch.int64, self.device)
+            out[where] = logits[to_device([j for _, j in done], torch.int64, self.device)]
             todo = rest
-        return torch.stack(out)
+        return out
+
+    def _decode(self, rows: np.ndarray, tokens: torch.Tensor) -> torch.Tensor:
+        """One token a row (`tokens`, on the device) after its draft K/V: a decode forward, a
+        CUDA-graph replay where one is captured; the logits [n, V], valid until the next."""
+        n = len(rows)
+        starts = self.lens[rows].copy()
+        slots = self.allocator.alloc(n)  # (draft() made room: _room)
+        for row, slot in zip(rows.tolist(), slots):
+            self.slots[row] = np.append(self.slots[row], slot)
+        self.lens[rows] = starts + 1
+        graphed = self.graphs is not None and n <= self.graphs.max_bs
+        width = self.graphs.padded_size(n) if graphed else n
+        packed, (positions, slots_d, rows_d, seq_lens), seq_lens_cpu = self.decode_inputs.write(
+            starts, slots, rows, width
+        )
+        self.next_token[rows_d] = tokens
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=None,
+            positions=positions,
+            out_cache_loc=slots_d,
+            req_pool_indices=rows_d,
+            seq_lens=seq_lens,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_lens_cpu=[1] * n,
+            kv_pool=self.pool,
+            req_to_token=self.table.table,
+            packed=packed,
+        )
+        return self.graphs.replay(batch) if graphed else self._forward_decode(batch)
+
+    def _forward_decode(self, batch: ForwardBatch) -> torch.Tensor:
+        """A decode forward, eager (the graphs capture it): the new slots into the table, each
+        row's token gathered from `next_token`."""
+        self.table.write_slots(batch.req_pool_indices, batch.positions, batch.out_cache_loc)
+        self.backend.init_forward_metadata(batch)
+        ids = self.next_token[batch.req_pool_indices]
+        return self.model.compute_logits(self.model(ids, batch.positions, batch))
 
     def _draw(self, logits: torch.Tensor, sampling: SamplingBatch | None, j: int):
         if sampling is None:

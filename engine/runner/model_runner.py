@@ -310,8 +310,12 @@ class ModelRunner:
         """The decode graphs keep a logits buffer and share one pool sized by the largest batch.
         The prefill graphs' pool holds the activations of their largest step, which the eager
         peak already reserves, unless eager prefills of more tokens still run beside them."""
-        c = self.config
-        per_row = c.vocab_size * (2 + 4 + 4) + 16 * (c.hidden_size + c.intermediate_size) * 4
+        # (a draft model's decode graphs too: engine/runner/draft_runner.py)
+        configs = [self.config] + ([self.draft.config] if self.draft is not None else [])
+        per_row = sum(
+            c.vocab_size * (2 + 4 + 4) + 16 * (c.hidden_size + c.intermediate_size) * 4
+            for c in configs
+        )
         prefill = self._prefill_graph_tokens()
         beside = prefill < self.args.max_prefill_tokens
         prefill_pool = activation_peak * prefill // self.args.max_prefill_tokens if beside else 0
