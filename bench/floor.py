@@ -123,12 +123,9 @@ def measure_ceilings(device: torch.device) -> tuple[float, float, float | None]:
 def weight_bytes(cfg: ModelConfig, fp8_weights: bool = False) -> int:
     """Bytes a decode step reads of the weights: the linear layers (one byte a weight with FP8
     weights) and the LM head."""
-    h, i, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    linear, head = cfg.decode_weight_counts()
     bytes_ = torch.finfo(cfg.dtype).bits // 8
-    # decode reads the LM head once per step; the embedding rows it gathers are negligible
-    return L * per_layer * (1 if fp8_weights else bytes_) + v * h * bytes_
+    return linear * (1 if fp8_weights else bytes_) + head * bytes_
 
 
 def floor_seconds(

@@ -6,9 +6,9 @@
 
 One engine per mode (speculation off; NGRAM with the adaptive policy; NGRAM drafting every step,
 `speculative_policy="always"`; STANDALONE with the target itself as the draft model, whose
-drafts are all accepted: the mechanism's ceiling; STANDALONE with a draft of the target's
-architecture cut to 1/8 of its layers, with dummy weights under `--model-config`: the cost
-of a small draft model). For each `--batch` size, WAVES times that many requests go
+drafts are all accepted; STANDALONE with a draft of the target's architecture cut to 1/8 of its
+layers, with dummy weights under `--model-config`; each STANDALONE one with the adaptive policy
+and, as `-always`, drafting every step: the mechanism's ceiling and its cost). For each `--batch` size, WAVES times that many requests go
 through it at most that many at once (a limit on the client's side, refilled as requests
 finish: the steady state of a batch job with many more rows than its running batch). It prints
 one table: per batch size and mode the wall time, output tok/s, the speed-up over speculation
@@ -42,7 +42,9 @@ MODES = {
     "ngram": {"speculative_algorithm": "NGRAM"},
     "ngram-always": {"speculative_algorithm": "NGRAM", "speculative_policy": "always"},
 }
-STANDALONE_MODES = ("standalone", "standalone-eighth")
+STANDALONE_MODES = (
+    "standalone", "standalone-always", "standalone-eighth", "standalone-eighth-always"
+)  # fmt: skip
 _COUNTERS = ("verify_steps", "draft_tokens", "accepted_draft_tokens", "decode_steps")
 PREFILL_WALLS: dict[str, list[float]] = {}  # per batch: the off engine's prefill alone
 WAVES = 4  # requests per batch size: this many times the batch
@@ -52,12 +54,14 @@ def standalone_args(mode: str, model: str) -> dict:
     """Engine arguments of a STANDALONE mode: the draft is the target's folder itself, or a
     copy of its config.json with 1/8 of the layers (dummy weights, as the target's)."""
     draft = model
-    if mode == "standalone-eighth":
+    if mode.startswith("standalone-eighth"):
         config = json.loads((Path(model) / "config.json").read_text())
         config["num_hidden_layers"] = max(1, config["num_hidden_layers"] // 8)
         draft = tempfile.mkdtemp(prefix="gristmill-draft-")
         (Path(draft) / "config.json").write_text(json.dumps(config))
-    return {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": draft}
+    policy = "always" if mode.endswith("-always") else "adaptive"
+    return {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": draft,
+            "speculative_policy": policy}  # fmt: skip
 
 
 def run_mode(model: str, dummy: bool, args: dict, prompts, sizes: list[int], sampling: dict):
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [pool[i % len(pool)] for i in range(max(a.batch) * WAVES)]
     sampling = {"temperature": a.temperature, "max_new_tokens": a.output_len, "ignore_eos": True}
     extra = json.loads(a.engine_args)
-    if "standalone-eighth" in a.modes and a.model:
+    if any(m.startswith("standalone-eighth") for m in a.modes) and a.model:
         raise SystemExit("--modes standalone-eighth needs --model-config (a dummy draft of 1/8 the layers)")
     mode_args = {m: MODES[m] if m in MODES else standalone_args(m, model) for m in a.modes}
     runs = {m: run_mode(model, a.model is None, {**extra, **mode_args[m]}, prompts, a.batch, sampling)

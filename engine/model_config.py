@@ -220,6 +220,14 @@ class ModelConfig:
         return scaling
 
     # ------------------------------------------------------------------ memory
+    def decode_weight_counts(self) -> tuple[int, int]:
+        """Weights a decode step reads: (the decoder layers' linear layers, the LM head); the
+        embedding rows it gathers are negligible."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+        return self.num_layers * per_layer, self.vocab_size * h
+
     def kv_bytes_per_token(self, kv_dtype: torch.dtype, kv_heads: int | None = None) -> int:
         """K and V of one token over all layers; `kv_heads`: those one rank holds (default all)."""
         import torch

@@ -82,8 +82,10 @@ run_step() {
       # the same with nothing to accept (sampled outputs of dummy weights are random tokens)
       spec-random) python3 -m bench.speculative --model-config qwen3-0.6b --batch 16 256 --input-len 1000 \
                 --output-len 200 --temperature 1 --modes off ngram --json "$OUT/spec-random.json" 2>&1 | grep "^|\|Error" ;;
-      # STANDALONE: the target as its own draft (the ceiling) and a dummy draft of 1/8 the layers
+      # STANDALONE: the target as its own draft and a dummy draft of 1/8 the layers, adaptive and always
       spec-standalone) python3 -m bench.speculative --model-config qwen3-0.6b --batch 1 16 64 256 --input-len 1000 \
+                --output-len 200 --modes off standalone standalone-always standalone-eighth standalone-eighth-always --json "$OUT/spec-standalone.json" 2>&1 | grep "^|\|Error" ;;
+      spec-standalone-adaptive) python3 -m bench.speculative --model-config qwen3-0.6b --batch 1 16 64 256 --input-len 1000 \
                 --output-len 200 --modes off standalone standalone-eighth --json "$OUT/spec-standalone.json" 2>&1 | grep "^|\|Error" ;;
       w1-spec) bench $W1 --engine-args '{"speculative_algorithm": "NGRAM"}' ;;
       w2-spec) bench $W2 --engine-args '{"speculative_algorithm": "NGRAM"}' ;;

@@ -66,9 +66,8 @@ class Speculation:
                 args.speculative_ngram_capacity,
             )
         )
-        # NOTE: a draft model drafts every step in this version (the policy's costs are an
-        # n-gram drafter's); its drafts are drawn, not guessed, and judged as such
-        self.policy = DraftPolicy(drafts, always=standalone or args.speculative_policy == "always")
+        always = args.speculative_policy == "always"
+        self.policy = DraftPolicy(drafts, always, draft_cost(runner) if standalone else 0.0)
         self.max_tokens = min(MAX_VERIFY_TOKENS, args.max_prefill_tokens)
 
     def wants_fresh_tokens(self) -> bool:
@@ -89,7 +88,10 @@ class Speculation:
         if not (fresh or probe):
             return None
         if self.draft_model is not None:
-            return self._model_drafts(reqs) if fresh else None
+            if fresh:
+                return self._model_drafts(reqs)
+            policy.arm_probe()  # (its K/V needs every token: the next step is read first)
+            return None
         drafts, expected = self._drafts(reqs)
         drafted = sum(map(len, drafts))
         worth = policy.worth_verifying(expected, len(reqs), drafted)
@@ -144,7 +146,10 @@ class Speculation:
                 min(policy.budget(req.spec, req.draw_limit - req.drawn), per_request) if may else 0
             )
         k = max(ks)
-        if k == 0:
+        expected = sum(policy.expected(r.spec, n) for r, n in zip(reqs, ks) if n)
+        worth = policy.worth_drafting(expected, len(reqs), k)
+        policy.after_plan(worth)
+        if not worth:
             self.draft_probs = None
             return None
         greedy = all(r.sampling.is_greedy for r in reqs)
@@ -196,6 +201,12 @@ class Speculation:
         """A request that ended by its stop or length: its output joins the drafter's corpus."""
         if self.drafter is not None and req.output_ids:
             self.drafter.add_output(req.request.input_ids, req.output_ids)
+
+
+def draft_cost(runner: ModelRunner) -> float:
+    """Decode steps of the target a draft model's forward costs: its weights over the target's
+    (a decode step reads the weights; both read K/V of the same tokens, in proportion alike)."""
+    return sum(runner.draft.config.decode_weight_counts()) / sum(runner.config.decode_weight_counts())
 
 
 def _may_draft(req: Req) -> bool:

@@ -28,6 +28,14 @@ A draft that a step found not worth verifying is still judged, later, against th
 request drew (`judge_shadow`): its evidence counts in the rate like a verified one's, so a
 request whose output turns repetitive (or starts copying) is noticed without paying for it.
 
+A draft model (STANDALONE) pays for its drafts before they are judged, so it decides at the
+step before drafting: the batch's expected accepted drafts must cover the verify step's cost and
+the draft forwards' (`draft_cost` decode steps per drafted token: the draft's weights over the
+target's, a decode step being a read of the weights; `worth_drafting`). Its probe cannot draft
+from stale tokens (its K/V must hold every token before it drafts): a probe arms the next step,
+which is read first and drafts and verifies whatever the rates say (`arm_probe`), so its outcome
+is evidence. With nothing to accept it pays one such step every MAX_PAUSE steps.
+
 `speculative_policy="always"` skips all three (every request drafts every step, as many as it
 may): the mechanism's ceiling, and what the tests use to exercise it.
 """
@@ -78,9 +86,14 @@ class DraftState:
 
 
 class DraftPolicy:
-    def __init__(self, max_drafts: int, always: bool = False) -> None:
+    def __init__(self, max_drafts: int, always: bool = False, draft_cost: float = 0.0) -> None:
+        """`draft_cost`: decode steps of the target one drafted token costs (0: an n-gram draft,
+        found on the host)."""
         self.max_drafts = max_drafts
         self.always = always
+        self.draft_cost = draft_cost
+        self._armed = False  # a draft model's probe: the next step drafts and verifies
+        self._probing = False  # the step being planned is that probe
         # drafting on: every decode step is planned with fresh tokens (read before it)
         self.active = False
         self._steps = 0
@@ -110,13 +123,19 @@ class DraftPolicy:
     def after_plan(self, verified: bool) -> None:
         """A decode step planned with fresh tokens either verified drafts or did not (then
         drafting goes off until a probe finds it worth it again)."""
+        probe, self._probing = self._probing, False
         if self.always:
             return
         if verified:
-            self._pause = 1
+            if not probe:  # (a probe's verify step is evidence, not a step that paid)
+                self._pause = 1
         else:
             self.active = False
             self._pause_more()
+
+    def arm_probe(self) -> None:
+        """A draft model's probe: the next step is read first, then drafts and verifies."""
+        self.active = self._armed = True
 
     def after_probe(self, worth: bool) -> None:
         """A probe's drafts would have been worth a verify step (drafting goes on) or not."""
@@ -180,6 +199,15 @@ class DraftPolicy:
         if self.always:
             return drafted > 0
         return drafted > 0 and expected >= gain_for(batch) * batch
+
+    def worth_drafting(self, expected: float, batch: int, drafts: int) -> bool:
+        """Whether a draft model's `drafts` drafts per request, expected to give `expected`
+        accepted tokens in all, pay for themselves and the verify step (an armed probe drafts
+        whatever the rates say: its outcome is the evidence)."""
+        self._probing, self._armed = self._armed, False
+        if self.always or self._probing:
+            return drafts > 0
+        return drafts > 0 and expected >= (gain_for(batch) + drafts * self.draft_cost) * batch
 
     def verified(self, state: DraftState, drafted: int, accepted: int) -> None:
         """A verify step's outcome for one request (drafted 0: it only took its one token)."""

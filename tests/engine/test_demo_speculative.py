@@ -63,7 +63,8 @@ def run(spec: dict, prompts: list[str]):
 
 SPECS = {
     "STANDALONE": {"speculative_algorithm": "STANDALONE",
-                   "speculative_draft_model_path": str(DEMO / "draft"), "speculative_num_steps": 4},
+                   "speculative_draft_model_path": str(DEMO / "draft"), "speculative_num_steps": 4,
+                   "speculative_policy": "always"},
     "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_policy": "always"},
 }  # fmt: skip
 

@@ -95,3 +95,39 @@ def test_budget_respects_the_length_limit_and_the_wait():
     waiting = always.new_state()
     waiting.wait = 9
     assert always.budget(waiting, left=50) == 5
+
+
+def test_a_draft_model_drafts_only_when_acceptance_covers_verify_and_draft_forwards():
+    policy = DraftPolicy(max_drafts=4, draft_cost=0.25)
+    for batch in (1, 16, 256):
+        need = (gain_for(batch) + 3 * 0.25) * batch
+        assert not policy.worth_drafting(need - 0.01, batch, drafts=3)
+        assert policy.worth_drafting(need, batch, drafts=3)
+        assert not policy.worth_drafting(1e9, batch, drafts=0)
+    # a dearer draft asks for more
+    dear = DraftPolicy(max_drafts=4, draft_cost=1.0)
+    assert not dear.worth_drafting((gain_for(1) + 3 * 0.25), 1, drafts=3)
+
+
+def test_a_draft_models_probes_verify_and_grow_rarer_when_nothing_is_accepted():
+    """Drafting off, a probe arms the next step (read first), which drafts and verifies
+    whatever the rates say; with nothing accepted the probes come at pauses doubling up to
+    MAX_PAUSE, never reset by the probe's own verify step."""
+    policy = DraftPolicy(max_drafts=4, draft_cost=0.5)
+    state = policy.new_state()
+    verifies = []
+    for step in range(600):
+        fresh, probe = policy.wants_fresh_tokens(), policy.probes_now()
+        policy.tick()
+        if fresh:
+            worth = policy.worth_drafting(policy.expected(state, 4), 1, drafts=4)
+            policy.after_plan(worth)
+            if worth:
+                verifies.append(step)
+                policy.verified(state, drafted=4, accepted=0)
+                state.wait = 0
+        elif probe:
+            policy.arm_probe()
+    gaps = [b - a for a, b in zip(verifies, verifies[1:])]
+    assert gaps[:5] == sorted(gaps[:5]) and gaps[-1] >= MAX_PAUSE
+    assert len(verifies) < 600 / MAX_PAUSE + 8
