@@ -90,7 +90,10 @@ class Speculation:
         if self.draft_model is not None:
             if fresh:
                 return self._model_drafts(reqs)
-            policy.arm_probe()  # (its K/V needs every token: the next step is read first)
+            if policy.could_pay(len(reqs)):
+                policy.arm_probe()  # (its K/V needs every token: the next step is read first)
+            else:
+                policy.after_probe(False)  # (it could not pay: no probe, and the pause grows)
             return None
         drafts, expected = self._drafts(reqs)
         drafted = sum(map(len, drafts))

@@ -34,7 +34,9 @@ the draft forwards' (`draft_cost` decode steps per drafted token: the draft's we
 target's, a decode step being a read of the weights; `worth_drafting`). Its probe cannot draft
 from stale tokens (its K/V must hold every token before it drafts): a probe arms the next step,
 which is read first and drafts and verifies whatever the rates say (`arm_probe`), so its outcome
-is evidence. With nothing to accept it pays one such step every MAX_PAUSE steps.
+is evidence. With nothing to accept it pays one such step every MAX_PAUSE steps. A draft model
+that could not pay even were every draft accepted (`could_pay`: its forwards and the verify step
+cost more than its longest chain gives) never probes: the target as its own draft, say.
 
 `speculative_policy="always"` skips all three (every request drafts every step, as many as it
 may): the mechanism's ceiling, and what the tests use to exercise it.
@@ -199,6 +201,11 @@ class DraftPolicy:
         if self.always:
             return drafted > 0
         return drafted > 0 and expected >= gain_for(batch) * batch
+
+    def could_pay(self, batch: int) -> bool:
+        """Whether a draft model's longest chains, every draft accepted, would pay at `batch`."""
+        drafts = self.max_drafts
+        return self.always or drafts >= gain_for(batch) + drafts * self.draft_cost
 
     def worth_drafting(self, expected: float, batch: int, drafts: int) -> bool:
         """Whether a draft model's `drafts` drafts per request, expected to give `expected`

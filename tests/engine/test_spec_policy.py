@@ -107,6 +107,10 @@ def test_a_draft_model_drafts_only_when_acceptance_covers_verify_and_draft_forwa
     # a dearer draft asks for more
     dear = DraftPolicy(max_drafts=4, draft_cost=1.0)
     assert not dear.worth_drafting((gain_for(1) + 3 * 0.25), 1, drafts=3)
+    # one whose longest chain could not pay, all of it accepted, is not worth probing
+    assert not dear.could_pay(1) and policy.could_pay(1)
+    assert DraftPolicy(max_drafts=4, draft_cost=1.0, always=True).could_pay(256)
+    assert DraftPolicy(max_drafts=8, draft_cost=0.25).could_pay(1)
 
 
 def test_a_draft_models_probes_verify_and_grow_rarer_when_nothing_is_accepted():

@@ -91,18 +91,17 @@ def test_a_wave_of_prompts_catches_up_in_forwards_of_max_prefill_tokens(llama_di
     assert s.accepted_draft_tokens == s.draft_tokens > 0
 
 
-def test_adaptive_drafts_only_in_probes_when_drafts_cannot_pay(llama_dir):
+def test_adaptive_never_drafts_when_drafts_cannot_pay(llama_dir):
     """The adaptive policy with the target as its own draft: a draft forward costs a target
-    decode step, so even all-accepted drafts never pay a verify step at batch 1; only its
-    probes verify, rarer and rarer, and the tokens are those of decoding without."""
+    decode step, so even all-accepted drafts never pay a verify step at batch 1: it never
+    drafts, and the tokens are those of decoding without."""
     prompts = repeating_prompts(1)
     sampling = {**GREEDY, "max_new_tokens": 120}
     base, _ = run(llama_dir, prompts, sampling, spec=False)
     spec, scheduler = generate(llama_dir, prompts, sampling, **standalone(llama_dir, policy="adaptive"))
     assert [r.output_ids for r in spec] == [r.output_ids for r in base]
     s = scheduler.stats
-    assert 0 < s.verify_steps <= 8 and s.accepted_draft_tokens == s.draft_tokens
-    assert s.decode_steps > 120 - 8 * 5
+    assert s.verify_steps == 0 and s.draft_tokens == 0 and s.decode_steps >= 119
 
 
 def test_limits_and_stop_ids_cut_inside_a_draft(llama_dir, noisy_draft):
