@@ -66,25 +66,40 @@ def _build_decode(
 ) -> tuple[ForwardBatch, LogitPlan]:
     """One host-to-device copy, straight into the buffer the forward (or its graph) reads. The
     new slots are written into the table by the forward itself (ModelRunner.forward_hidden)."""
-    packed, (positions, slots, rows, seq_lens), seq_lens_cpu = decode_inputs.write(
-        batch.starts, batch.slots, batch.rows, width
+    forward = decode_forward_batch(
+        batch.starts, batch.slots, batch.rows, kv_pool, req_to_token, decode_inputs, width
     )
-    n = len(batch.reqs)
-    forward = ForwardBatch(
+    forward.shared_prefixes = batch.shared_prefixes
+    return forward, _ALL_ROWS
+
+
+def decode_forward_batch(
+    starts: np.ndarray,
+    slots: np.ndarray,
+    rows: np.ndarray,
+    kv_pool: KVPool,
+    req_to_token: ReqToTokenPool,
+    decode_inputs: DecodeInputs,
+    width: int,
+) -> ForwardBatch:
+    """A decode of one token per request row `rows[i]` at position `starts[i]` into `slots[i]`,
+    its columns sent into `decode_inputs` padded to `width` (a draft model's decodes too)."""
+    packed, (positions, slots_d, rows_d, seq_lens), seq_lens_cpu = decode_inputs.write(
+        starts, slots, rows, width
+    )
+    return ForwardBatch(
         mode=ForwardMode.DECODE,
         input_ids=None,
         positions=positions,
-        out_cache_loc=slots,
-        req_pool_indices=rows,
+        out_cache_loc=slots_d,
+        req_pool_indices=rows_d,
         seq_lens=seq_lens,
         seq_lens_cpu=seq_lens_cpu,
-        extend_lens_cpu=[1] * n,
+        extend_lens_cpu=[1] * len(rows),
         kv_pool=kv_pool,
         req_to_token=req_to_token.table,
         packed=packed,
-        shared_prefixes=batch.shared_prefixes,
     )
-    return forward, _ALL_ROWS
 
 
 def _build_extend(

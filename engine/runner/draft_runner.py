@@ -40,6 +40,7 @@ from engine.memory.kv_pool import KVPool
 from engine.memory.page_allocator import PageAllocator
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.model_config import ModelConfig
+from engine.runner.batch_builder import decode_forward_batch
 from engine.runner.cuda_graph import DecodeCudaGraphs
 from engine.runner.decode_inputs import DecodeInputs
 from engine.runner.loader import load_model
@@ -211,23 +212,10 @@ class DraftRunner:
         self.lens[rows] = starts + 1
         graphed = self.graphs is not None and n <= self.graphs.max_bs
         width = self.graphs.padded_size(n) if graphed else n
-        packed, (positions, slots_d, rows_d, seq_lens), seq_lens_cpu = self.decode_inputs.write(
-            starts, slots, rows, width
+        batch = decode_forward_batch(
+            starts, slots, rows, self.pool, self.table, self.decode_inputs, width
         )
-        self.next_token[rows_d] = tokens
-        batch = ForwardBatch(
-            mode=ForwardMode.DECODE,
-            input_ids=None,
-            positions=positions,
-            out_cache_loc=slots_d,
-            req_pool_indices=rows_d,
-            seq_lens=seq_lens,
-            seq_lens_cpu=seq_lens_cpu,
-            extend_lens_cpu=[1] * n,
-            kv_pool=self.pool,
-            req_to_token=self.table.table,
-            packed=packed,
-        )
+        self.next_token[batch.req_pool_indices] = tokens
         return self.graphs.replay(batch) if graphed else self._forward_decode(batch)
 
     def _forward_decode(self, batch: ForwardBatch) -> torch.Tensor:
