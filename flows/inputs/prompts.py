@@ -43,6 +43,22 @@ def has_chat_template(tokenizer_path: str | Path) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
+def chat_template_text(tokenizer_path: str | Path) -> str:
+    """Every chat template a tokenizer folder ships, as one text ("" if none): to read what the
+    templates do (the tool-call format they teach), not to render."""
+    folder = Path(tokenizer_path)
+    texts = [p.read_text() for p in sorted(folder.glob("additional_chat_templates/*.jinja"))]
+    if (folder / "chat_template.jinja").is_file():
+        texts.append((folder / "chat_template.jinja").read_text())
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            template = json.loads((folder / name).read_text()).get("chat_template")
+            # (a list of named templates: [{"name": "tool_use", "template": "..."}, ...])
+            named = template if isinstance(template, list) else [{"template": template}]
+            texts += [t["template"] for t in named if isinstance(t.get("template"), str)]
+    return "\n".join(texts)
+
+
 # tokenizer.apply_chat_template, or a resident engine's (which renders with its own tokenizer):
 # called with a list of conversations, tokenize=False and add_generation_prompt=True
 ChatTemplate = Callable[..., Any]

@@ -25,6 +25,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from flows.openai_files.errors import LineError
+from flows.openai_files.tools import read_tools, template_tool_calls, tool_constraint
+
 # endpoint -> what it asks of the engine
 ENDPOINTS = {
     "/v1/chat/completions": "chat",
@@ -51,15 +54,6 @@ BODY_FIELDS = {
 # OpenAI's defaults where they differ from the engine's: a completion's max_tokens is 16, a
 # chat completion's is "as many as fit" (max_new_tokens None: the rest of the context)
 DEFAULT_MAX_TOKENS = {"chat": None, "completion": 16}
-
-
-class LineError(ValueError):
-    """Why a line cannot be served: OpenAI's error `code` and the body `param` at fault."""
-
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -162,8 +156,6 @@ def check_body(kind: str, body: dict[str, Any]) -> None:
     if body.get("stream"):
         raise LineError("stream is not available in a batch: its responses are whole",
                         param="stream")  # fmt: skip
-    if body.get("tools"):
-        raise LineError("tools are not supported by this engine yet", param="tools")
     if body.get("suffix"):
         raise LineError("suffix is not supported by this engine", param="suffix")
     best_of, n = body.get("best_of"), body.get("n", 1)
@@ -182,6 +174,7 @@ def check_body(kind: str, body: dict[str, Any]) -> None:
         _integer(body, "top_logprobs", 0, 20)
         if body.get("top_logprobs") and not body.get("logprobs"):
             raise LineError("top_logprobs needs logprobs: true", param="top_logprobs")
+        read_tools(body)
     else:
         _integer(body, "logprobs", 0, 20)
         _boolean(body, "echo")
@@ -208,6 +201,8 @@ def sampling_params(request: BatchRequest, seed: int) -> dict[str, Any]:
         if body.get(name) is not None:
             params[renamed.get(name, name)] = body[name]
     params.update(_constraint(body.get("response_format")))
+    if kind == "chat":  # a forced tool call (read_tools refuses it beside another constraint)
+        params.update(tool_constraint(read_tools(body)))
     return params
 
 
@@ -240,11 +235,12 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
 
 def chat_conversation(
     request: BatchRequest, image_slot: str | None
-) -> tuple[list[dict[str, str]], list[str]]:
-    """A chat body's messages as the chat template takes them (role and text content), and the
-    images of its image_url parts in order. An image part's place in the text holds the model's
-    image slot (`image_slot`; None: the model takes text only, and an image is refused).
-    OpenAI's `developer` role is a system message."""
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """A chat body's messages as the chat template takes them (role and text content; an
+    assistant's tool_calls, a tool message's tool_call_id), and the images of its image_url
+    parts in order. An image part's place in the text holds the model's image slot
+    (`image_slot`; None: the model takes text only, and an image is refused). OpenAI's
+    `developer` role is a system message."""
     messages, images = [], []
     for i, message in enumerate(request.body["messages"]):
         where = f"messages[{i}]"
@@ -252,14 +248,25 @@ def chat_conversation(
             got = message.get("role") if isinstance(message, dict) else message
             raise LineError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {got!r}",
                             param=f"{where}.role")  # fmt: skip
-        content = message.get("content")
+        content, role = message.get("content"), message["role"]
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if content is None and calls is not None:  # an assistant turn of calls alone
+            content = ""
         if isinstance(content, list):
             content = "".join(_part(part, f"{where}.content[{j}]", image_slot, images)
                               for j, part in enumerate(content))  # fmt: skip
         if not isinstance(content, str):
             raise LineError(f"{where}.content must be text or a list of content parts",
                             param=f"{where}.content")  # fmt: skip
-        messages.append({"role": CHAT_ROLES[message["role"]], "content": content})
+        entry: dict[str, Any] = {"role": CHAT_ROLES[role], "content": content}
+        if calls is not None:
+            entry["tool_calls"] = template_tool_calls(calls, f"{where}.tool_calls")
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise LineError(f"{where}.tool_call_id must be the id of the call it answers",
+                                param=f"{where}.tool_call_id")  # fmt: skip
+            entry["tool_call_id"] = message["tool_call_id"]
+        messages.append(entry)
     return messages, images
 
 

@@ -4,8 +4,8 @@
      "response": {"status_code": 200, "request_id": "req_…", "body": {<chat.completion>}},
      "error": null}
 
-The bodies are shaped as OpenAI's objects of each endpoint (`chat.completion`,
-`text_completion`, an embedding `list`), with `usage`; the usage also says how many prompt
+The bodies are shaped as OpenAI's objects of each endpoint (`chat.completion`, with
+`tool_calls` where the model called tools; `text_completion`; an embedding `list`), with `usage`; the usage also says how many prompt
 tokens came from the prefix cache (`prompt_tokens_details.cached_tokens`, as OpenAI's does).
 A request that could not be served gets `response: null` and `error: {code, message}`, the
 shape of OpenAI's error file lines.
@@ -17,9 +17,11 @@ import base64
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from flows.openai_files.requests import BatchRequest, LineError
+from flows.openai_files.tool_calls import ParsedCalls
 
 
 def _hex() -> str:
@@ -45,16 +47,28 @@ def error_line(request: BatchRequest, error: LineError) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- bodies
-def chat_body(results: list[dict], model: str, top: int | None) -> dict[str, Any]:
-    """A chat.completion of one conversation's n results."""
+def chat_body(
+    results: list[dict],
+    model: str,
+    top: int | None,
+    calls: Callable[[str], ParsedCalls | None] | None = None,
+) -> dict[str, Any]:
+    """A chat.completion of one conversation's n results; `calls` reads a result's text for
+    tool calls (None: the line has no tools)."""
     choices = []
     for index, result in enumerate(results):
         meta = result["meta_info"]
+        message = {"role": "assistant", "content": result["text"], "refusal": None}
+        reason = _finish_reason(meta)
+        parsed = calls(result["text"]) if calls is not None else None
+        if parsed is not None:  # as OpenAI's: the calls, the text beside them, and why it ended
+            message.update(content=parsed.content, tool_calls=parsed.calls)
+            reason = "tool_calls"
         choices.append({
             "index": index,
-            "message": {"role": "assistant", "content": result["text"], "refusal": None},
+            "message": message,
             "logprobs": _chat_logprobs(meta, result["text"]) if top is not None else None,
-            "finish_reason": _finish_reason(meta),
+            "finish_reason": reason,
         })  # fmt: skip
     return _completion("chatcmpl", "chat.completion", model, choices, _usage(results, len(results)))
 

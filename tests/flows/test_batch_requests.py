@@ -67,7 +67,7 @@ BAD_LINES = [
     (line("x", messages=[]), "invalid_request", "messages must be a non-empty list", "x"),
     (line("x", messages=USER, stream=True), "invalid_request", "stream is not available", "x"),
     (line("x", messages=USER, tools=[{"type": "function"}]), "invalid_request",
-     "tools are not supported", "x"),
+     "tools[0].function must be an object with a name", "x"),
     (line("x", messages=USER, top_logprobs=2), "invalid_request",
      "top_logprobs needs logprobs: true", "x"),
     (line("x", messages=USER, stop=[1]), "invalid_request", "stop must be a string or a list", "x"),
