@@ -19,8 +19,9 @@ temporary local server that it starts and stops itself. Its exit code says what 
          worker or connection): the same command again resumes where it stopped
     2    something to fix first (the config, the input, the model folder, another run writing
          to the same folder): the message names it
-    130  interrupted (Ctrl-C): the finished rows are saved; the same command again resumes.
-         A second Ctrl-C stops at once.
+    130  interrupted (Ctrl-C), or 143 stopped by SIGTERM (a `kill`, a batch system's stop):
+         the finished rows are saved; the same command again resumes. A second signal stops
+         at once.
 
 Errors print without a traceback; `--debug` (or GRISTMILL_DEBUG=1) shows it.
 RUN_DIR is `<output_dir>/<run_name>` (its newest fingerprint folder is shown) or one
@@ -34,6 +35,7 @@ import atexit
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -128,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------- run
 def _run(args: argparse.Namespace) -> int:
-    from flows.run.interrupts import ctrl_c_stops_the_run
+    from flows.run.interrupts import signals_stop_the_run
 
-    with ctrl_c_stops_the_run():
+    with signals_stop_the_run():
         try:
             return _run_config(args)
         except Exception as e:  # Interrupted where no step could stop softly, among others
@@ -224,14 +226,18 @@ def _error_of(state: Any) -> BaseException:
 def _report_failure(error: BaseException, debug: bool) -> int:
     """Say what went wrong and what to do about it; the exit code (see the module's doc)."""
     from flows.config import ConfigError
-    from flows.run.interrupts import Interrupted, interrupted
+    from flows.run.interrupts import Interrupted, exit_code, signal_name, stop_signal
 
     if debug:
         traceback.print_exception(error, file=sys.stderr)
-    if isinstance(error, Interrupted) or interrupted():
-        print("gristmill: stopped by Ctrl-C; the rows finished by then are saved", file=sys.stderr)
+    if isinstance(error, Interrupted) or stop_signal() is not None:
+        signum = stop_signal() or signal.SIGINT
+        print(
+            f"gristmill: stopped by {signal_name(signum)}; the rows finished by then are saved",
+            file=sys.stderr,
+        )
         print(RESUME, file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return exit_code(signum)
     if isinstance(error, ConfigError):
         print("gristmill: invalid config", file=sys.stderr)
         for where, message in error.problems:

@@ -20,7 +20,6 @@ a part again, when the worker running it died: flows/parallel/generate.py.)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 import time
@@ -45,7 +44,7 @@ from flows.inputs.sources import input_for_run
 from flows.outputs.merge import ordered_chunks
 from flows.outputs.store import CheckpointStore, write_parquet_chunks
 from flows.parallel.generate import generate_in_parallel
-from flows.run.interrupts import Interrupted, interrupted, stop_softly
+from flows.run.interrupts import run_stoppable, sigterm_stops_the_flow, stopped_by
 from flows.run.lock import lock_run, unlock_run
 from flows.run.plan import Finish, Finisher, RunPlan, Work, gpu_costs, plan_requests
 
@@ -61,22 +60,26 @@ def run_steps(
     config: RunConfig, fresh: bool = False, finish: Finish | None = None
 ) -> dict[str, Any]:
     """The six steps in order; the body of every gristmill flow. On Dask workers the engines
-    start and stop inside generate, one per worker, instead of in init_engine and shutdown."""
+    start and stop inside generate, one per worker, instead of in init_engine and shutdown.
+
+    A Ctrl-C or a SIGTERM (Prefect cancelling the run, a `kill`) stops it: generate writes the
+    rows it finished, shutdown stops or detaches the engine (flows/run/interrupts.py)."""
     plan, engine = None, None
-    try:
-        plan = configure(config)
-        if config.parallel.on_dask:
-            work = prepare_prompts(plan, None, fresh)
-            generated = generate_in_parallel(plan, work)
-        else:
-            engine = init_engine(plan)
-            work = prepare_prompts(plan, engine, fresh)
-            generated = generate(plan, engine, work)
-        return collect(plan, work, generated, finish)
-    finally:
-        shutdown(engine)
-        if plan is not None:
-            unlock_run(plan)
+    with sigterm_stops_the_flow():
+        try:
+            plan = configure(config)
+            if config.parallel.on_dask:
+                work = prepare_prompts(plan, None, fresh)
+                generated = generate_in_parallel(plan, work)
+            else:
+                engine = init_engine(plan)
+                work = prepare_prompts(plan, engine, fresh)
+                generated = generate(plan, engine, work)
+            return collect(plan, work, generated, finish)
+        finally:
+            shutdown(engine)
+            if plan is not None:
+                unlock_run(plan)
 
 
 # ---------------------------------------------------------------------- the steps
@@ -155,8 +158,8 @@ def generate(plan: RunPlan, engine: EngineAPI, work: Work) -> Generated:
 
     async def run() -> Generated:
         await progress.open()
-        rows = asyncio.ensure_future(
-            generate_rows(
+        try:
+            return await generate_rows(
                 engine,
                 work.rows(),
                 options,
@@ -165,23 +168,19 @@ def generate(plan: RunPlan, engine: EngineAPI, work: Work) -> Generated:
                 write_shard=lambda rows: store.write_shard(rows, work.schema),
                 progress=progress,
             )
-        )
-        # a Ctrl-C cancels the rows: no new ones start, the finished ones are written, the
-        # engine drops the rest (they are redone on resume, with the same seeds)
-        loop = asyncio.get_running_loop()
-        try:
-            with stop_softly(lambda: loop.call_soon_threadsafe(rows.cancel)):
-                generated = await rows
-        except asyncio.CancelledError:
-            if not interrupted():
-                raise
         finally:
             await progress.close()
-        if interrupted():  # also when the last rows finished as the Ctrl-C came
-            raise Interrupted("stopped by Ctrl-C; the rows finished by then are written")
-        return generated
 
-    generated = asyncio.run(run())
+    def stopped(error: BaseException) -> None:
+        logger.warning(
+            "stopped by %s: no more rows taken, the rows finished by then are written; a rerun "
+            "of this config resumes after them",
+            stopped_by(error),
+        )
+
+    # a stop signal (Ctrl-C, a cancel's SIGTERM) cancels the rows: no new ones start, the
+    # finished ones are written, the engine drops the rest (redone on resume, with their seeds)
+    generated = run_stoppable(run(), on_stop=stopped)
     if generated.errors:
         logger.warning(
             "%d row(s) were refused by the engine: see their error column", generated.errors

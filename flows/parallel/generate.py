@@ -59,7 +59,7 @@ from flows.engines.progress import Progress
 from flows.outputs.store import CheckpointStore
 from flows.parallel.handout import Handout
 from flows.parallel.parts import STOP_POLL_SECONDS, generate_part
-from flows.run.interrupts import Interrupted, interrupted, stop_softly
+from flows.run.interrupts import run_stoppable, sigterm_stops_the_flow
 from flows.run.plan import RunPlan, Work
 
 if TYPE_CHECKING:
@@ -132,13 +132,18 @@ def generate_on_workers(
     )
     shards = NewShards(store)
     started = time.perf_counter()
-    futures = [generate_part.submit(plan, handout, index, schema, local) for index in range(parts)]
     progress = Progress(total, done_before, config.run_name, logger)
-    asyncio.run(_watch(futures, shards, progress, store))
-    if all(f.wrapped_future.done() for f in futures):
-        handout.remove()  # (else a part still reads it: the next run removes it)
-    if interrupted():  # the parts were asked to stop and have written what they finished
-        raise Interrupted("stopped by Ctrl-C; the rows finished by then are written")
+    # a stop signal asks the parts to stop: each writes the rows it finished (_watch)
+    stopping = asyncio.Event()
+    with sigterm_stops_the_flow():  # (Prefect's handler is back in for a nested flow)
+        futures = [
+            generate_part.submit(plan, handout, index, schema, local) for index in range(parts)
+        ]
+        try:
+            run_stoppable(_watch(futures, shards, progress, store, stopping), stop=stopping.set)
+        finally:
+            if all(f.wrapped_future.done() for f in futures):
+                handout.remove()  # (else a part still reads it: the next run removes it)
     failures = []
     for index, future in enumerate(futures):
         try:
@@ -204,33 +209,36 @@ class NewShards:
 
 
 async def _watch(
-    futures: list[Any], shards: NewShards, progress: Progress, store: CheckpointStore
+    futures: list[Any],
+    shards: NewShards,
+    progress: Progress,
+    store: CheckpointStore,
+    stopping: asyncio.Event,
 ) -> None:
     """Feed the run's progress from the shards that land, until every part has ended.
 
-    A Ctrl-C asks the parts to stop (CheckpointStore.request_stop), and this waits for them a
-    while longer: each writes the rows it has finished and ends within STOP_POLL_SECONDS."""
+    A stop signal sets `stopping` (run_stoppable): this asks the parts to stop
+    (CheckpointStore.request_stop) and waits for them a while longer: each writes the rows it
+    has finished and ends within STOP_POLL_SECONDS."""
     loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
     stop_by: float | None = None
     await progress.open()
     try:
-        with stop_softly(lambda: loop.call_soon_threadsafe(stopping.set)):
-            while True:
-                ended = all(f.wrapped_future.done() for f in futures)
-                rows, tokens, refused = shards.poll()
-                if rows:
-                    await progress.advance(rows, tokens, refused, shards.first_error)
-                if ended or (stop_by is not None and loop.time() > stop_by):
-                    return
-                if stopping.is_set() and stop_by is None:
-                    store.request_stop()
-                    stop_by = loop.time() + STOP_GRACE_SECONDS
-                if stopping.is_set():
-                    await asyncio.sleep(STOP_POLL_SECONDS)
-                else:
-                    with contextlib.suppress(asyncio.TimeoutError):  # a Ctrl-C ends the wait
-                        await asyncio.wait_for(stopping.wait(), POLL_SECONDS)
+        while True:
+            ended = all(f.wrapped_future.done() for f in futures)
+            rows, tokens, refused = shards.poll()
+            if rows:
+                await progress.advance(rows, tokens, refused, shards.first_error)
+            if ended or (stop_by is not None and loop.time() > stop_by):
+                return
+            if stopping.is_set() and stop_by is None:
+                store.request_stop()
+                stop_by = loop.time() + STOP_GRACE_SECONDS
+            if stopping.is_set():
+                await asyncio.sleep(STOP_POLL_SECONDS)
+            else:
+                with contextlib.suppress(asyncio.TimeoutError):  # a stop signal ends the wait
+                    await asyncio.wait_for(stopping.wait(), POLL_SECONDS)
     finally:
         await progress.close()
 

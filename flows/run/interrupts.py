@@ -1,87 +1,165 @@
-"""Ctrl-C in a `gristmill run`: the first stops the run cleanly, the second at once.
+"""Stopping a run on a signal: Ctrl-C in `gristmill run`, and SIGTERM, which is how a `kill` or a
+batch system stops the command and how Prefect cancels a flow run (the UI's Cancel).
 
-A terminal sends SIGINT to its whole foreground process group. The run's helpers (the engine's
-children, the temporary Prefect server) live in sessions of their own, so only the run's own
-process hears it, and `ctrl_c_stops_the_run` decides what it means:
+Every signal that stops a run ends up as an exception raised in the run's main thread, wherever
+it is. The steps whose work can stop softly (generate: its rows) run that work on an event loop
+of its own thread while the main thread waits for it (`run_stoppable`), so the exception lands
+in that wait: the work is asked to stop (no more rows taken, the finished ones written) and the
+exception goes on once it has. Either way the flow's shutdown step then stops the run's engine
+(or detaches from a resident one) and gives back its GPU slots, and a rerun resumes. Which
+exception it is depends on where the run runs:
 
-- the first Ctrl-C asks the run to stop. A step that can stop softly said how (`stop_softly`:
-  generate stops taking rows, writes the finished ones and raises Interrupted); anywhere else
-  Interrupted is raised where the main thread is. Either way the flow fails with that message,
-  its shutdown step stops the engine, and the command exits 130;
-- the second exits the process at once (130). The helpers follow it through their lifelines.
-
-Without `ctrl_c_stops_the_run` (a flow called from Python) a Ctrl-C is Python's usual
-KeyboardInterrupt.
+- `gristmill run` (`signals_stop_the_run`, around the whole command): the first Ctrl-C or
+  SIGTERM raises Interrupted; the flow fails with that message and the command exits 130
+  (Ctrl-C) or 143 (SIGTERM). A second signal exits the process at once. A terminal sends SIGINT
+  to its whole foreground process group, but the run's helpers (the engine's children, the
+  temporary Prefect server) live in sessions of their own, so only the run hears it; they follow
+  it through their lifelines.
+- a flow run that Prefect started (deployments/serve.py, a worker) keeps the SIGTERM handler of
+  Prefect's flow engine, which raises TerminationSignal. Cancelling a run (the UI's Cancel) sets
+  it Cancelling; the runner tells the run's process that it cancels over its control channel
+  (which the process acknowledges only while Prefect's own handler is the one installed: hence
+  no handler of ours there), sends SIGTERM to that process alone, looks every 3 s whether it
+  has ended (SIGKILL after 30 s) and then sets the run Cancelled. The flow engine ends the run
+  as that cancel (a SIGTERM that no cancel asked for: Crashed, as Prefect's flows do).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a job stopped by Ctrl-C
+T = TypeVar("T")
 
 
 class Interrupted(Exception):
-    """The run was stopped by Ctrl-C; what it had finished is saved and a rerun resumes."""
+    """The run was stopped by a signal; what it had finished is saved and a rerun resumes."""
 
     def __init__(self, detail: str = "stopped by Ctrl-C") -> None:
         super().__init__(detail)
 
 
+@dataclass
 class _State:
-    installed = False
-    requested = False
-    soft_stop: Callable[[], Any] | None = None
+    command: bool = False  # inside signals_stop_the_run: this process is a gristmill command
+    stop_signal: int | None = None  # the signal that asked the command's run to stop
 
 
 _state = _State()
 
 
-def interrupted() -> bool:
-    """Has a Ctrl-C asked this run to stop?"""
-    return _state.requested
+def stop_signal() -> int | None:
+    """The signal that asked this command's run to stop, if one did."""
+    return _state.stop_signal
+
+
+def signal_name(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def stopped_by(error: BaseException) -> str:
+    """What a signal's exception says of it: "Ctrl-C", "SIGTERM"."""
+    signum = getattr(error, "signal", None)  # Prefect's TerminationSignal
+    if isinstance(error, Interrupted) and _state.stop_signal is not None:
+        signum = _state.stop_signal
+    return signal_name(signum if isinstance(signum, int) else signal.SIGINT)
+
+
+def exit_code(signum: int) -> int:
+    """A command's exit code after a stop by `signum`, as a shell reports a job it killed."""
+    return 128 + signum
 
 
 @contextmanager
-def ctrl_c_stops_the_run() -> Iterator[None]:
-    """While inside, SIGINT stops the run as the module says. Only from the main thread."""
-    previous = signal.signal(signal.SIGINT, _on_sigint)
-    _state.installed, _state.requested = True, False
+def signals_stop_the_run() -> Iterator[None]:
+    """While inside, Ctrl-C and SIGTERM stop the run as the module says. Only from the main
+    thread, around a whole gristmill command."""
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    _state.command, _state.stop_signal = True, None
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        _state.installed = False
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _state.command = False
 
 
 @contextmanager
-def stop_softly(stop: Callable[[], Any]) -> Iterator[None]:
-    """While inside, the first Ctrl-C calls `stop` instead of raising Interrupted.
-
-    NOTE: `stop` runs in the signal handler, in the main thread between two bytecodes: it must
-    only hand the request on (e.g. loop.call_soon_threadsafe), never wait or take a lock."""
-    if not _state.installed or threading.current_thread() is not threading.main_thread():
-        yield  # no Ctrl-C handling of ours here: Python's KeyboardInterrupt does the job
+def sigterm_stops_the_flow() -> Iterator[None]:
+    """Around a flow's steps in a gristmill command: SIGTERM, which Prefect's flow engine takes
+    while a flow runs (a nested flow too), stops the run as Ctrl-C does. Elsewhere Prefect's
+    handler stays: its runner's cancel needs it (the module's doc)."""
+    if not _state.command or threading.current_thread() is not threading.main_thread():
+        yield
         return
-    previous, _state.soft_stop = _state.soft_stop, stop
+    previous = signal.signal(signal.SIGTERM, _on_signal)
     try:
         yield
     finally:
-        _state.soft_stop = previous
+        signal.signal(signal.SIGTERM, previous)
 
 
-def _on_sigint(signum: int, frame: Any) -> None:
-    if _state.requested:  # the second Ctrl-C: no more waiting
-        os.write(2, b"\ngristmill: stopped at once (second Ctrl-C)\n")
-        os._exit(EXIT_INTERRUPTED)
-    _state.requested = True
-    os.write(2, b"\ngristmill: stopping after Ctrl-C (press it again to stop at once)\n")
-    if _state.soft_stop is not None:
-        _state.soft_stop()
-    else:
-        raise Interrupted()
+def run_stoppable(
+    coroutine: Coroutine[Any, Any, T],
+    stop: Callable[[], Any] | None = None,
+    on_stop: Callable[[BaseException], Any] | None = None,
+) -> T:
+    """asyncio.run(coroutine), on a thread of its own while the main thread waits for it.
+
+    A signal's exception (Interrupted, Prefect's TerminationSignal, KeyboardInterrupt) so lands
+    in the wait, never inside the loop, where asyncio would swallow one raised in a callback
+    and lose the stop. Then `stop` is called on the loop (default: cancel the coroutine), the
+    coroutine ends what it was doing (writes the rows it finished) and, once it has ended,
+    `on_stop(exception)` is called and the exception goes on. From another thread than the
+    main one (signals reach only the main thread): plain asyncio.run."""
+    if threading.current_thread() is not threading.main_thread():
+        return asyncio.run(coroutine)
+    loop = asyncio.new_event_loop()
+    # NOTE: made here, so the task runs in this thread's context (Prefect's run context among it)
+    task = loop.create_task(coroutine)
+
+    def run() -> None:  # asyncio.run's, on the loop made here
+        asyncio.set_event_loop(loop)
+        try:
+            with contextlib.suppress(BaseException):  # (the task's outcome is read from it)
+                loop.run_until_complete(task)
+            left = asyncio.all_tasks(loop)
+            for other in left:
+                other.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+    worker = threading.Thread(target=run, name="gristmill-stoppable", daemon=True)
+    worker.start()
+    try:
+        worker.join()
+    except BaseException as signalled:
+        loop.call_soon_threadsafe(stop or task.cancel)
+        worker.join()  # (a second Ctrl-C: its handler exits the process at once)
+        if on_stop is not None:
+            on_stop(signalled)
+        raise
+    return task.result()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    name = signal_name(signum)
+    if _state.stop_signal is not None:  # the second: no more waiting
+        os.write(2, f"\ngristmill: stopped at once (second {name})\n".encode())
+        os._exit(exit_code(signum))
+    _state.stop_signal = signum
+    again = "press it again" if signum == signal.SIGINT else "send it again"
+    os.write(2, f"\ngristmill: stopping after {name} ({again} to stop at once)\n".encode())
+    raise Interrupted(f"stopped by {name}; the rows finished by then are written")

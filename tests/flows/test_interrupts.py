@@ -9,7 +9,8 @@ one row in flight: slow enough to be stopped mid-run on any machine) serves ever
 
     run 1 (its own temporary Prefect server): a second run of the config is refused; Ctrl-C
     run 2 (the session's Prefect server):     Ctrl-C, then Ctrl-C again
-    run 3 (its own temporary Prefect server, engine.dp_size 2): SIGKILL of its main process
+    run 3 (the session's Prefect server):     SIGTERM to its main process (a `kill`)
+    run 4 (its own temporary Prefect server, engine.dp_size 2): SIGKILL of its main process
     resumed in this process, on the session's engine: equal to an uninterrupted run
 
 The tests below each check one finding on what its run left. What a message says when a run
@@ -122,6 +123,10 @@ class Job:
 
     def ctrl_c(self) -> None:
         os.killpg(self.proc.pid, signal.SIGINT)
+
+    def kill(self) -> None:
+        """`kill PID`: SIGTERM to the run's main process alone."""
+        os.kill(self.proc.pid, signal.SIGTERM)
 
     def wait(self, timeout: float) -> tuple[int, float]:
         """(exit code, seconds it took); fails the test if the run outlives `timeout`."""
@@ -237,9 +242,20 @@ def chain(tmp_path_factory, llama_dir, prefect_api, shared_llama_engine) -> dict
     finally:
         again.kill_all()
 
-    # run 3: SIGKILL of the main process alone, its engine of two data-parallel groups
+    # run 3: SIGTERM to the main process alone, as `kill` (or a batch system's stop) sends it
+    termed = Job.start(config_file, on_session_server, "run3")
+    try:
+        termed.wait_for_new_shard(shards, _shard_count(shards))
+        seen["termed_roles"] = termed.roles()
+        termed.kill()
+        code, seconds = termed.wait(60)
+        seen["termed"] = _ended(termed, code, seconds, shards, gone_within=0.5)
+    finally:
+        termed.kill_all()
+
+    # run 4: SIGKILL of the main process alone, its engine of two data-parallel groups
     # (dp_size changes where a row runs, not the row: the same folder and fingerprint)
-    killed = Job.start(config_file, on_own_server, "run3", "engine.dp_size=2")
+    killed = Job.start(config_file, on_own_server, "run4", "engine.dp_size=2")
     try:
         killed.wait_for_new_shard(shards, _shard_count(shards))
         seen["killed_roles"] = killed.roles()
@@ -349,11 +365,29 @@ def test_a_second_ctrl_c_stops_at_once_and_the_lifelines_take_the_rest(chain):
     assert "Traceback" not in again["stderr"], again["stderr"]
 
 
+# ---------------------------------------------------------------------- SIGTERM (issue 40)
+def test_sigterm_stops_the_run_as_ctrl_c_does_and_exits_143(chain):
+    termed = chain["termed"]
+    assert chain["termed_roles"] >= {"engine.scheduler", "engine.detokenizer"}
+    assert termed["code"] == 128 + signal.SIGTERM, termed["stderr"]
+    assert termed["seconds"] < CTRL_C_EXIT_S, termed["stderr"]
+    assert termed["left"] == [], "the run stops its engine itself"
+    err = termed["stderr"]
+    assert "Traceback" not in err and "Crash" not in err, err
+    assert "stopping after SIGTERM (send it again to stop at once)" in err
+    assert "stopped by SIGTERM: no more rows taken" in err
+    assert "Flow run 'questions' - Finished in state Failed(" in err
+    assert err.endswith(
+        f"gristmill: stopped by SIGTERM; the rows finished by then are saved\ngristmill: {RESUME}\n"
+    ), err
+    assert termed["rows_in_shards"] > chain["again"]["rows_in_shards"], "it wrote rows"
+
+
 # ---------------------------------------------------------------------- finding 2: SIGKILL
 def test_sigkill_of_the_main_process_takes_the_engine_and_the_prefect_server(chain):
     killed = chain["killed"]
     assert chain["killed_roles"] >= {"engine.scheduler", "engine.detokenizer", "prefect server"}
-    assert chain["killed_schedulers"] == 2, "run 3's engine has two data-parallel groups"
+    assert chain["killed_schedulers"] == 2, "run 4's engine has two data-parallel groups"
     assert killed["code"] == -signal.SIGKILL
     assert killed["left"] == [], f"still running {GONE_S:.0f} s after the SIGKILL"
     assert "Traceback" not in killed["stderr"], killed["stderr"]
@@ -381,7 +415,7 @@ def test_runs_on_a_temporary_server_say_nothing_of_telemetry(chain):
 
 
 # ---------------------------------------------------------------------- resumed exactly once
-def test_stopped_three_ways_and_resumed_the_rows_equal_an_uninterrupted_run(chain):
+def test_stopped_four_ways_and_resumed_the_rows_equal_an_uninterrupted_run(chain):
     resumed = chain["resumed"]
     folder = resumed["folder"]
     assert folder.name == chain["reference"].name
