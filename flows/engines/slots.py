@@ -14,10 +14,12 @@ for every run), nor does an engine on the CPU.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import re
 import socket
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -60,18 +62,31 @@ class GpuSlots:
         _ensure_limits(self.names)
         held = concurrency(self.names, occupy=1, timeout_seconds=FIRST_TRY_SECONDS)
         try:
-            held.__enter__()
+            _outside_the_task(held.__enter__)
         except TimeoutError:
             message = "waiting for GPU slot(s) %s: another run's engine holds the GPU"
             (say or logger).info(message, ", ".join(self.names))
             held = concurrency(self.names, occupy=1)
-            held.__enter__()
+            _outside_the_task(held.__enter__)
         self._held = held
 
     def give_back(self) -> None:
         held, self._held = self._held, None
         if held is not None:
             held.__exit__(None, None, None)
+
+
+def _outside_the_task(take: Callable[[], Any]) -> Any:
+    """`take` a slot for longer than the task that takes it (init_engine: the engine's life).
+
+    NOTE: Prefect's task engine revokes, as the task ends, every lease of a global concurrency
+    limit that the task took and has not given back (its ConcurrencyContext's cleanup): taken
+    inside it, a run's GPU slot would be free again before its engine generated a row."""
+    from prefect.concurrency.context import ConcurrencyContext
+
+    outside = contextvars.copy_context()  # Prefect's settings and run context, but no cleanup
+    outside.run(ConcurrencyContext.__var__.set, None)
+    return outside.run(take)
 
 
 def _ensure_limits(names: list[str]) -> None:
