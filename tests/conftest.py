@@ -45,6 +45,7 @@ LONGEST_FIRST = (
     "tests/engine/test_process_lifecycle.py", "tests/flows/test_dask_cluster.py",
     "tests/flows/test_pipeline.py", "tests/flows/test_resident.py",
     "tests/engine/test_shared_prefix_decode.py", "tests/flows/test_deployments.py",
+    "tests/flows/test_cancel.py",
     "tests/kernels/test_shared_prefix_attention.py", "tests/engine/test_tensor_parallel.py",
     "tests/engine/test_data_parallel.py", "tests/engine/test_resident_engine.py",
     "tests/engine/test_generate_vs_transformers.py", "tests/engine/test_prefill_graph.py",
