@@ -47,38 +47,49 @@ CONFIGS = Path(inspect.getfile(ModelConfig)).with_name("model_configs")
 def run_engine(
     model_path: str, work: Workload, engine_args: dict, lora_names: list[str] | None = None
 ) -> dict:
-    """The workload through the engine; with lora_names, request i uses adapter i % len."""
+    """The workload through a new engine; with lora_names, request i uses adapter i % len."""
     from engine import Engine
 
     t0 = time.perf_counter()
     engine = Engine(model_path=model_path, skip_tokenizer_init=True, **engine_args)
     startup = time.perf_counter() - t0
     try:
-        for rank in range(engine.server_args.dp_size):  # every data-parallel group compiles
-            engine.generate(
-                input_ids=work.input_ids[:4],
-                sampling_params={"max_new_tokens": 4, "ignore_eos": True},
-                routed_dp_rank=rank if engine.server_args.dp_size > 1 else None,
-            )
-        engine.flush_cache()
-        # NOTE: the counters are the engine's since start-up; the table reports the measured
-        # run alone, so the warm-up's (its kernel compilation, on a fresh machine) is taken off
-        before = engine.get_server_info()["internal_states"]
-        params = [
-            {"temperature": 0.0, "max_new_tokens": o, "ignore_eos": True} for o in work.output_lens
-        ]
-        lora = [lora_names[i % len(lora_names)] for i in range(len(params))] if lora_names else None
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=work.input_ids, sampling_params=params, lora_path=lora)
-        wall = time.perf_counter() - t0
-        info = engine.get_server_info()
-        info["internal_states"] = [
-            _counters_since(b, a) for b, a in zip(before, info["internal_states"])
-        ]
+        warm_up(engine, work)
+        return {**measure(engine, work, lora_names), "startup": startup}
     finally:
         engine.shutdown()
+
+
+def warm_up(engine, work: Workload) -> None:
+    """A few short requests, so that kernel compilation stays out of the measured run."""
+    for rank in range(engine.server_args.dp_size):  # every data-parallel group compiles
+        engine.generate(
+            input_ids=work.input_ids[:4],
+            sampling_params={"max_new_tokens": 4, "ignore_eos": True},
+            routed_dp_rank=rank if engine.server_args.dp_size > 1 else None,
+        )
+
+
+def measure(engine, work: Workload, lora_names: list[str] | None = None) -> dict:
+    """The workload through `engine` (its cache flushed first): wall, output tokens, and the
+    server info with the counters of this run alone."""
+    engine.flush_cache()
+    # NOTE: the counters are the engine's since start-up; the table reports the measured
+    # run alone, so the warm-up's (its kernel compilation, on a fresh machine) is taken off
+    before = engine.get_server_info()["internal_states"]
+    params = [
+        {"temperature": 0.0, "max_new_tokens": o, "ignore_eos": True} for o in work.output_lens
+    ]
+    lora = [lora_names[i % len(lora_names)] for i in range(len(params))] if lora_names else None
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=work.input_ids, sampling_params=params, lora_path=lora)
+    wall = time.perf_counter() - t0
+    info = engine.get_server_info()
+    info["internal_states"] = [
+        _counters_since(b, a) for b, a in zip(before, info["internal_states"])
+    ]
     produced = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"wall": wall, "startup": startup, "output_tokens": produced, "info": info}
+    return {"wall": wall, "output_tokens": produced, "info": info}
 
 
 _COUNTERS = {f.name for f in dataclasses.fields(SchedulerStats)} | {

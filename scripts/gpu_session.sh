@@ -87,6 +87,10 @@ run_step() {
                 --output-len 200 --modes off standalone standalone-always standalone-eighth standalone-eighth-always --json "$OUT/spec-standalone.json" 2>&1 | grep "^|\|Error" ;;
       spec-standalone-adaptive) python3 -m bench.speculative --model-config qwen3-0.6b --batch 1 16 64 256 --input-len 1000 \
                 --output-len 200 --modes off standalone standalone-eighth --json "$OUT/spec-standalone.json" 2>&1 | grep "^|\|Error" ;;
+      # TensorRT-LLM's published shapes (bench/trtllm.py): the four of issue 39 first, a fifth of
+      # each request count (the ten at full counts take about an hour: `python -m bench --preset trtllm`)
+      trtllm) python3 -m bench --preset trtllm --scale 0.2 --shapes 1000/1000 2048/128 128/128 500/2000 \
+                --json "$OUT/trtllm.json" 2>&1 | grep "^|\|Error\|requests in" ;;
       w1-spec) bench $W1 --engine-args '{"speculative_algorithm": "NGRAM"}' ;;
       w2-spec) bench $W2 --engine-args '{"speculative_algorithm": "NGRAM"}' ;;
       engine) tests tests/engine/test_generate_vs_transformers.py tests/engine/test_runtime_api.py \

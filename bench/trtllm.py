@@ -1,0 +1,138 @@
+"""TensorRT-LLM's published throughput shapes, run by gristmill beside the published numbers.
+
+    python -m bench --preset trtllm                      # the ten shapes, TensorRT-LLM's request counts
+    python -m bench.trtllm --shapes 1000/1000 2048/128 --scale 0.5
+
+TensorRT-LLM publishes, for Llama-3.1-8B with FP8 weights on one H100 and one H200, the output
+tokens per second of `trtllm-bench throughput` over synthetic requests of fixed input and
+output lengths (random token ids, every request at once), one request count per shape
+(`docs/source/performance/perf-overview.md` in NVIDIA/TensorRT-LLM; the table `PUBLISHED`).
+This runs the same shapes through one gristmill engine (by default the shipped llama-3.1-8b
+architecture with dummy weights, FP8 weights and an FP8 K/V cache, as theirs) and prints, per
+shape, the wall time, output tok/s, the published figure of this device (H100 or H200; both
+elsewhere), the ratio, and the fraction of the floor (bench/floor.py) gristmill reached.
+
+The ten shapes at full counts take about an hour of an H100 (20000/2000 alone a quarter of it);
+`--scale` runs a fraction of each count (a smaller count ends with a longer tail of a few
+requests, so its tok/s is a lower bound of the steady state's) and `--shapes` a subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench.floor import floor_seconds, make_workload, measure_ceilings
+from bench.throughput import dummy_folder, measure, warm_up
+from engine.model_config import ModelConfig
+from engine.server_args import KV_CACHE_DTYPES
+
+# (input length, output length): (requests, H100 output tok/s, H200 output tok/s), Llama-3.1-8B
+# FP8, TP1, as TensorRT-LLM publishes them
+PUBLISHED = {
+    (128, 128): (30000, 28312, 27911),
+    (128, 2048): (3000, 22714, 26221),
+    (128, 4096): (1500, 14325, 18027),
+    (500, 2000): (3000, 17660, 20770),
+    (1000, 1000): (3000, 15220, 17744),
+    (1000, 2000): (1500, 13899, 16828),
+    (2048, 128): (3000, 3450, 3538),
+    (2048, 2048): (1500, 9305, 12194),
+    (5000, 500): (1500, 3459, 3902),
+    (20000, 2000): (1000, 1351, 1804),
+}
+DEFAULT_ENGINE_ARGS = {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'ISL/OSL' as one of PUBLISHED's shapes (else an error naming the allowed ones)."""
+    try:
+        isl, osl = (int(x) for x in text.split("/"))
+    except ValueError:
+        isl = osl = -1
+    if (isl, osl) not in PUBLISHED:
+        shapes = ", ".join(f"{i}/{o}" for i, o in PUBLISHED)
+        raise argparse.ArgumentTypeError(f"--shapes {text!r}: choose among {shapes}")
+    return isl, osl
+
+
+def published_column(device_name: str) -> str | None:
+    """Which published figure this device is compared with: 'H100', 'H200', or None (neither)."""
+    return next((gpu for gpu in ("H200", "H100") if gpu in device_name), None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.trtllm", description=__doc__.split("\n\n")[0]
+    )
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a Hugging Face model folder")
+    src.add_argument("--model-config", default="llama-3.1-8b", help="a shipped architecture, dummy weights")
+    ap.add_argument("--shapes", nargs="+", type=parse_shape, default=list(PUBLISHED),
+                    help="ISL/OSL shapes of the published table (default: all ten)")  # fmt: skip
+    ap.add_argument("--scale", type=float, default=1.0, help="a fraction of each request count")
+    ap.add_argument("--engine-args", default=json.dumps(DEFAULT_ENGINE_ARGS),
+                    help="JSON of the engine's arguments (default: FP8 weights and K/V cache)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="also write the table's rows to this file")
+    a = ap.parse_args(argv)
+    if not 0 < a.scale <= 1:
+        ap.error(f"--scale {a.scale}: a fraction in (0, 1]")
+
+    from engine import Engine
+
+    model = a.model or dummy_folder(a.model_config)
+    engine_args = {"load_format": "auto" if a.model else "dummy", **json.loads(a.engine_args)}
+    cfg = ModelConfig.from_folder(model, engine_args.get("dtype", "auto"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    column = published_column(device_name)
+    bandwidth, flops, fp8_flops = measure_ceilings(device)
+    kv_name = KV_CACHE_DTYPES.get(engine_args.get("kv_cache_dtype", "auto"))
+    kv_dtype = getattr(torch, kv_name) if kv_name else None
+
+    rows = []
+    engine = Engine(model_path=model, skip_tokenizer_init=True, **engine_args)
+    try:
+        fp8_weights = engine.get_server_info()["quantization"] is not None
+        for i, (isl, osl) in enumerate(a.shapes):
+            count, h100, h200 = PUBLISHED[(isl, osl)]
+            n = max(1, round(count * a.scale))
+            work = make_workload(n, str(isl), str(osl), cfg.vocab_size, a.seed + i)
+            if i == 0:
+                warm_up(engine, work)
+            result = measure(engine, work)
+            state = result["info"]["internal_states"][0]
+            decode, prefill = floor_seconds(
+                cfg, work, result["info"]["max_running_requests"], bandwidth, flops,
+                state["kv_total_tokens"], kv_dtype, fp8_flops if fp8_weights else None,
+            )  # fmt: skip
+            tok_s = result["output_tokens"] / result["wall"]
+            published = {"H100": h100, "H200": h200}
+            rows.append({
+                "shape": f"{isl}/{osl}", "requests": n, "wall": result["wall"], "tok/s": tok_s,
+                "TensorRT-LLM H100": h100, "TensorRT-LLM H200": h200,
+                "ratio": tok_s / published[column or "H100"],
+                "fraction of floor": (decode + prefill) / result["wall"],
+            })  # fmt: skip
+            print(f"{isl}/{osl}: {n} requests in {result['wall']:.1f} s", flush=True)
+    finally:
+        engine.shutdown()
+
+    versus = column or "H100"
+    print(f"\n{device_name}; {a.model or a.model_config} {engine_args}; request counts x {a.scale:g}\n")
+    print(f"| ISL/OSL | requests | wall (s) | gristmill out tok/s | TensorRT-LLM {versus} out tok/s "
+          "| ratio | fraction of floor |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['shape']} | {r['requests']:,} | {r['wall']:.1f} | {r['tok/s']:,.0f} | "
+              f"{r[f'TensorRT-LLM {versus}']:,} | {r['ratio']:.2f} | {r['fraction of floor']:.2f} |")  # fmt: skip
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""bench/trtllm.py (`python -m bench --preset trtllm`): TensorRT-LLM's shapes and request counts
+as published, scaled, through one engine; each row's ratio is gristmill's tok/s over the
+published figure and its floor fraction the floor over the wall (bench/floor.py)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import shutil
+import sys
+
+import pytest
+
+from bench.trtllm import PUBLISHED, main, parse_shape, published_column
+
+
+def test_the_ten_published_shapes_and_their_request_counts():
+    assert len(PUBLISHED) == 10
+    assert PUBLISHED[(128, 128)][0] == 30000 and PUBLISHED[(20000, 2000)][0] == 1000
+    assert all(n in (1000, 1500, 3000, 30000) for n, _, _ in PUBLISHED.values())
+    assert parse_shape("2048/128") == (2048, 128)
+    with pytest.raises(Exception, match="choose among 128/128, 128/2048"):
+        parse_shape("1024/256")
+    assert published_column("NVIDIA H200") == "H200"
+    assert published_column("NVIDIA H100 80GB HBM3") == "H100"
+    assert published_column("cpu") is None
+
+
+def test_a_scaled_run_prints_each_shape_beside_the_published_figure(llama_dir, tmp_path, capsys):
+    model = tmp_path / "model"  # the tiny llama, its context long enough for 2048/128
+    shutil.copytree(llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    out = tmp_path / "rows.json"
+    main(["--model", str(model), "--shapes", "128/128", "2048/128", "--scale", "0.001",
+          "--engine-args", json.dumps({"dtype": "float32", "max_total_tokens": 16384}),
+          "--json", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert [(r["shape"], r["requests"]) for r in rows] == [("128/128", 30), ("2048/128", 3)]
+    for r in rows:
+        isl, osl = map(int, r["shape"].split("/"))
+        assert r["tok/s"] == pytest.approx(r["requests"] * osl / r["wall"])
+        assert r["ratio"] == pytest.approx(r["tok/s"] / PUBLISHED[(isl, osl)][1])  # (cpu: H100's)
+        assert 0 < r["fraction of floor"] <= 1  # (a floor is below any wall)
+    table = capsys.readouterr().out
+    assert "| 128/128 | 30 |" in table and "| 28,312 |" in table and "| 3,450 |" in table
+
+
+def test_python_m_bench_preset_trtllm_is_this_benchmark(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench", "--preset", "trtllm", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("bench", run_name="__main__")
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m bench.trtllm ")
+    monkeypatch.setattr(sys, "argv", ["bench", "--preset", "other"])
+    with pytest.raises(SystemExit, match="--preset takes one value, trtllm"):
+        runpy.run_module("bench", run_name="__main__")
