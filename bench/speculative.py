@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     sampling = {"temperature": a.temperature, "max_new_tokens": a.output_len, "ignore_eos": True}
     extra = json.loads(a.engine_args)
     if any(m.startswith("standalone-eighth") for m in a.modes) and a.model:
-        raise SystemExit("--modes standalone-eighth needs --model-config (a dummy draft of 1/8 the layers)")
+        raise SystemExit(
+            "--modes standalone-eighth needs --model-config (a dummy draft of 1/8 the layers)"
+        )
     mode_args = {m: MODES[m] if m in MODES else standalone_args(m, model) for m in a.modes}
     runs = {m: run_mode(model, a.model is None, {**extra, **mode_args[m]}, prompts, a.batch, sampling)
             for m in a.modes}  # fmt: skip

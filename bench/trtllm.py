@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="a Hugging Face model folder")
-    src.add_argument("--model-config", default="llama-3.1-8b", help="a shipped architecture, dummy weights")
+    src.add_argument(
+        "--model-config", default="llama-3.1-8b", help="a shipped architecture, dummy weights"
+    )
     ap.add_argument("--shapes", nargs="+", type=parse_shape, default=list(PUBLISHED),
                     help="ISL/OSL shapes of the published table (default: all ten)")  # fmt: skip
     ap.add_argument("--scale", type=float, default=1.0, help="a fraction of each request count")
@@ -122,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         engine.shutdown()
 
     versus = column or "H100"
-    print(f"\n{device_name}; {a.model or a.model_config} {engine_args}; request counts x {a.scale:g}\n")
+    print(
+        f"\n{device_name}; {a.model or a.model_config} {engine_args}; request counts x {a.scale:g}\n"
+    )
     print(f"| ISL/OSL | requests | wall (s) | gristmill out tok/s | TensorRT-LLM {versus} out tok/s "
           "| ratio | fraction of floor |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- |")

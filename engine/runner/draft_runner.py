@@ -123,7 +123,11 @@ class DraftRunner:
         buffers = DECODE_CATCH_UP + args.speculative_num_steps + 1
         self.decode_inputs = DecodeInputs(rows, self.table.padding_row, device, buffers)
         self.graphs: DecodeCudaGraphs | None = None
-        if device.type == "cuda" and not args.disable_cuda_graph and self.backend.supports_cuda_graph:
+        if (
+            device.type == "cuda"
+            and not args.disable_cuda_graph
+            and self.backend.supports_cuda_graph
+        ):
             self.graphs = DecodeCudaGraphs(
                 self._forward_decode, self.backend, self.pool, self.table, self.decode_inputs,
                 config.vocab_size, config.dtype, max_bs=min(args.cuda_graph_max_bs, rows),
@@ -193,7 +197,9 @@ class DraftRunner:
                 if n < len(tokens):
                     rest.append((i, tokens[n:]))
             lens = np.asarray([len(t) for _, t in part], dtype=np.int64)
-            logits = self._extend([rows[i] for i, _ in part], np.concatenate([t for _, t in part]), lens)
+            logits = self._extend(
+                [rows[i] for i, _ in part], np.concatenate([t for _, t in part]), lens
+            )
             unfinished = {i for i, _ in rest}
             done = [(i, j) for j, (i, _) in enumerate(part) if i not in unfinished]
             where = to_device([i for i, _ in done], torch.int64, self.device)

@@ -37,8 +37,8 @@ from engine.quantization import resolve_quantization
 from engine.quantization.fp8 import check_device
 from engine.runner.batch_builder import build_forward_batch
 from engine.runner.cuda_graph import DecodeCudaGraphs
-from engine.runner.draft_runner import DraftWeights, load_draft
 from engine.runner.decode_inputs import DecodeInputs
+from engine.runner.draft_runner import DraftWeights, load_draft
 from engine.runner.image_embedder import ImageEmbedder
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model, reload_weights
@@ -259,7 +259,9 @@ class ModelRunner:
 
     def _pool_tokens(self, activation_peak: int) -> int:
         per_token = self.config.kv_bytes_per_token(self.kv_dtype, self.num_kv_heads)
-        if self.draft is not None:  # (its pool holds the same tokens: engine/runner/draft_runner.py)
+        if (
+            self.draft is not None
+        ):  # (its pool holds the same tokens: engine/runner/draft_runner.py)
             per_token += self.draft.kv_bytes_per_token
         if self.args.max_total_tokens is not None:
             tokens = self.args.max_total_tokens

@@ -209,7 +209,9 @@ class Speculation:
 def draft_cost(runner: ModelRunner) -> float:
     """Decode steps of the target a draft model's forward costs: its weights over the target's
     (a decode step reads the weights; both read K/V of the same tokens, in proportion alike)."""
-    return sum(runner.draft.config.decode_weight_counts()) / sum(runner.config.decode_weight_counts())
+    return sum(runner.draft.config.decode_weight_counts()) / sum(
+        runner.config.decode_weight_counts()
+    )
 
 
 def _may_draft(req: Req) -> bool:

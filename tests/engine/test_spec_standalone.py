@@ -98,7 +98,9 @@ def test_adaptive_never_drafts_when_drafts_cannot_pay(llama_dir):
     prompts = repeating_prompts(1)
     sampling = {**GREEDY, "max_new_tokens": 120}
     base, _ = run(llama_dir, prompts, sampling, spec=False)
-    spec, scheduler = generate(llama_dir, prompts, sampling, **standalone(llama_dir, policy="adaptive"))
+    spec, scheduler = generate(
+        llama_dir, prompts, sampling, **standalone(llama_dir, policy="adaptive")
+    )
     assert [r.output_ids for r in spec] == [r.output_ids for r in base]
     s = scheduler.stats
     assert s.verify_steps == 0 and s.draft_tokens == 0 and s.decode_steps >= 119
