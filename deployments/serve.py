@@ -58,10 +58,12 @@ def _schedule(entry: dict[str, Any]) -> Any:
 def main() -> None:
     from prefect import serve
 
+    # `python deployments/serve.py` puts deployments/ first on the path, not the repository
+    # (a flow run's `python -m prefect.engine` finds it as its working folder, below)
+    sys.path.insert(0, str(ROOT))
     from flows.engines.resident import KEEP_ENGINES, stop_kept_engines
 
     os.chdir(ROOT)  # configs name their data and output folders relative to the repository
-    sys.path.insert(0, str(ROOT))
     # a run's engine stays resident for the next runs of the same engine section, which attach
     # to it in a moment (flows/engines/resident.py); one at a time, as runs are (a GPU holds one)
     os.environ.setdefault(KEEP_ENGINES, "1")
