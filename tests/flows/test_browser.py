@@ -5,6 +5,11 @@
   artifact at 100% and its summary table.
 * In a custom run, sampling.temperature -1 is refused by the form itself: no run is created;
   an unset optional field (sampling.top_p) opens as a number input, not on a "None" type.
+* A running flow run cancelled from its page (Cancel, Confirm) ends Cancelled within 10 s,
+  its finished rows written, nothing of it left running but the resident engine serve.py keeps
+  (idle: the run's requests aborted); a rerun of the same config resumes and writes every row
+  once. (tests/flows/test_cancel.py checks the same path without a browser, on an engine of
+  the run's own.)
 
 It runs only where chromium and playwright are installed (`apt-get install -y chromium`,
 `pip install playwright`; playwright cannot download its own browsers here, so the system
@@ -15,6 +20,7 @@ repository's runs/ (git ignores it), as serve.py runs every config from the repo
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -50,8 +56,14 @@ def _wait(check, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+class UI(str):
+    """The UI's URL, and the pid of the serve.py that runs its deployments' flow runs."""
+
+    serve_pid: int
+
+
 @pytest.fixture(scope="module")
-def ui(tmp_path_factory) -> Iterator[str]:
+def ui(tmp_path_factory) -> Iterator[UI]:
     """A Prefect server with its UI, and serve.py serving the deployments: the UI's URL."""
     import httpx
 
@@ -84,7 +96,9 @@ def ui(tmp_path_factory) -> Iterator[str]:
             return len(found) == 7
 
         _wait(registered, 120, "serve.py to register the deployments")
-        yield f"http://127.0.0.1:{port}"
+        url = UI(f"http://127.0.0.1:{port}")
+        url.serve_pid = serve.pid
+        yield url
     finally:
         hung = [_stop(p) for p in (serve, server) if p is not None]
         assert not any(hung), "\n".join(filter(None, hung))
@@ -234,3 +248,96 @@ def test_a_custom_run_with_temperature_minus_one_is_refused_by_the_form(ui, page
     assert "/run" in page.url  # still on the form
     time.sleep(2)
     assert len(_flow_runs(ui, "demo-evaluate")) == before, "a run was created"
+
+
+def test_cancel_from_the_ui_stops_the_run_and_a_rerun_writes_every_row_once(ui, page, tmp_path):
+    import httpx
+    import psutil
+    import pyarrow.parquet as pq
+
+    from engine import ResidentEngine, resident_engines
+    from tests.processes import cmdline, wait_gone
+
+    api = f"{ui}/api"
+    (deployment,) = httpx.post(
+        f"{api}/deployments/filter", json={"deployments": {"name": {"any_": ["demo-synthesize"]}}}
+    ).json()
+    # the demo's 20 products, 30 reviews each, one at a time: a minute or more of rows, to be
+    # cancelled after the first shard; the rerun takes 64 at once (not in the fingerprint)
+    config = deployment["parameters"]["config"] | {
+        "output_dir": str(tmp_path / "runs"), "synthesize": {"n": 30},
+        "shard_size": 5, "max_in_flight": 1,
+    }  # fmt: skip
+    total = 20 * 30
+    shards = tmp_path / "runs" / config["run_name"]
+
+    def rows_in_shards() -> int:
+        return sum(pq.read_metadata(s).num_rows for s in shards.glob("*/shards/*.parquet"))
+
+    def start(config: dict) -> str:
+        body = {"parameters": {"config": config, "fresh": False}}
+        return httpx.post(
+            f"{api}/deployments/{deployment['id']}/create_flow_run", json=body
+        ).json()["id"]
+
+    def state(run_id: str) -> dict:
+        return httpx.get(f"{api}/flow_runs/{run_id}").json()["state"]
+
+    run_id = start(config)
+    page.goto(f"{ui}/runs/flow-run/{run_id}")
+    seen: set[int] = set()  # every process the run started, while it ran
+
+    def a_shard_landed() -> bool:
+        seen.update(p.pid for p in psutil.Process(ui.serve_pid).children(recursive=True))
+        assert state(run_id)["type"] in ("SCHEDULED", "PENDING", "RUNNING"), state(run_id)
+        return rows_in_shards() > 0
+
+    _wait(a_shard_landed, 300, "the run's first shard")
+    cancel = page.get_by_role("button", name="Cancel", exact=True)
+    cancel.wait_for(timeout=30_000)
+    cancel.click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_text("Cancel Flow Run").first.wait_for(timeout=30_000)
+    dialog.get_by_role("button", name="Confirm").click()
+    clicked = time.monotonic()
+
+    def cancelled() -> bool:
+        now = state(run_id)
+        assert now["type"] in ("RUNNING", "CANCELLING", "CANCELLED"), now
+        return now["type"] == "CANCELLED"
+
+    _wait(cancelled, 60, "the run to end Cancelled")
+    seconds = time.monotonic() - clicked
+    assert seconds < 10, f"Cancelled {seconds:.1f} s after the click"
+    history = httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": run_id}).json()
+    types = [h["type"] for h in history]
+    assert "FAILED" not in types and "CRASHED" not in types, types
+    page.get_by_text("Cancelled").first.wait_for(timeout=30_000)
+    done = rows_in_shards()
+    assert 0 < done < total, "cancelled mid-run, its finished rows written"
+    # what is left of the run is the engine serve.py keeps for the next runs, idle
+    (kept,) = resident_engines()
+    keeps = {kept.pid, *kept.info["pids"].values()}
+    assert seen - keeps, "the run's own process"
+    left = wait_gone(list(seen - keeps), timeout=10)
+    assert not left, [cmdline(pid) for pid in left]
+    with ResidentEngine(kept) as client:
+        assert client.get_server_info()["resident"]["requests_running"] == 0
+
+    # a rerun of the same config (faster) resumes after the rows the cancelled run wrote
+    again = start(config | {"max_in_flight": 64})
+
+    def completed() -> bool:
+        now = state(again)
+        assert now["type"] not in ("FAILED", "CRASHED", "CANCELLED"), now
+        return now["type"] == "COMPLETED"
+
+    _wait(completed, 300, "the rerun to complete")
+    (summary_file,) = shards.glob("*/summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert summary["rows_from_earlier_runs"] == done
+    assert summary["rows_generated_now"] == total - done
+    table = pq.read_table(summary["output"])
+    products = (ROOT / "demo" / "inputs" / "products.csv").read_text().splitlines()[1:]
+    expected = [f"{line.split(',')[0]}/{k}" for line in products for k in range(30)]
+    assert sorted(table.column("id").to_pylist()) == sorted(expected), "every row once"
