@@ -27,7 +27,6 @@ serve get error entries naming why.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import re
 import shutil
@@ -51,6 +50,7 @@ from flows.openai_files.requests import BatchRequest, read_batch
 from flows.outputs.store import row_seed, write_file, write_parquet
 from flows.pipeline import configure, init_engine, shutdown
 from flows.run.identity import PERFORMANCE_ARGS, model_identity
+from flows.run.interrupts import run_stoppable, sigterm_stops_the_flow
 from flows.run.lock import unlock_run
 from flows.run.paths import absolute_paths
 from flows.run.plan import RunPlan, gpu_costs
@@ -198,16 +198,17 @@ def _embeds(engine: EngineConfig, kinds: set[str]) -> bool:
 def openai_batch(config: OpenAIBatchConfig, fresh: bool = False) -> dict[str, Any]:
     """Answer every request of an OpenAI batch file; write the batch's output file."""
     plan, engine = None, None
-    try:
-        plan = configure(config)
-        engine = init_engine(plan, plan.checked.engine)
-        jobs = read_requests(plan, engine, fresh)
-        answered = answer_requests(plan, engine, jobs)
-        return write_output(plan, answered)
-    finally:
-        shutdown(engine)
-        if plan is not None:
-            unlock_run(plan)
+    with sigterm_stops_the_flow():  # (a `kill` of `gristmill batch` stops it as Ctrl-C does)
+        try:
+            plan = configure(config)
+            engine = init_engine(plan, plan.checked.engine)
+            jobs = read_requests(plan, engine, fresh)
+            answered = answer_requests(plan, engine, jobs)
+            return write_output(plan, answered)
+        finally:
+            shutdown(engine)
+            if plan is not None:
+                unlock_run(plan)
 
 
 @dataclass
@@ -261,7 +262,8 @@ def answer_requests(plan: RunPlan, engine: EngineAPI, jobs: Jobs) -> Generated:
         finally:
             await progress.close()
 
-    answered = asyncio.run(run())
+    # a stop signal (Ctrl-C, a cancel's SIGTERM): no new lines start, the answered ones are written
+    answered = run_stoppable(run(), say=logger)
     if answered.errors:
         logger.warning("%d request(s) got error entries: see their error field", answered.errors)
     return answered

@@ -44,7 +44,7 @@ from flows.inputs.sources import input_for_run
 from flows.outputs.merge import ordered_chunks
 from flows.outputs.store import CheckpointStore, write_parquet_chunks
 from flows.parallel.generate import generate_in_parallel
-from flows.run.interrupts import run_stoppable, sigterm_stops_the_flow, stopped_by
+from flows.run.interrupts import run_stoppable, sigterm_stops_the_flow
 from flows.run.lock import lock_run, unlock_run
 from flows.run.plan import Finish, Finisher, RunPlan, Work, gpu_costs, plan_requests
 
@@ -171,16 +171,9 @@ def generate(plan: RunPlan, engine: EngineAPI, work: Work) -> Generated:
         finally:
             await progress.close()
 
-    def stopped(error: BaseException) -> None:
-        logger.warning(
-            "stopped by %s: no more rows taken, the rows finished by then are written; a rerun "
-            "of this config resumes after them",
-            stopped_by(error),
-        )
-
     # a stop signal (Ctrl-C, a cancel's SIGTERM) cancels the rows: no new ones start, the
     # finished ones are written, the engine drops the rest (redone on resume, with their seeds)
-    generated = run_stoppable(run(), on_stop=stopped)
+    generated = run_stoppable(run(), say=logger)
     if generated.errors:
         logger.warning(
             "%d row(s) were refused by the engine: see their error column", generated.errors

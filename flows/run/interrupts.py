@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -38,6 +39,7 @@ from typing import Any, TypeVar
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a job stopped by Ctrl-C
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class Interrupted(Exception):
@@ -110,16 +112,16 @@ def sigterm_stops_the_flow() -> Iterator[None]:
 def run_stoppable(
     coroutine: Coroutine[Any, Any, T],
     stop: Callable[[], Any] | None = None,
-    on_stop: Callable[[BaseException], Any] | None = None,
+    say: logging.Logger | logging.LoggerAdapter | None = None,
 ) -> T:
     """asyncio.run(coroutine), on a thread of its own while the main thread waits for it.
 
     A signal's exception (Interrupted, Prefect's TerminationSignal, KeyboardInterrupt) so lands
     in the wait, never inside the loop, where asyncio would swallow one raised in a callback
     and lose the stop. Then `stop` is called on the loop (default: cancel the coroutine), the
-    coroutine ends what it was doing (writes the rows it finished) and, once it has ended,
-    `on_stop(exception)` is called and the exception goes on. From another thread than the
-    main one (signals reach only the main thread): plain asyncio.run."""
+    coroutine ends what it was doing (writes the rows it finished) and, once it has ended, the
+    run's log (`say`) says so and the exception goes on. From another thread than the main one
+    (signals reach only the main thread): plain asyncio.run."""
     if threading.current_thread() is not threading.main_thread():
         return asyncio.run(coroutine)
     loop = asyncio.new_event_loop()
@@ -148,8 +150,11 @@ def run_stoppable(
     except BaseException as signalled:
         loop.call_soon_threadsafe(stop or task.cancel)
         worker.join()  # (a second Ctrl-C: its handler exits the process at once)
-        if on_stop is not None:
-            on_stop(signalled)
+        (say or logger).warning(
+            "stopped by %s: no more rows taken, the rows finished by then are written; a rerun "
+            "of this config resumes after them",
+            stopped_by(signalled),
+        )
         raise
     return task.result()
 
