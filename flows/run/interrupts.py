@@ -128,6 +128,8 @@ def run_stoppable(
     # NOTE: made here, so the task runs in this thread's context (Prefect's run context among it)
     task = loop.create_task(coroutine)
 
+    ended = threading.Event()
+
     def run() -> None:  # asyncio.run's, on the loop made here
         asyncio.set_event_loop(loop)
         try:
@@ -142,14 +144,19 @@ def run_stoppable(
         finally:
             asyncio.set_event_loop(None)
             loop.close()
+            ended.set()
 
     worker = threading.Thread(target=run, name="gristmill-stoppable", daemon=True)
     worker.start()
+    # NOTE: waits on an Event, not on Thread.join: a join that an exception interrupts marks
+    # the thread ended while it still runs (CPython 3.11's bpo-45274 fix), and the next join
+    # returns at once
     try:
-        worker.join()
+        ended.wait()
     except BaseException as signalled:
-        loop.call_soon_threadsafe(stop or task.cancel)
-        worker.join()  # (a second Ctrl-C: its handler exits the process at once)
+        with contextlib.suppress(RuntimeError):  # (closed: the coroutine ended as it came)
+            loop.call_soon_threadsafe(stop or task.cancel)
+        ended.wait()  # (a second Ctrl-C: its handler exits the process at once)
         (say or logger).warning(
             "stopped by %s: no more rows taken, the rows finished by then are written; a rerun "
             "of this config resumes after them",

@@ -14,6 +14,7 @@ its rows must equal an uninterrupted run's, made in this process on the session'
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -233,3 +234,40 @@ def _free(slot: str) -> bool:
             return True
     except TimeoutError:
         return False
+
+
+def test_a_signal_lands_where_the_step_waits_and_its_work_ends_first():
+    """run_stoppable: the exception a signal's handler raises in the main thread (Prefect's
+    TerminationSignal, Interrupted) stops the coroutine, which finishes its cleanup (a step
+    writes its rows there) before the exception goes on; otherwise it is asyncio.run."""
+    from flows.run.interrupts import run_stoppable
+
+    class Stop(Exception):
+        pass
+
+    ended: list[str] = []
+
+    async def rows() -> None:
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+        finally:
+            await asyncio.sleep(0.05)  # (its last shard, written)
+            ended.append(threading.current_thread().name)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stop()
+
+    previous = signal.signal(signal.SIGUSR1, stop)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(Stop):
+            run_stoppable(rows())
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert ended == ["gristmill-stoppable"]
+
+    async def answer() -> int:
+        return 42
+
+    assert run_stoppable(answer()) == 42
