@@ -46,6 +46,7 @@ from engine.tokenization import load_tokenizer
 _POLL_MS = 100
 _WAKE = b""  # on the in-process queue: not a call, only a nudge to the I/O thread
 _LIVENESS_SECONDS = 0.5
+_CLOSE_LINGER_MS = 500  # how long a detach waits to hand the resident engine what was queued
 _START_TIMEOUT_S = 1800.0
 _STOP_TIMEOUT_S = 60.0
 
@@ -201,8 +202,14 @@ class ResidentEngine(EngineAPI):
         except Exception as e:  # a bug here must not leave callers hanging
             self._fail(RuntimeError(f"the resident engine's client failed: {e!r}"))
         finally:
+            # NOTE: what was queued before a detach still goes, the aborts of requests cancelled
+            # just before it above all (a run stopped by a cancel): else the resident engine
+            # would go on generating them for nobody
+            while self._closed and inbox.poll(0):
+                if (message := inbox.recv()) != _WAKE:
+                    engine.send(message)
             inbox.close(linger=0)
-            engine.close(linger=0)
+            engine.close(linger=_CLOSE_LINGER_MS if self._closed else 0)
 
     def _deliver(self, reply: tuple) -> None:
         kind, call_id, *rest = reply

@@ -65,6 +65,28 @@ def test_requests_through_a_resident_engine(llama_dir):
             while engine.get_server_info()["resident"]["requests_running"]:
                 assert time.monotonic() < deadline, "the cancelled request still runs"
                 time.sleep(0.05)
+            # a request cancelled and its client detached at once (a flow run stopped by a
+            # cancel): the abort still reaches the engine, idle again long before the request's
+            # own end
+            other = ResidentEngine(record)
+
+            async def cancelled_and_detached() -> None:
+                task = asyncio.ensure_future(
+                    other.async_generate(
+                        input_ids=prompts[1], sampling_params={**GREEDY, "max_new_tokens": 1000}
+                    )
+                )
+                await asyncio.sleep(0.2)
+                assert engine.get_server_info()["resident"]["requests_running"] == 1
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)  # (its abort is queued)
+                other.shutdown()
+
+            asyncio.run(cancelled_and_detached())
+            deadline = time.monotonic() + 1
+            while engine.get_server_info()["resident"]["requests_running"]:
+                assert time.monotonic() < deadline, "the detached client's request still runs"
+                time.sleep(0.05)
             info = engine.get_server_info()
             assert info["resident"]["requests_served"] == len(prompts)
             assert info["internal_states"][0]["num_running_reqs"] == 0
