@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -251,7 +252,6 @@ def test_a_custom_run_with_temperature_minus_one_is_refused_by_the_form(ui, page
 
 
 def test_cancel_from_the_ui_stops_the_run_and_a_rerun_writes_every_row_once(ui, page, tmp_path):
-    import httpx
     import psutil
     import pyarrow.parquet as pq
 
@@ -259,9 +259,8 @@ def test_cancel_from_the_ui_stops_the_run_and_a_rerun_writes_every_row_once(ui, 
     from tests.processes import cmdline, wait_gone
 
     api = f"{ui}/api"
-    (deployment,) = httpx.post(
-        f"{api}/deployments/filter", json={"deployments": {"name": {"any_": ["demo-synthesize"]}}}
-    ).json()
+    named = {"deployments": {"name": {"any_": ["demo-synthesize"]}}}
+    (deployment,) = _asked("POST", f"{api}/deployments/filter", json=named)
     # the demo's 20 products, 30 reviews each, one at a time: a minute or more of rows, to be
     # cancelled after the first shard; the rerun takes 64 at once (not in the fingerprint)
     config = deployment["parameters"]["config"] | {
@@ -276,12 +275,12 @@ def test_cancel_from_the_ui_stops_the_run_and_a_rerun_writes_every_row_once(ui, 
 
     def start(config: dict) -> str:
         body = {"parameters": {"config": config, "fresh": False}}
-        return httpx.post(
-            f"{api}/deployments/{deployment['id']}/create_flow_run", json=body
-        ).json()["id"]
+        return _asked("POST", f"{api}/deployments/{deployment['id']}/create_flow_run", json=body)[
+            "id"
+        ]
 
     def state(run_id: str) -> dict:
-        return httpx.get(f"{api}/flow_runs/{run_id}").json()["state"]
+        return _asked("GET", f"{api}/flow_runs/{run_id}")["state"]
 
     run_id = start(config)
     page.goto(f"{ui}/runs/flow-run/{run_id}")
@@ -309,7 +308,7 @@ def test_cancel_from_the_ui_stops_the_run_and_a_rerun_writes_every_row_once(ui, 
     _wait(cancelled, 60, "the run to end Cancelled")
     seconds = time.monotonic() - clicked
     assert seconds < 10, f"Cancelled {seconds:.1f} s after the click"
-    history = httpx.get(f"{api}/flow_run_states/", params={"flow_run_id": run_id}).json()
+    history = _asked("GET", f"{api}/flow_run_states/", params={"flow_run_id": run_id})
     types = [h["type"] for h in history]
     assert "FAILED" not in types and "CRASHED" not in types, types
     page.get_by_text("Cancelled").first.wait_for(timeout=30_000)
@@ -341,3 +340,17 @@ def test_cancel_from_the_ui_stops_the_run_and_a_rerun_writes_every_row_once(ui, 
     products = (ROOT / "demo" / "inputs" / "products.csv").read_text().splitlines()[1:]
     expected = [f"{line.split(',')[0]}/{k}" for line in products for k in range(30)]
     assert sorted(table.column("id").to_pylist()) == sorted(expected), "every row once"
+
+
+def _asked(method: str, url: str, **kwargs) -> Any:
+    """An API call's JSON answer. A 503 (the server's SQLite busy, on a loaded machine) is asked
+    again, as Prefect's own client does; any other error fails the test with its answer."""
+    import httpx
+
+    for attempt in range(5):
+        answer = httpx.request(method, url, timeout=30, **kwargs)
+        if answer.status_code != 503:
+            break
+        time.sleep(1 + attempt)
+    assert answer.is_success, f"{method} {url}: {answer.status_code} {answer.text[:2000]}"
+    return answer.json()
