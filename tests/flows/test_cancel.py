@@ -10,6 +10,9 @@ browser test cancels a run on the resident engine serve.py keeps by default, whi
 The rows are sampled (temperature 1) with one in flight, slow enough to be cancelled mid-run on
 any machine; the rerun takes 64 at once (max_in_flight changes speed, not the fingerprint) and
 its rows must equal an uninterrupted run's, made in this process on the session's engine.
+
+In this process: the same SIGTERM to a flow run gives back its engine's GPU slot, and
+run_stoppable (flows/run/interrupts.py) lets a step's work end before the signal goes on.
 """
 
 from __future__ import annotations
