@@ -149,7 +149,10 @@ class Speculation:
                 min(policy.budget(req.spec, req.draw_limit - req.drawn), per_request) if may else 0
             )
         k = max(ks)
-        expected = sum(policy.expected(r.spec, n) for r, n in zip(reqs, ks) if n)
+        # (drafting every step, the policy asks for no expectation: none is computed)
+        expected = (
+            0.0 if policy.always else sum(policy.expected(r.spec, n) for r, n in zip(reqs, ks) if n)
+        )
         worth = policy.worth_drafting(expected, len(reqs), k)
         policy.after_plan(worth)
         if not worth:
