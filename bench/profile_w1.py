@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-config", default="qwen3-0.6b")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--len", default="100:1024", help="input and output lengths")
+    ap.add_argument("--input-len", help="input length (N or LO:HI), instead of --len")
+    ap.add_argument("--output-len", help="output length (N or LO:HI), instead of --len")
+    ap.add_argument("--shared-prefix-len", type=int, default=0,
+                    help="tokens of one prefix every prompt starts with (the shared-prefix pair)")  # fmt: skip
     ap.add_argument(
         "--kernels", default="0:4,310:330", help="windows of step indices to profile, by kernel"
     )
@@ -48,7 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     config = ModelConfig.from_folder(path, args.dtype, args.context_length)
     sched = Scheduler(args, config, device)
     inputs = InputProcessor(args, config, None, sched.max_total_tokens)
-    work = make_workload(a.num_prompts, a.len, a.len, config.vocab_size, 0, 0)
+    prefix = a.shared_prefix_len
+    work = make_workload(
+        a.num_prompts, a.input_len or a.len, a.output_len or a.len, config.vocab_size, 0, prefix
+    )
     bandwidth, flops, _ = measure_ceilings(device)
     # a float8 cache (--engine-args '{"kv_cache_dtype": "fp8_e4m3"}') reads a byte an element
     kv_name = KV_CACHE_DTYPES.get(args.kv_cache_dtype)
@@ -61,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     def timed_launch(batch):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        ctx = sum(r.prompt_len + r.drawn for r in batch.reqs)
+        # NOTE: a shared prefix's K/V is read once per step (grouped decode), so its floor
+        # counts it once, not once per request
+        ctx = sum(r.prompt_len + r.drawn for r in batch.reqs) - prefix * (len(batch.reqs) - 1)
         out = launch(batch)
         end.record()
         steps.append(dict(mode=batch.mode, bs=len(batch.reqs), ctx=ctx, start=start, end=end,
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         b[1] += ms
         b[2] += floor
         b[3] += s["bs"]
-    print(f"W1 in-process: wall {wall:.2f} s, {len(steps)} steps, device idle between steps "
+    print(f"{a.model_config} in-process: wall {wall:.2f} s, {len(steps)} steps, device idle between steps "
           f"{idle / 1e3:.2f} s, copy {bandwidth / 1e9:.0f} GB/s")  # fmt: skip
     print("| steps | count | device s | floor s | floor/device | ms/step |")
     print("| --- | --- | --- | --- | --- | --- |")

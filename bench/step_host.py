@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     time_phase(runner, "step", phases, "runner.step")
     time_phase(sched, "_collect", phases, "collect")
 
+    t0 = time.perf_counter()
     for request in call.requests:
         sched.add_request(request)
+    print(f"add_request x{len(call.requests)}: {time.perf_counter() - t0:.3f} s")
     profile = HostProfile.from_env()
     t0 = time.perf_counter()
     while sched.has_work():

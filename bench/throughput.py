@@ -346,6 +346,19 @@ def main(argv: list[str] | None = None) -> None:
             ),
         ),
         (
+            # the wall outside the steps: the scheduler taking in requests and sending outputs,
+            # and the rest (waiting for the caller's first requests, the last outputs' way back)
+            "outside the steps: receive + send + rest (s)",
+            "{:.2f} + {:.2f} + {:.2f}".format(
+                state.get("receive_seconds", 0.0),
+                state.get("send_seconds", 0.0),
+                result["wall"]
+                - state["busy_seconds"]
+                - state.get("receive_seconds", 0.0)
+                - state.get("send_seconds", 0.0),
+            ),
+        ),
+        (
             "CUDA allocator: mallocs | frees | retries",
             "{} | {} | {}".format(
                 state.get("cuda_mallocs", "-"),

@@ -93,22 +93,29 @@ class SchedulerProcess:
     def run(self) -> None:
         profile = HostProfile.from_env()
         _quiet_gc()
+        stats = self.scheduler.stats
         while True:
             busy = self.scheduler.has_work()
+            t0 = time.perf_counter()
             inbox = recv_all(self.inbox, 0 if busy else _IDLE_POLL_MS) if self.inbox else []
+            # the host's work between steps: what the caller sent (a blocking wait is idle)
+            t1 = time.perf_counter()
             if self.inbox is not None:  # (rank 0 decides; every rank closes on the same step)
                 inbox += self._sessions_timed_out()
             for msg in self.tp.share(inbox):
                 self._receive(msg)
             self._release_held()
+            stats.receive_seconds += time.perf_counter() - (t0 if busy else t1)
             if self.scheduler.has_work():
                 with profile, self.trace:
                     finished = self.scheduler.step()
                 if not self.scheduler.has_work():
                     # before the last outputs leave: the caller may shut the engine down at once
                     profile.dump()
+                t0 = time.perf_counter()
                 with profile:
                     self._send(finished)
+                stats.send_seconds += time.perf_counter() - t0
 
     def _receive(self, msg: object) -> None:
         """Handle a message now, or hold it behind a control that waits for an idle engine.

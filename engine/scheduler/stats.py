@@ -29,6 +29,10 @@ class SchedulerStats:
     collect_seconds: float = 0.0
     # device time between steps with nothing queued (CUDA only): what the host costs the device
     device_idle_seconds: float = 0.0
+    # the loop's host work outside the steps: taking in what the caller sent (requests, calls),
+    # and sending each step's outputs on
+    receive_seconds: float = 0.0
+    send_seconds: float = 0.0
 
     def counters(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)

@@ -1,0 +1,121 @@
+"""The shared-prefix pair's decode attention on the GPU, one layer: where its time goes.
+
+The pair's decode step (bench --shared-prefix-len 2000 --input-len 50 --output-len 64, 1000
+requests) spends most of its attention in stage 1 over the short suffixes (kernels/
+shared_prefix_attention.py). This times the launch its CUDA graphs replay (no lengths) and
+variants of it, each captured in a graph: the split programs per (request, kv head) of the
+suffix (16, the graph launch's, down to 1), the suffix alone (plain decode over the suffix
+tokens, the prefix stage's work left out), and the prefix stage alone (items only, empty
+suffixes). Prints µs per layer and the TB/s of the bytes the floor counts (each suffix's K/V,
+the prefix's once).
+
+    python -m bench.prefix_decode [--batch 1000 256] [--hq 16] [--prefix 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from kernels.decode_attention import decode_attention
+from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
+
+PAGE = 16  # the engine's page size: slots of a request come in runs of 16
+
+
+def make_case(batch: int, prefix: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128):
+    """(shared-prefix arguments, suffix-only arguments, bytes the floor counts)."""
+    gen = torch.Generator().manual_seed(batch + prefix)
+    suffix = torch.randint(lo, hi + 1, (batch,), generator=gen)
+    pages = -(-suffix // PAGE)
+    prefix_pages = -(-prefix // PAGE)
+    order = (torch.randperm(int(pages.sum()) + prefix_pages, generator=gen) + 1).tolist()
+    width = prefix + hi
+    table = torch.zeros((batch + 1, width), dtype=torch.int32)  # row batch: the prefix's own
+    suffix_table = torch.zeros((batch, hi), dtype=torch.int32)
+    prefix_slots = torch.tensor(order[:prefix_pages])
+    del order[:prefix_pages]
+    t = torch.arange(prefix)
+    prefix_row = (prefix_slots[t // PAGE] * PAGE + t % PAGE).int()
+    table[batch, :prefix] = prefix_row
+    for b, n in enumerate(suffix.tolist()):
+        own = torch.tensor(order[: int(pages[b])])
+        del order[: int(pages[b])]
+        t = torch.arange(n)
+        slots = (own[t // PAGE] * PAGE + t % PAGE).int()
+        table[b, :prefix] = prefix_row
+        table[b, prefix : prefix + n] = slots
+        suffix_table[b, :n] = slots
+    dev = "cuda"
+    num_slots = (int(pages.sum()) + prefix_pages + 1) * PAGE
+    k = torch.randn((num_slots, hkv, d), dtype=torch.bfloat16, device=dev)
+    v = torch.randn_like(k)
+    q = torch.randn((batch, hq, d), dtype=torch.bfloat16, device=dev)
+    size = prefix_item_size(hq // hkv)
+    items = []
+    for i in range(0, batch, size):
+        members = list(range(i, min(batch, i + size)))
+        items.append([batch, prefix, *members, *[-1] * (size - len(members))])
+    common = dict(q=q, k_buffer=k, v_buffer=v, req_pool_indices=torch.arange(batch, device=dev),
+                  scaling=d**-0.5)  # fmt: skip
+    shared = dict(
+        common,
+        req_to_token=table.to(dev),
+        seq_lens=(suffix + prefix).to(dev),
+        prefix_lens=torch.full((batch,), prefix, device=dev),
+        prefix_items=torch.tensor(items, dtype=torch.int64, device=dev),
+    )
+    alone = dict(common, req_to_token=suffix_table.to(dev), seq_lens=suffix.to(dev))
+    nbytes = (int(suffix.sum()) + prefix) * hkv * d * 2 * 2
+    return shared, alone, nbytes
+
+
+def graph_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.prefix_decode")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1000, 256])
+    ap.add_argument("--hq", type=int, default=16)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--prefix", type=int, default=2000)
+    ap.add_argument("--suffix", default="50:114", help="suffix lengths LO:HI")
+    a = ap.parse_args(argv)
+    lo, hi = (int(x) for x in a.suffix.split(":"))
+    print(f"Hq {a.hq} / Hkv {a.hkv}, D 128, bf16, prefix {a.prefix}, suffixes {lo}-{hi}; "
+          "µs per layer (TB/s of the floor's bytes)")  # fmt: skip
+    print("| variant | " + " | ".join(f"B={b}" for b in a.batch) + " |")
+    print("|" + " --- |" * (1 + len(a.batch)))
+    cases = [make_case(b, a.prefix, lo, hi, a.hq, a.hkv) for b in a.batch]
+    variants = {
+        "graph launch (16 split programs)": lambda s, o: shared_prefix_decode_attention(**s),
+        **{
+            f"{n} split programs": lambda s, o, n=n: shared_prefix_decode_attention(
+                **s, num_kv_splits=n, min_split_tokens=512
+            )
+            for n in (8, 4, 2, 1)
+        },
+        "suffix alone, graph launch": lambda s, o: decode_attention(**o),
+        "suffix alone, 1 split": lambda s, o: decode_attention(**o, num_kv_splits=1),
+        "prefix stage alone (empty suffixes)": lambda s, o: shared_prefix_decode_attention(
+            **dict(s, seq_lens=s["prefix_lens"] + 1)
+        ),
+    }
+    for name, fn in variants.items():
+        cells = []
+        for shared, alone, nbytes in cases:
+            us = graph_us(lambda f=fn, s=shared, o=alone: f(s, o))
+            cells.append(f"{us:.1f} ({nbytes / us / 1e6:.2f})")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
