@@ -35,8 +35,8 @@ path is kept as an option (``use_dot=False``) that the tests also cover.
 
 No host synchronisation: nothing here reads a device tensor on the host (no ``.item()``,
 ``.tolist()``, ``.cpu()``), and the grid depends only on shapes and Python ints. With a fixed
-``num_kv_splits`` (or ``max_seq_len=None``, when the split count is derived from the shape of
-``req_to_token``) the launch is the same every step and can be captured in a CUDA graph.
+``num_kv_splits`` (or ``max_seq_len=None``, when the split count follows from the batch size
+alone: ``graph_kv_splits``) the launch is the same every step and can be captured in a CUDA graph.
 Splits are aligned to ``BLOCK_N`` tokens; a split that starts past a request's length does
 nothing and stage 2 skips it, so a fixed, generous split count is correct for any length.
 
@@ -101,6 +101,16 @@ _BALANCE_TOKENS = 512
 # one 16, and the rest exit at once. On an H100 about 256-512 tokens per split was the best
 # fixed count for every batch size of bench/decode_splits.py.
 _GRAPH_SPLIT_TOKENS = 512
+# ...but only as many split programs as the batch needs to fill the GPU: a program that exits
+# at once still costs the block scheduler, and a large batch of short sequences launches
+# mostly those. bench/prefix_decode.py on an H200 (2026-11-28; bf16, Hq 16 / Hkv 8, D 128,
+# 2000-token shared prefix, suffixes 50-114), µs per layer with 16 / 8 / 4 / 2 / 1 split
+# programs: 286 / 247 / 228 / 218 / 212 at B=1000 and 84 / 75 / 71 / 70 / 69 at B=256. So
+# the graph launch keeps (request, head program, split) programs near _GRAPH_PROGRAMS, at
+# least 2 splits a pair (one long request in a large batch still splits), at most
+# MAX_KV_SPLITS; lengths up to 2 * 512 tokens split as before at any batch size.
+_GRAPH_PROGRAMS = 8192
+_GRAPH_MIN_SPLITS = 2
 # Stage 1 launch settings (tokens per tile, pipeline depth, warps), measured on an H100 (bf16,
 # D=128, Hkv 8 or 32, CUDA graphs): 64-token tiles and 3 stages were best or within 2% of best
 # from B=1 to B=256, and at B=1, L=32768 took half the time of 32-token tiles and 2 stages.
@@ -572,6 +582,15 @@ def choose_num_kv_splits(
     return max(1, min(MAX_KV_SPLITS, max(by_occupancy, by_balance), by_length))
 
 
+def graph_kv_splits(batch_size: int, head_programs: int) -> int:
+    """Stage 1's split count in the launch a CUDA graph captures (no lengths): a power of two
+    that keeps ``batch_size * head_programs * splits`` near ``_GRAPH_PROGRAMS``, within
+    ``[_GRAPH_MIN_SPLITS, MAX_KV_SPLITS]``. Pure host arithmetic."""
+    pairs = max(1, batch_size * head_programs)
+    wanted = triton.next_power_of_2(triton.cdiv(_GRAPH_PROGRAMS, pairs))
+    return max(_GRAPH_MIN_SPLITS, min(MAX_KV_SPLITS, wanted))
+
+
 @dataclass(frozen=True)
 class _Tiles:
     """Launch shape of stage 1 (and of the shared-prefix stage), chosen from dtype and shapes."""
@@ -693,7 +712,7 @@ def _kv_split_plan(
     """(split count, min tokens per split) of stage 1 from the caller's arguments;
     ``head_programs``: stage-1 programs a (request, split) takes (kv heads / packed heads)."""
     if num_kv_splits is None and max_seq_len is None:
-        num_kv_splits = MAX_KV_SPLITS
+        num_kv_splits = graph_kv_splits(batch_size, head_programs)
         min_split_tokens = _GRAPH_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens
     elif num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(batch_size, head_programs, max_seq_len, device)
@@ -831,9 +850,9 @@ def decode_attention(
     req_pool_indices, seq_lens int64 [B] (device tensors, never read on the host).
     ``num_kv_splits``: sequence splits of stage 1; None picks one from the batch size and
     ``max_seq_len`` (a Python int hint: the longest ``seq_lens`` entry). With neither (the
-    launch a CUDA graph captures, for any lengths) the grid has ``MAX_KV_SPLITS`` splits and
-    each split walks at least ``_GRAPH_SPLIT_TOKENS`` tokens, so a request uses as many splits
-    as its own length needs. ``min_split_tokens``: that floor, rounded up to whole tiles. ``out``: optional [B, Hq, D] buffer in q.dtype, last
+    launch a CUDA graph captures, for any lengths) the grid has ``graph_kv_splits`` splits
+    (``MAX_KV_SPLITS`` for small batches, fewer for large ones) and each split walks at least
+    ``_GRAPH_SPLIT_TOKENS`` tokens, so a request uses as many of them as its length needs. ``min_split_tokens``: that floor, rounded up to whole tiles. ``out``: optional [B, Hq, D] buffer in q.dtype, last
     dimension contiguous, written in full and returned. ``use_dot``: tensor-core path (group
     padded to 16 rows, the default) or broadcast path (``False``). The buffers are in q's
     dtype, or float8 (e4m3fn / e5m2) holding K / k_scale and V / v_scale, with ``kv_scales``

@@ -13,11 +13,13 @@ import math
 import pytest
 import torch
 
+import kernels.decode_attention as da
 from kernels.decode_attention import (
     MAX_KV_SPLITS,
     choose_num_kv_splits,
     decode_attention,
     decode_attention_ref,
+    graph_kv_splits,
 )
 from tests.kernels.conftest import DEVICE, rel_err
 from tests.kernels.decode_batch import (
@@ -125,6 +127,27 @@ def test_graph_launch_needs_no_lengths():
     """Neither a split count nor a length hint (a CUDA-graph capture): any lengths are right."""
     batch = make_batch([1, 64, 513, 1500], 4, 2, 32, seed=31)
     check(batch, TOL_FP32)
+
+
+def test_graph_launch_of_a_large_batch(monkeypatch):
+    """The graph launch of a batch large enough to take the fewest splits: requests longer
+    than those splits at _GRAPH_SPLIT_TOKENS each walk longer splits, and stay right."""
+    monkeypatch.setattr(da, "_GRAPH_PROGRAMS", 8)  # 4 requests x 2 kv heads: the fewest splits
+    assert da.graph_kv_splits(4, 2) == da._GRAPH_MIN_SPLITS
+    batch = make_batch([1, 700, 1500, 2100], 4, 2, 32, seed=32)
+    check(batch, TOL_FP32)
+
+
+def test_graph_kv_splits_by_batch():
+    """The graph launch's split count: every split for a small batch, fewer as the (request,
+    head program) pairs fill the GPU, never fewer than _GRAPH_MIN_SPLITS."""
+    assert graph_kv_splits(1, 8) == MAX_KV_SPLITS
+    assert graph_kv_splits(64, 8) == MAX_KV_SPLITS
+    assert graph_kv_splits(128, 8) == 8
+    assert graph_kv_splits(256, 8) == 4
+    assert graph_kv_splits(256, 4) == 8  # two kv heads a program: half the pairs
+    assert graph_kv_splits(1000, 8) == 2
+    assert graph_kv_splits(100_000, 8) == 2
 
 
 def test_auto_splits_with_a_large_hint():
