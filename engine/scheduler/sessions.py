@@ -131,7 +131,7 @@ class Sessions:
             parent.children.append(turn)
         session.turns[request.rid] = turn
         session.last_used = self.clock()
-        return dataclasses.replace(request, input_ids=history + list(request.input_ids))
+        return dataclasses.replace(request, input_ids=history + _as_list(request.input_ids))
 
     def take_replaced(self) -> list[str]:
         """The rids of running turns that `replace` has dropped since the last call: the
@@ -148,7 +148,7 @@ class Sessions:
         if req.finish_reason is None or req.finish_reason["type"] == "abort":
             self._drop(session, turn)  # refused or aborted: nothing to continue from
             return
-        turn.tokens = list(req.request.input_ids) + list(req.output_ids)
+        turn.tokens = _as_list(req.request.input_ids) + list(req.output_ids)
         turn.prompt_len = req.prompt_len
         turn.held = self.kv.hold(np.asarray(turn.tokens, dtype=np.int64), req.lora_name)
         session.last_used = self.clock()
@@ -175,3 +175,8 @@ class Sessions:
         if turn.held is not None:
             self.kv.let_go(turn.held)
             turn.held = None
+
+
+def _as_list(ids: list[int] | np.ndarray) -> list[int]:
+    """A request's input_ids as Python ints (they arrive as an array: TokenizedRequest)."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
