@@ -25,8 +25,11 @@ from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_deco
 PAGE = 16  # the engine's page size: slots of a request come in runs of 16
 
 
-def make_case(batch: int, prefix: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128):
-    """(shared-prefix arguments, suffix-only arguments, bytes the floor counts)."""
+def make_case(
+    batch: int, prefix: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, size: int = 0
+):
+    """(shared-prefix arguments, suffix-only arguments, bytes the floor counts); work items of
+    `size` requests (0: prefix_item_size's)."""
     gen = torch.Generator().manual_seed(batch + prefix)
     suffix = torch.randint(lo, hi + 1, (batch,), generator=gen)
     pages = -(-suffix // PAGE)
@@ -53,7 +56,7 @@ def make_case(batch: int, prefix: int, lo: int, hi: int, hq: int, hkv: int, d: i
     k = torch.randn((num_slots, hkv, d), dtype=torch.bfloat16, device=dev)
     v = torch.randn_like(k)
     q = torch.randn((batch, hq, d), dtype=torch.bfloat16, device=dev)
-    size = prefix_item_size(hq // hkv)
+    size = size or prefix_item_size(hq // hkv)
     items = []
     for i in range(0, batch, size):
         members = list(range(i, min(batch, i + size)))
@@ -95,13 +98,30 @@ def main(argv: list[str] | None = None) -> None:
     print("| variant | " + " | ".join(f"B={b}" for b in a.batch) + " |")
     print("|" + " --- |" * (1 + len(a.batch)))
     cases = [make_case(b, a.prefix, lo, hi, a.hq, a.hkv) for b in a.batch]
+    rows = prefix_item_size(a.hq // a.hkv) * (a.hq // a.hkv)
+    big = [
+        make_case(b, a.prefix, lo, hi, a.hq, a.hkv, size=2 * rows // (a.hq // a.hkv))[0]
+        for b in a.batch
+    ]  # items of twice the rows (the kernel takes the item size from their shape)
     variants = {
-        "graph launch (16 split programs)": lambda s, o: shared_prefix_decode_attention(**s),
+        "graph launch": lambda s, o: shared_prefix_decode_attention(**s),
+        **{
+            f"prefix in {n} splits": lambda s, o, n=n: shared_prefix_decode_attention(
+                **s, prefix_splits=n
+            )
+            for n in (1, 2, 8)
+        },
+        f"prefix items of {2 * rows} query rows": lambda s, o: shared_prefix_decode_attention(
+            **big[next(i for i, c in enumerate(cases) if c[0] is s)]
+        ),
+        "16 split programs": lambda s, o: shared_prefix_decode_attention(
+            **s, num_kv_splits=16, min_split_tokens=512
+        ),
         **{
             f"{n} split programs": lambda s, o, n=n: shared_prefix_decode_attention(
                 **s, num_kv_splits=n, min_split_tokens=512
             )
-            for n in (8, 4, 2, 1)
+            for n in (4, 2, 1)
         },
         "suffix alone, graph launch": lambda s, o: decode_attention(**o),
         "suffix alone, 1 split": lambda s, o: decode_attention(**o, num_kv_splits=1),
