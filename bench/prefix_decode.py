@@ -10,15 +10,20 @@ suffixes). Prints µs per layer and the TB/s of the bytes the floor counts (each
 the prefix's once).
 
     python -m bench.prefix_decode [--batch 1000 256] [--hq 16] [--prefix 2000]
+    python -m bench.prefix_decode --tiles   # stage 1's (tokens per tile, stages, warps)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import triton
 
+import kernels.decode_attention as da
+import kernels.shared_prefix_attention as spa
+from bench.decode_splits import case as mixed_case
 from kernels.decode_attention import decode_attention
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
 
@@ -84,6 +89,36 @@ def graph_us(fn) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
 
 
+# stage 1's (tokens per tile, pipeline stages, warps); the first is the bf16 default
+TILES = [(64, 3, 4), (64, 2, 4), (64, 1, 4), (32, 2, 4), (32, 1, 2), (32, 2, 2), (16, 2, 1)]
+
+
+def sweep_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv: int) -> None:
+    """The graph launch with each of TILES for stage 1, on the shared-prefix cases and on a
+    W1-like plain batch (256 requests of 100-2048 tokens)."""
+    cases = [make_case(b, prefix, lo, hi, hq, hkv)[0] for b in batches]
+    mixed, mixed_bytes = mixed_case(256, 100, 2048, hq, hkv)
+    print("| stage 1 tile, stages, warps | "
+          + " | ".join(f"shared B={b}" for b in batches) + " | plain B=256 100-2048 |")  # fmt: skip
+    print("|" + " --- |" * (2 + len(batches)))
+    real = da._tiles
+    for block_n, stages, warps in TILES:
+
+        def tiles(*args, setting=(block_n, stages, warps), **kwargs):
+            n, st, w = setting
+            return dataclasses.replace(real(*args, **kwargs), BLOCK_N=n, num_stages=st, num_warps=w)
+
+        da._tiles = spa._tiles = tiles
+        try:
+            cells = [f"{graph_us(lambda c=c: shared_prefix_decode_attention(**c)):.1f}"
+                     for c in cases]  # fmt: skip
+            us = graph_us(lambda: decode_attention(**mixed))
+            cells.append(f"{us:.1f} ({mixed_bytes / us / 1e6:.2f} TB/s)")
+        finally:
+            da._tiles = spa._tiles = real
+        print(f"| {block_n}, {stages}, {warps} | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.prefix_decode")
     ap.add_argument("--batch", type=int, nargs="+", default=[1000, 256])
@@ -91,8 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=2000)
     ap.add_argument("--suffix", default="50:114", help="suffix lengths LO:HI")
+    ap.add_argument("--tiles", action="store_true", help="sweep stage 1's tiles instead")
     a = ap.parse_args(argv)
     lo, hi = (int(x) for x in a.suffix.split(":"))
+    if a.tiles:
+        return sweep_tiles(a.batch, a.prefix, lo, hi, a.hq, a.hkv)
     print(f"Hq {a.hq} / Hkv {a.hkv}, D 128, bf16, prefix {a.prefix}, suffixes {lo}-{hi}; "
           "µs per layer (TB/s of the floor's bytes)")  # fmt: skip
     print("| variant | " + " | ".join(f"B={b}" for b in a.batch) + " |")
