@@ -7,11 +7,20 @@ position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i`` (full prefix, 
 tokens). Numerics follow ``engine/attention/torch_backend.py``: scores ``q·k * scaling``, softmax in
 float32 (here online, flash style), output in ``q.dtype``.
 
-The grid is one program per (query head, tile): a tile is BLOCK_M queries of one request, named
-by a row ``(request, first query)`` of a ``tiles`` table that the host plans (``extend_tiles``,
-O(tiles) numpy, heaviest tile first so the longest programs start earliest). A table may carry
-filler rows past the batch's tiles (``capacity``): a CUDA graph captures the grid of the most
-tiles its token count can need, and each replay refills the table.
+The grid is one program per (head pack, tile): a tile is ``BLOCK_M // PACK`` queries of one
+request, named by a row ``(request, first query)`` of a ``tiles`` table that the host plans
+(``extend_tiles``, O(tiles) numpy, heaviest tile first so the longest programs start earliest). A
+table may carry filler rows past the batch's tiles (``capacity``): a CUDA graph captures the grid
+of the most tiles its token count can need, and each replay refills the table.
+
+Packed heads: with grouped-query attention, ``G = Hq // Hkv`` query heads read one kv head. A
+program takes ``PACK`` of them (a power of two dividing G; ``extend_pack``), consecutive heads
+``h0 .. h0 + PACK - 1`` of one kv head, so each K/V tile is loaded once for the pack, not once
+per head; and a request of few new tokens (a short suffix over a cached prefix, a speculative
+verify step) fills PACK times the rows of the [BLOCK_M, D] query tile that it would alone. Row
+``r`` of the tile is query ``m_start + r // PACK`` of head ``h0 + r % PACK``: each row masks
+causally by its own query's position and loads / stores q and out at its own head. Tiles are
+planned in queries (``extend_block_m``: BLOCK_M // PACK); ``PACK = 1`` is one head a program.
 
 A float8 cache (kernels/kv_fp8.py) holds ``k / k_scale`` and ``v / v_scale``; the layer's two
 scales come as a float32 device tensor (``kv_scales``) that a program reads once. Each K/V tile
@@ -182,9 +191,11 @@ def _extend_attention_kernel(
     INPUT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     V_GROUPED: tl.constexpr,
+    PACK: tl.constexpr,
 ):
-    # the heads of one tile are neighbours in launch order: GQA heads share its K/V in L2
-    h = tl.program_id(0)
+    # the head packs of one tile are neighbours in launch order: packs of one kv head share its
+    # K/V in L2
+    h0 = tl.program_id(0) * PACK
     tile = tl.program_id(1)
     b = tl.load(Tiles + 2 * tile).to(tl.int64)
     m_start = tl.load(Tiles + 2 * tile + 1).to(tl.int32)
@@ -198,16 +209,20 @@ def _extend_attention_kernel(
     q_start = tl.load(QoIndptr + b).to(tl.int64)
     req_row = tl.load(ReqPoolIndices + b).to(tl.int64)
     slot_row = ReqToToken + req_row * stride_req
-    kv_h = h // GROUP
+    # NOTE: PACK divides GROUP and h0 is a multiple of PACK, so the pack's heads share kv_h
+    kv_h = h0 // GROUP
 
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    # row r: query m_start + r // PACK of head h0 + r % PACK (module docstring: packed heads)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = m_start + offs_r // PACK
+    heads = h0 + offs_r % PACK
     mask_m = offs_m < extend_len
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
 
     q_rows = (q_start + offs_m).to(tl.int64)
-    q_ptrs = Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    q_ptrs = Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     # padded rows load as zeros; their results are computed but never stored
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
 
@@ -218,7 +233,7 @@ def _extend_attention_kernel(
     # Keys 0 .. prefix_len + m_start are visible to all queries of the tile: whole BLOCK_N steps
     # there run unmasked. The rest, up to the causal limit of the tile's last real query, is
     # masked; keys past that limit are never loaded.
-    kv_end = prefix_len + tl.minimum(m_start + BLOCK_M, extend_len)
+    kv_end = prefix_len + tl.minimum(m_start + BLOCK_M // PACK, extend_len)
     full_end = ((prefix_len + m_start + 1) // BLOCK_N) * BLOCK_N
     offs_m_abs = prefix_len + offs_m
     if KV_FP8:
@@ -239,14 +254,14 @@ def _extend_attention_kernel(
         out = acc * (tl.load(KVScales + 1) / l_i)[:, None]  # sum p (v8 * v_scale)
     else:
         out = acc / l_i[:, None]
-    o_ptrs = Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    o_ptrs = Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 def _default_blocks(
     head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M counts rows (queries x packed heads)."""
     if device.type != "cuda":
         # interpreter: small tiles keep the numpy work per program small and still cross tiles
         return 32, 32, 4, 1
@@ -261,9 +276,29 @@ def _default_blocks(
     return 64, 64, 4, 2
 
 
-def extend_block_m(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
-    """The queries per tile that `extend_attention` uses by default: plan tiles with it."""
-    return _default_blocks(head_dim, dtype, device)[0]
+def extend_pack(group: int, rows: int, block_m: int | None = None) -> int:
+    """The query heads per program that `extend_attention` packs by default, for `group` query
+    heads per kv head and tiles of `rows` rows (BLOCK_M): the largest power of two dividing
+    `group` that leaves at least 16 queries a tile. With the queries per tile fixed (`block_m`,
+    the tiles already planned), the largest that keeps block_m * pack within `rows` (at least 1),
+    which is the same pack when block_m came from `extend_block_m`."""
+    # Packing pays where rows would sit empty: a short extend (a 50-token suffix, a 4-token
+    # verify step) fills BLOCK_M // pack queries of a tile, not BLOCK_M, and each K/V tile is
+    # read once for the pack instead of once per head. A long request fills its rows either way,
+    # with the same K/V bytes per row, while its tiles multiply with the pack (the host's
+    # O(tiles) plan, the graphs' tile tables): at least 16 queries a tile bounds that.
+    limit = rows // 16 if block_m is None else max(rows // block_m, 1)
+    pack = 1
+    while group % (2 * pack) == 0 and 2 * pack <= limit:
+        pack *= 2
+    return pack
+
+
+def extend_block_m(head_dim: int, dtype: torch.dtype, device: torch.device, group: int = 1) -> int:
+    """The queries per tile that `extend_attention` uses by default for `group` query heads per kv
+    head (BLOCK_M // the default pack): plan tiles with it."""
+    rows = _default_blocks(head_dim, dtype, device)[0]
+    return rows // extend_pack(group, rows)
 
 
 # a filler row's first query is past every request's end, so its programs return at once
@@ -282,8 +317,8 @@ def extend_tiles(
     block_m: int,
     capacity: int | None = None,
 ) -> np.ndarray:
-    """The tile table [tiles, 2] int64: (request, first query) of each BLOCK_M tile, the tile that
-    reads the most keys first; then filler rows up to `capacity` when given."""
+    """The tile table [tiles, 2] int64: (request, first query) of each tile of `block_m` queries,
+    the tile that reads the most keys first; then filler rows up to `capacity` when given."""
     n = np.asarray(extend_lens, dtype=np.int64)
     per_req = -(-n // block_m)
     total = int(per_req.sum())
@@ -321,6 +356,7 @@ def extend_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    pack: int | None = None,
 ) -> torch.Tensor:
     """Attention of the extend batch's queries over their requests' cached + new keys.
 
@@ -328,8 +364,10 @@ def extend_attention(
     k_buffer / v_buffer [num_slots, Hkv, D] (v_buffer may be grouped: kernels/v_groups.py);
     req_to_token [max_requests, max_context] int32;
     req_pool_indices, seq_lens, extend_lens [B]; qo_indptr [B + 1]. ``tiles`` [N, 2] is the tile
-    table on q's device (``extend_tiles`` with this call's BLOCK_M, ``extend_block_m`` unless
-    ``block_m`` is given); without it, it is planned here from the lengths (one device sync).
+    table on q's device (``extend_tiles`` with this call's queries per tile: ``block_m`` when
+    given, else ``extend_block_m`` for Hq // Hkv, or BLOCK_M // ``pack`` when ``pack`` is given);
+    without it, it is planned here from the lengths (one device sync). ``pack``: query heads per
+    program (a power of two dividing Hq // Hkv; 1: one head a program; None: ``extend_pack``).
     ``out`` [T, Hq, D] may be given to write in place. Returns out [T, Hq, D] in q.dtype.
     The buffers are in q's dtype, or float8 (e4m3fn / e5m2) holding K / k_scale and V / v_scale
     with ``kv_scales`` float32 [2] (k_scale, v_scale) on the device (None: both 1).
@@ -354,8 +392,14 @@ def extend_attention(
     if extend_lens.shape[0] == 0 or num_tokens == 0:
         return out
 
-    bm, bn, warps, stages = _default_blocks(head_dim, q.dtype, q.device)
-    bm, bn = block_m or bm, block_n or bn
+    rows, bn, warps, stages = _default_blocks(head_dim, q.dtype, q.device)
+    group = num_q_heads // num_kv_heads
+    if pack is None:
+        pack = extend_pack(group, rows, block_m)
+    assert group % pack == 0 and pack & (pack - 1) == 0, f"pack {pack} for a group of {group}"
+    bm = block_m or rows // pack  # queries per tile
+    rows, bn = bm * pack, block_n or bn
+    assert rows >= 16 and rows & (rows - 1) == 0, "tl.dot: a power of two >= 16 rows a tile"
     assert not grouped or bn % 16 == 0, "a grouped V buffer is read in whole groups of 16"
     warps, stages = num_warps or warps, num_stages or stages
     # float32 stays float32 (no tf32 on the tensor cores); for 16-bit inputs it is ignored
@@ -367,7 +411,7 @@ def extend_attention(
     if tiles.shape[0] == 0:
         return out
 
-    _extend_attention_kernel[(num_q_heads, tiles.shape[0])](
+    _extend_attention_kernel[(num_q_heads // pack, tiles.shape[0])](
         q,
         k_buffer,
         v_buffer,
@@ -389,14 +433,15 @@ def extend_attention(
         out.stride(0),
         out.stride(1),
         req_to_token.stride(0),
-        GROUP=num_q_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(max(head_dim, 16)),
-        BLOCK_M=bm,
+        BLOCK_M=rows,
         BLOCK_N=bn,
         INPUT_PRECISION=input_precision,
         KV_FP8=kv_fp8_mode(k_buffer.dtype, q.device),
         V_GROUPED=grouped,
+        PACK=pack,
         num_warps=warps,
         num_stages=stages,
     )

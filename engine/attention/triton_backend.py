@@ -49,7 +49,11 @@ class TritonAttnBackend(AttentionBackend):
         shared_prefix: bool = False,
     ) -> None:
         self.device = device
-        self.block_m = extend_block_m(attn.head_dim, dtype, device)
+        # queries per extend tile, with the kernel's packing of this layer's GQA heads
+        # (kernels/extend_attention.py); the plans and the graphs' tile capacity count in them
+        self.block_m = extend_block_m(
+            attn.head_dim, dtype, device, attn.num_heads // attn.num_kv_heads
+        )
         # this extend batch's (extend_lens [B], qo_indptr [B + 1], tiles [N, 2])
         self.extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.graph_extend: torch.Tensor | None = None  # the prefill graphs' flat static buffer

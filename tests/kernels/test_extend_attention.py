@@ -16,6 +16,8 @@ import torch
 from kernels.extend_attention import (
     extend_attention,
     extend_attention_ref,
+    extend_block_m,
+    extend_pack,
     extend_tiles,
     tile_capacity,
 )
@@ -253,6 +255,108 @@ def test_half_precision(dtype):
 
 
 # ---------------------------------------------------------------------------------------------
+# Packed heads: PACK query heads of one kv head in one program's rows
+
+
+def test_pack_choice():
+    """The largest power of two dividing G that leaves a tile 16 queries; with the queries per
+    tile already planned, the largest that keeps the tile within its rows. extend_block_m plans
+    tiles with the same pack that extend_attention then takes."""
+    for group, want in {1: 1, 2: 2, 3: 1, 4: 4, 6: 2, 8: 8, 16: 8}.items():
+        assert extend_pack(group, 128) == want, group
+        assert extend_pack(group, 128, block_m=128 // want) == want, group
+    assert [extend_pack(g, 32) for g in (1, 2, 3, 4, 8)] == [1, 2, 1, 2, 2]  # 32 rows
+    assert extend_pack(8, 128, block_m=64) == 2 and extend_pack(8, 128, block_m=256) == 1
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16  # a device object: the choice needs no GPU
+    groups = (1, 2, 3, 4, 6, 8)
+    assert [extend_block_m(128, bf16, cuda, g) for g in groups] == [128, 64, 128, 32, 64, 16]
+    assert extend_block_m(128, bf16, cuda) == 128  # no group given: one head a program
+    # tiles of 64 rows (float32; D=256): at most 4 heads, still 16 queries
+    assert extend_block_m(128, torch.float32, cuda, 8) == 16
+    assert extend_block_m(256, bf16, cuda, 8) == 16
+    cpu = torch.device("cpu")
+    assert [extend_block_m(16, torch.float32, cpu, g) for g in (1, 2, 4)] == [32, 16, 16]
+
+
+# extend lengths 1 and 4 (a verify step), and lengths off every tile size (4 .. 32 queries)
+PACK_PREFIXES, PACK_EXTENDS = [0, 37, 70, 3, 20, 9], [45, 5, 1, 4, 19, 16]
+GROUP_PACKS = [(g, p) for g in (1, 2, 3, 4, 8) for p in (None, 1, 2, 4, 8) if not p or g % p == 0]
+
+
+@pytest.mark.parametrize("group,pack", GROUP_PACKS)
+def test_packed_heads_match_reference(group, pack):
+    """Every valid pack (None: the default) of GQA groups 1 .. 8 over two kv heads; on the
+    interpreter's 32 rows pack 4 leaves 8 queries a tile, pack 8 four."""
+    args = make_batch(PACK_PREFIXES, PACK_EXTENDS, 2 * group, 2, 16, seed=20 + group)
+    check(args, 1e-5, pack=pack)
+
+
+@pytest.mark.parametrize("pack", [None, 2, 4])
+@pytest.mark.parametrize("head_dim", [48, 80])
+def test_packed_heads_odd_head_dims(head_dim, pack):
+    """D not a power of two (masked head-dim columns) with packed rows, float32 and float16."""
+    args = make_batch([13, 0, 33], [20, 17, 4], 8, 2, head_dim, seed=head_dim)
+    check(args, 1e-5, pack=pack)
+    half = make_batch([13, 0, 33], [20, 17, 4], 8, 2, head_dim, dtype=torch.float16)
+    check(half, 1e-2, pack=pack)
+
+
+def test_pack_one_equals_default():
+    """Both layouts give every row the same keys in the same BLOCK_N steps: one result."""
+    args = make_batch(PACK_PREFIXES, PACK_EXTENDS, 8, 2, 32, seed=31)
+    packed = check(args, 1e-5)
+    one = check(args, 1e-5, pack=1)
+    assert rel_err(packed, one) < 1e-6
+
+
+@pytest.mark.parametrize("pack", [None, 4])
+@pytest.mark.parametrize("grouped_v", [False, True], ids=["rows", "grouped"])
+@pytest.mark.parametrize(
+    "fp8,dtype", [(torch.float8_e4m3fn, torch.float32), (torch.float8_e5m2, torch.float16)]
+)
+def test_packed_heads_over_fp8_cache(fp8, dtype, grouped_v, pack):
+    """A float8 cache, in rows or with V grouped (kernels/v_groups.py), GQA group 4; against the
+    reference's own dequantization of the same cache."""
+    from tests.kernels.test_fp8_kv import fp8_batch  # they import make_batch from here
+    from tests.kernels.test_v_groups import regrouped
+
+    batch = make_batch([45, 0, 17, 30], [20, 33, 1, 4], 8, 2, 32, dtype=dtype, seed=41)
+    quantized = fp8_batch(batch, fp8, k_scale=0.3, v_scale=0.07)[0]
+    if grouped_v:
+        quantized = regrouped(quantized)
+    check(quantized, 1e-5 if dtype == torch.float32 else 1e-2, pack=pack)
+
+
+@pytest.mark.parametrize("pack", [None, 1, 4])
+def test_packed_tiles_with_filler_rows(pack):
+    """Tiles planned in the queries a tile holds for the pack (extend_block_m's for the default),
+    with filler rows up to the capacity, in either order."""
+    args = make_batch([5, 0, 40, 9], [16, 32, 5, 1], 8, 2, 16, seed=4)
+    ref = extend_attention_ref(**args)
+    block_m = extend_block_m(16, args["q"].dtype, args["q"].device, 4)
+    if pack is not None:
+        block_m = 32 // pack  # tiles of 32 rows (the interpreter's default)
+    lens, seq = args["extend_lens"].tolist(), args["seq_lens"].tolist()
+    capacity = tile_capacity(sum(lens), len(lens), block_m)
+    planned = extend_tiles(lens, seq, block_m, capacity=capacity)
+    assert (planned[:, 1] >= max(lens)).any(), "the case must have filler rows"
+    for tiles in (planned, planned[::-1].copy()):
+        tiles = torch.from_numpy(tiles).to(DEVICE)
+        got = extend_attention(**args, tiles=tiles, block_m=block_m, pack=pack)
+        assert rel_err(got, ref) < 1e-5
+
+
+def test_invalid_packs():
+    args = make_batch([3], [9], 6, 1, 16)
+    with pytest.raises(AssertionError, match="pack"):
+        extend_attention(**args, pack=4)  # does not divide G = 6
+    with pytest.raises(AssertionError, match="pack"):
+        extend_attention(**args, pack=3)  # not a power of two
+    with pytest.raises(AssertionError, match="tl.dot"):
+        extend_attention(**args, block_m=4, pack=2)  # 8 rows
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: realistic shapes
 
 
@@ -300,3 +404,81 @@ def test_gpu_speed_report(capsys):
     with capsys.disabled():
         print(f"\nextend_attention B=8 Hq=32 Hkv=8 D=128 bf16: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
     assert math.isfinite(ms)
+
+
+def shared_prefix_batch(num_requests, prefix_len, extend_len, num_q_heads, num_kv_heads, head_dim):
+    """bf16 on the GPU: requests that all read one cached prefix (the same slots, as the radix
+    cache shares a prompt's stem), then their own new tokens, in a random permutation of slots."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seq_len, total = prefix_len + extend_len, num_requests * extend_len
+    perm = torch.randperm(prefix_len + total, generator=gen, device="cuda").to(torch.int32)
+    req_to_token = torch.empty(num_requests, seq_len, dtype=torch.int32, device="cuda")
+    req_to_token[:, :prefix_len] = perm[:prefix_len]
+    req_to_token[:, prefix_len:] = perm[prefix_len:].view(num_requests, extend_len)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+    return dict(
+        q=rand(total, num_q_heads, head_dim),
+        k_buffer=rand(prefix_len + total, num_kv_heads, head_dim),
+        v_buffer=rand(prefix_len + total, num_kv_heads, head_dim),
+        req_to_token=req_to_token,
+        req_pool_indices=torch.arange(num_requests, device="cuda"),
+        seq_lens=torch.full((num_requests,), seq_len, device="cuda"),
+        extend_lens=torch.full((num_requests,), extend_len, dtype=torch.int32, device="cuda"),
+        qo_indptr=torch.arange(num_requests + 1, device="cuda") * extend_len,
+        scaling=head_dim**-0.5,
+    )
+
+
+def first_requests(args: dict, k: int) -> dict:
+    """The batch cut to its first k requests (for the float64 reference)."""
+    rows = int(args["qo_indptr"][k])
+    cut = {name: args[name][:k] for name in ("req_pool_indices", "seq_lens", "extend_lens")}
+    return dict(args, **cut, q=args["q"][:rows], qo_indptr=args["qo_indptr"][: k + 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape",
+    [(200, 2000, 50, 16, 8), (8, 0, 1024, 32, 8)],
+    ids=["suffix50_over_prefix2000", "prefill1024"],
+)
+def test_gpu_pack_speed_report(shape, capsys):
+    """Not a gate: TFLOP/s (useful FLOPs) of one head a program (pack=1) against the default pack,
+    D=128 bf16 (run with -s to see it). (a) the shared-prefix workload's prefill: short suffixes
+    over one cached prefix, Qwen3-0.6B's heads; (b) long prompts, no prefix. Both layouts are
+    checked against the reference on the first requests."""
+    import triton.testing
+
+    num_requests, prefix_len, extend_len, num_q_heads, num_kv_heads = shape
+    args = shared_prefix_batch(num_requests, prefix_len, extend_len, num_q_heads, num_kv_heads, 128)
+    check_k = min(num_requests, 8 if extend_len <= 64 else 2)  # the float64 reference is slow
+    ref = extend_attention_ref(**first_requests(args, check_k))
+    group = num_q_heads // num_kv_heads
+    # causal-visible (query, key) pairs, 2 matmuls x 2 flops each
+    pairs = num_requests * (extend_len * prefix_len + extend_len * (extend_len + 1) // 2)
+    flops = 4 * pairs * num_q_heads * 128
+    lens, seq = [extend_len] * num_requests, [prefix_len + extend_len] * num_requests
+    report = []
+    for pack in (1, None):
+        # tiles planned once, as the backend does per batch: pack 1 in BLOCK_M queries (what
+        # extend_block_m gives a group of 1), the default pack in extend_block_m's for the group
+        block_m = extend_block_m(128, torch.bfloat16, args["q"].device, 1 if pack else group)
+        tiles = torch.from_numpy(extend_tiles(lens, seq, block_m)).to(DEVICE)
+        out = torch.full_like(args["q"], float("nan"))
+
+        def run(block_m=block_m, tiles=tiles, out=out, pack=pack):
+            extend_attention(**args, tiles=tiles, out=out, block_m=block_m, pack=pack)
+
+        ms = triton.testing.do_bench(run)
+        assert not out.isnan().any(), "rows left unwritten"
+        assert rel_err(out[: ref.shape[0]], ref) < 1e-2, pack
+        rows = extend_block_m(128, torch.bfloat16, out.device)  # BLOCK_M: queries x heads
+        report.append(f"pack={rows // block_m}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
+    with capsys.disabled():
+        print(
+            f"\nextend_attention B={num_requests} prefix={prefix_len} new={extend_len} "
+            f"Hq={num_q_heads} Hkv={num_kv_heads} D=128 bf16: " + " | ".join(report)
+        )
