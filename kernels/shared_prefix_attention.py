@@ -36,7 +36,8 @@ initialised. A request with ``seq_len == 0`` and no prefix gives zeros.
 Prefix splits. The prefix stage has ``I * Hkv`` independent programs before splitting; with one
 big group that is a handful of items, so the prefix is also cut into splits: by default
 ``_PREFIX_SPLITS`` (8) splits of at least ``_PREFIX_MIN_SPLIT_TOKENS`` (512) tokens, so a
-2000-token prefix takes 4, a 300-token one 1 and a 10000-token one 8. Each used split costs
+2000-token prefix takes 4, a 300-token one 1 and a 10000-token one 8; a batch whose items
+already make about ``_PREFIX_PROGRAMS`` programs takes fewer (``prefix_split_count``). Each used split costs
 every member one partial ``[Hq, D]`` float32 result written and read back, which is why splits
 have a floor. On an H100 (bf16, D=128, Hkv=8, 256 requests behind one 2000-token prefix, CUDA
 graphs) 2, 4 and 8 splits took 95 / 86 / 93 us for G=2 (8 items) and 106 / 113 / 122 us for
@@ -93,6 +94,11 @@ _PREFIX_ROWS = 64
 # Default prefix splits and the least tokens each walks (module docstring).
 _PREFIX_SPLITS = 8
 _PREFIX_MIN_SPLIT_TOKENS = 512
+# ...but fewer splits once the items fill the GPU: bench/prefix_decode.py on an H200
+# (2026-11-28; bf16, Hq 16 / Hkv 8, D 128, 2000-token prefix, suffixes 50-114), µs per layer
+# with the prefix in 1 / 2 / 4 splits: 204 / 210 / 217 at 1000 requests (32 items a kv head),
+# 103 / 81 / 70 at 256 (8 items): about 256 (item, kv head, split) programs is the best of both.
+_PREFIX_PROGRAMS = 256
 # Prefix stage launch settings for 16-bit inputs with D <= 128 (others: 32-token tiles, 2
 # stages, as stage 1), and warps for up to 64 rows (twice as many above). Measured on an H100
 # (bf16, D=128, Hkv=8, B=256 behind one 2000-token prefix, CUDA graphs): 64-token tiles, 3
@@ -100,6 +106,17 @@ _PREFIX_MIN_SPLIT_TOKENS = 512
 _PREFIX_BLOCK_N = 64
 _PREFIX_NUM_STAGES = 3
 _PREFIX_NUM_WARPS = 4
+
+
+def prefix_split_count(batch_size: int, item_size: int, num_kv_heads: int) -> int:
+    """The prefix stage's default split count: ``_PREFIX_SPLITS``, fewer once the batch's
+    (work item, kv head) pairs alone give about ``_PREFIX_PROGRAMS`` programs (each split
+    costs every member a partial result written and merged); at least 1. The items are
+    counted as ``batch_size / item_size``: one group's, without the padding items a graph
+    carries. Pure host arithmetic."""
+    pairs = max(1, triton.cdiv(batch_size, item_size) * num_kv_heads)
+    wanted = triton.next_power_of_2(triton.cdiv(_PREFIX_PROGRAMS, pairs))
+    return max(1, min(_PREFIX_SPLITS, wanted))
 
 
 def prefix_item_size(group: int) -> int:
@@ -243,7 +260,8 @@ def shared_prefix_decode_attention(
         num_kv_splits, max_seq_len, min_split_tokens, B, Hkv // tiles.heads, q.device
     )
     if prefix_splits is None:
-        prefix_splits, prefix_min_tokens = _PREFIX_SPLITS, _PREFIX_MIN_SPLIT_TOKENS
+        prefix_splits = prefix_split_count(B, item_size, Hkv)
+        prefix_min_tokens = _PREFIX_MIN_SPLIT_TOKENS
     else:
         prefix_min_tokens = 0
     assert prefix_splits >= 1

@@ -16,8 +16,13 @@ import time
 import pytest
 import torch
 
+import kernels.shared_prefix_attention as spa
 from kernels.decode_attention import decode_attention, decode_attention_ref
-from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
+from kernels.shared_prefix_attention import (
+    prefix_item_size,
+    prefix_split_count,
+    shared_prefix_decode_attention,
+)
 from tests.kernels.conftest import DEVICE, rel_err
 from tests.kernels.decode_batch import (
     decode_args,
@@ -251,6 +256,27 @@ def test_16bit_inputs(dtype):
     batch = make_shared_batch(GROUPS, SOLO, 4, 2, 64, item_size=3, dtype=dtype, seed=7)
     out = check(batch, TOL_16BIT)
     assert out.dtype == dtype
+
+
+def test_prefix_split_count():
+    """Every default split for a small batch, fewer once the items fill the GPU, at least 1."""
+    assert prefix_split_count(1, 32, 8) == spa._PREFIX_SPLITS
+    assert prefix_split_count(256, 32, 8) == 4  # 8 items a kv head
+    assert prefix_split_count(512, 32, 8) == 2
+    assert prefix_split_count(1000, 32, 8) == 1
+    assert prefix_split_count(100_000, 1, 8) == 1
+
+
+@pytest.mark.parametrize("programs,splits", [(2, 1), (8, 2)])
+def test_default_prefix_splits_of_a_large_batch(monkeypatch, programs, splits):
+    """The default split count of a batch whose items fill the GPU (made small here): a
+    1300-token prefix, which would take 3 splits of 512, takes fewer and longer ones."""
+    monkeypatch.setattr(spa, "_PREFIX_PROGRAMS", programs)
+    assert prefix_split_count(5, 2, 2) == splits  # 3 items x 2 kv heads
+    batch = make_shared_batch(
+        [(1300, [4, 9, 2]), (40, [6, 3])], [11], 4, 2, 32, item_size=2, seed=7
+    )
+    check(batch, TOL_FP32)
 
 
 def test_prefix_item_size():
