@@ -112,7 +112,11 @@ class DraftRunner:
         context = max(target.context_length, config.context_length)
         self.table = ReqToTokenPool(rows, context, device)
         self.lens = np.zeros(rows + 1, dtype=np.int64)  # draft K/V tokens of each row
-        self.slots: list[np.ndarray] = [np.empty(0, np.int64)] * (rows + 1)
+        # NOTE: token i of row r's draft K/V is in pool slot slots[i, r] for i < lens[r] (the
+        # host's copy of the draft's table, to free a row's slots): position-major, so a draft
+        # forward writes one token of every row in one assignment, and a row never copies its
+        # slots as it grows. Zeros are never written, so the OS maps only the positions used.
+        self.slots = np.zeros((context, rows + 1), dtype=np.int32)
         self.owner: list[Req | None] = [None] * (rows + 1)
         self.base = np.zeros(rows + 1, dtype=np.int64)  # each row's tokens at its last draft
         self.steps = 0  # drafts per request of the last draft call
@@ -213,8 +217,7 @@ class DraftRunner:
         n = len(rows)
         starts = self.lens[rows].copy()
         slots = self.allocator.alloc(n)  # (draft() made room: _room)
-        for row, slot in zip(rows.tolist(), slots):
-            self.slots[row] = np.append(self.slots[row], slot)
+        self.slots[starts, rows] = slots
         self.lens[rows] = starts + 1
         graphed = self.graphs is not None and n <= self.graphs.max_bs
         width = self.graphs.padded_size(n) if graphed else n
@@ -246,13 +249,11 @@ class DraftRunner:
         after its draft K/V; the logits of each request's last token [B, V]."""
         starts = self.lens[rows]
         slots = self.allocator.alloc(int(lens.sum()))  # (draft() made room: _room)
-        offset = 0
-        for row, n in zip(rows, lens.tolist()):
-            self.slots[row] = np.concatenate([self.slots[row], slots[offset : offset + n]])
-            offset += n
         self.lens[rows] = starts + lens
         positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
-        host = np.stack([ids, positions, slots, np.repeat(rows, lens)])
+        row_of = np.repeat(rows, lens)
+        self.slots[positions, row_of] = slots
+        host = np.stack([ids, positions, slots, row_of])
         dev = to_device(host, torch.int64, self.device)
         self.table.write_slots(dev[3], dev[1], dev[2])
         seq_lens = (starts + lens).tolist()
@@ -287,10 +288,10 @@ class DraftRunner:
         self.owner[row] = None
 
     def _cut(self, row: int, length: int) -> None:
-        if len(self.slots[row]) > length:
-            self.allocator.free(self.slots[row][length:])
-            self.slots[row] = self.slots[row][:length]
-        self.lens[row] = min(int(self.lens[row]), length)
+        held = int(self.lens[row])
+        if held > length:
+            self.allocator.free(self.slots[length:held, row])
+            self.lens[row] = length
 
     def _room(self, n: int) -> bool:
         """Whether `n` slots are free, once the rows whose request has left them are reclaimed."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -118,6 +119,25 @@ def test_limits_and_stop_ids_cut_inside_a_draft(llama_dir, noisy_draft):
     spec, _ = generate(llama_dir, prompts, sampling, **standalone(noisy_draft))
     assert [r.output_ids for r in spec] == [r.output_ids for r in base]
     assert [r.finish_reason for r in spec] == [r.finish_reason for r in base]
+
+
+def test_the_drafts_slots_are_accounted_for(llama_dir, noisy_draft):
+    """After a run of rejected and accepted drafts (the noisy draft), brute force over the draft
+    runner's pool: each row holds exactly its first lens[row] slots, no slot is held twice, every
+    held slot is out of the allocator and every other slot is free (nothing leaked or freed
+    twice by the cuts of rejected drafts)."""
+    _, scheduler = generate(
+        llama_dir, repeating_prompts(8, seed=3), GREEDY, **standalone(noisy_draft)
+    )
+    s = scheduler.stats
+    assert 0 < s.accepted_draft_tokens < s.draft_tokens  # (some drafts were cut back)
+    runner = scheduler.speculation.draft_model
+    held = [runner.slots[: runner.lens[r], r].tolist() for r in range(len(runner.lens))]
+    flat = [slot for row in held for slot in row]
+    assert len(flat) == len(set(flat)) and 0 not in flat  # (slot 0: the pool's scratch)
+    out = set(np.flatnonzero(runner.allocator._out).tolist())
+    assert out == set(flat)
+    assert runner.allocator.num_free + len(flat) == runner.allocator.num_pages
 
 
 def test_sampled_tokens_keep_their_distribution(llama_dir, noisy_draft):
