@@ -19,11 +19,11 @@ import argparse
 import dataclasses
 
 import torch
-import triton
 
 import kernels.decode_attention as da
 import kernels.shared_prefix_attention as spa
 from bench.decode_splits import case as mixed_case
+from bench.decode_splits import graph_time
 from kernels.decode_attention import decode_attention
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
 
@@ -81,12 +81,8 @@ def make_case(
 
 
 def graph_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    """µs per call of `fn` captured in a CUDA graph (bench.decode_splits' timing)."""
+    return graph_time(fn) * 1e6
 
 
 # stage 1's (tokens per tile, pipeline stages, warps); the first is the bf16 default
