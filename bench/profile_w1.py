@@ -56,11 +56,17 @@ def main(argv: list[str] | None = None) -> None:
     work = make_workload(
         a.num_prompts, a.input_len or a.len, a.output_len or a.len, config.vocab_size, 0, prefix
     )
-    bandwidth, flops, _ = measure_ceilings(device)
+    bandwidth, flops, fp8_flops = measure_ceilings(device)
+    # FP8 weights (--engine-args '{"quantization": "fp8"}'): a byte a weight read per decode
+    # step, and the linear layers' prefill FLOPs at the FP8 matmul rate
+    fp8_weights = args.quantization == "fp8"
+    if fp8_weights and fp8_flops:
+        flops = fp8_flops
     # a float8 cache (--engine-args '{"kv_cache_dtype": "fp8_e4m3"}') reads a byte an element
     kv_name = KV_CACHE_DTYPES.get(args.kv_cache_dtype)
     kv_dtype = getattr(torch, kv_name) if kv_name else config.dtype
-    w_bytes, kv_tok = weight_bytes(config), config.kv_bytes_per_token(kv_dtype)
+    w_bytes, kv_tok = weight_bytes(config, fp8_weights), config.kv_bytes_per_token(kv_dtype)
+    params = sum(config.decode_weight_counts())  # (the prefill's 2 FLOPs a weight a token)
 
     steps: list[dict] = []
     launch = sched._launch
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             floor = (w_bytes + kv_tok * s["ctx"]) / bandwidth * 1e3
         else:
             key = "prefill"
-            floor = 2 * w_bytes / config.dtype.itemsize * s["new"] / flops * 1e3
+            floor = 2 * params * s["new"] / flops * 1e3
         b = bins[key]
         b[0] += 1
         b[1] += ms

@@ -2,7 +2,7 @@
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|spec|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
-#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|prefix-steps|prefix-decode|prefix-decode-tiles|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|prefix-steps|trtllm-steps|prefix-decode|prefix-decode-tiles|w1-fp8-steps|w2-fp8-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -114,6 +114,12 @@ run_step() {
       flow-paths) python3 -m bench.flow_prefix --paths 2>&1 | grep "^|" ;;
       flow-prefix-profile) python3 -m bench.flow_prefix --profile $OUT/flow.prof 2>&1 | grep -v "^\[transformers\]" | tail -60 ;;
       flow-dp) python3 -m bench.flow_dp --rows 20000 --dp 1 "$GPUS" 2>&1 | tail -8 ;;
+      # TensorRT-LLM's 1000/1000 and 128/128 (FP8 weights and K/V, fewer requests): each step's
+      # device time against its floor, and the kernels of the first prefills and of 10 decodes
+      trtllm-steps) for shape in "300 1000 1000" "3000 128 128"; do set -- $shape
+                python3 -m bench.profile_w1 --model-config llama-3.1-8b --num-prompts "$1" --input-len "$2" \
+                  --output-len "$3" --engine-args '{"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}' \
+                  --kernels 0:3,200:210 2>&1 | grep -v "^Loading\|Writing\|WARNING\|UserWarning\|_warn_once" | tail -70; done ;;
       # the shared-prefix pair's decode attention, one layer, by variant (bench/prefix_decode.py)
       prefix-decode) python3 -m bench.prefix_decode 2>&1 | grep "^|\|^Hq" ;;
       prefix-decode-tiles) python3 -m bench.prefix_decode --tiles 2>&1 | grep "^|" ;;
