@@ -117,6 +117,9 @@ class InputProcessor:
                 token_lists = self.prompt_tokens.encode_batch(prompts[first:end])
             else:
                 token_lists = [list(ids) for ids in prompts[first:end]]
+                for i, ids in enumerate(token_lists, first):  # (one prompt: _prompts checked it)
+                    if is_batch and not _all_tokens(ids):
+                        raise ValueError(f"request {i}: {_BAD_IDS}")
             requests = []
             for i, ids in enumerate(token_lists, first):
                 where = f"request {i}: " if is_batch else ""
@@ -183,11 +186,11 @@ class InputProcessor:
             raise ValueError("prompt must be a str or a list of str")
         if isinstance(input_ids, list) and input_ids and _all_tokens(input_ids):
             return [input_ids], False
-        if isinstance(input_ids, list) and all(
-            isinstance(x, list) and _all_tokens(x) for x in input_ids
-        ):
+        if isinstance(input_ids, list) and all(isinstance(x, list) for x in input_ids):
+            # NOTE: each prompt's tokens are checked when its chunk is made (make_calls), so the
+            # first chunk leaves before a long list of long prompts is scanned
             return input_ids, True
-        raise ValueError("input_ids must be a list of int token ids or a list of such lists")
+        raise ValueError(_BAD_IDS)
 
     def _make_request(
         self,
@@ -318,6 +321,9 @@ class InputProcessor:
 def _tokenizer_eos(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     return frozenset() if eos is None else frozenset([eos])
+
+
+_BAD_IDS = "input_ids must be a list of int token ids or a list of such lists"
 
 
 def _all_tokens(ids: list) -> bool:

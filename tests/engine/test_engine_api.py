@@ -349,12 +349,21 @@ def test_an_awaited_long_list_is_tokenized_off_the_event_loop(engine, monkeypatc
     assert len(threads) == 2 and threads[0] == loop_thread and threads[1] != loop_thread
 
 
-def test_a_bad_prompt_in_a_later_chunk_raises_and_stops_the_chunks_sent(engine):
+@pytest.mark.parametrize(
+    "bad,error",
+    [
+        ([5, 10**6], r"request 150: input_ids contain token ids outside"),
+        # a token of the wrong type is found when its chunk is made, not before the first
+        ([5, 6.0], r"request 150: input_ids must be a list of int token ids"),
+    ],
+    ids=["out-of-vocabulary", "not-an-int"],
+)
+def test_a_bad_prompt_in_a_later_chunk_raises_and_stops_the_chunks_sent(engine, bad, error):
     ids = [[5, 6, 7]] * 200
-    ids[150] = [5, 10**6]  # in the second chunk: the first (64 requests) is sent by then
+    ids[150] = bad  # in the second chunk: the first (64 requests) is sent by then
     long = {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
     before = engine.get_server_info()["internal_states"][0]["generated_tokens"]
-    with pytest.raises(ValueError, match=r"request 150: input_ids contain token ids outside"):
+    with pytest.raises(ValueError, match=error):
         engine.generate(input_ids=ids, sampling_params=long)
     # the 64 requests sent would run for 200 steps: they were aborted instead
     out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 1})
