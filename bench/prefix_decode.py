@@ -4,7 +4,8 @@ The pair's decode step (bench --shared-prefix-len 2000 --input-len 50 --output-l
 requests) spends most of its attention in stage 1 over the short suffixes (kernels/
 shared_prefix_attention.py). This times the launch its CUDA graphs replay (no lengths) and
 variants of it, each captured in a graph: the split programs per (request, kv head) of the
-suffix (16, the graph launch's, down to 1), the suffix alone (plain decode over the suffix
+suffix (16, the graph launch's, down to 1), the one-pass experiment of
+kernels/fused_group_decode.py by tile, the suffix alone (plain decode over the suffix
 tokens, the prefix stage's work left out), and the prefix stage alone (items only, empty
 suffixes). Prints µs per layer and the TB/s of the bytes the floor counts (each suffix's K/V,
 the prefix's once).
@@ -25,6 +26,7 @@ import kernels.shared_prefix_attention as spa
 from bench.decode_splits import case as mixed_case
 from bench.decode_splits import graph_time
 from kernels.decode_attention import decode_attention
+from kernels.fused_group_decode import fused_group_decode_attention
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
 
 PAGE = 16  # the engine's page size: slots of a request come in runs of 16
@@ -85,6 +87,8 @@ def graph_us(fn) -> float:
     return graph_time(fn) * 1e6
 
 
+# kernels/fused_group_decode.py's (tokens per tile, warps, stages): an experiment to measure
+FUSED_TILES = [(64, 4, 2), (64, 4, 3), (32, 4, 2), (64, 8, 2), (128, 8, 2)]
 # stage 1's (tokens per tile, pipeline stages, warps); the first is the bf16 default
 TILES = [(64, 3, 4), (64, 2, 4), (64, 1, 4), (32, 2, 4), (32, 1, 2), (32, 2, 2), (16, 2, 1)]
 
@@ -156,6 +160,17 @@ def main(argv: list[str] | None = None) -> None:
                 **s, num_kv_splits=n, min_split_tokens=512
             )
             for n in (4, 2, 1)
+        },
+        **{
+            f"fused, one program per item and kv head (tile {n}, {w} warps, {st} stages)": (
+                lambda s, o, n=n, w=w, st=st: fused_group_decode_attention(
+                    **{k: v for k, v in s.items() if k != "prefix_lens"},
+                    block_n=n,
+                    num_warps=w,
+                    num_stages=st,
+                )
+            )  # fmt: skip
+            for n, w, st in FUSED_TILES
         },
         "suffix alone, graph launch": lambda s, o: decode_attention(**o),
         "suffix alone, 1 split": lambda s, o: decode_attention(**o, num_kv_splits=1),
