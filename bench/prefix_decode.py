@@ -141,6 +141,20 @@ def main(argv: list[str] | None = None) -> None:
         make_case(b, a.prefix, lo, hi, a.hq, a.hkv, size=2 * rows // (a.hq // a.hkv))[0]
         for b in a.batch
     ]  # items of twice the rows (the kernel takes the item size from their shape)
+    # the one-pass experiment with smaller items: more programs for a smaller batch
+    small = {
+        members: [make_case(b, a.prefix, lo, hi, a.hq, a.hkv, size=members)[0] for b in a.batch]
+        for members in (8, 16)
+    }
+
+    def case_index(s: dict) -> int:
+        return next(i for i, c in enumerate(cases) if c[0] is s)
+
+    def fused(s: dict, **kwargs) -> torch.Tensor:
+        return fused_group_decode_attention(
+            **{k: v for k, v in s.items() if k != "prefix_lens"}, **kwargs
+        )
+
     variants = {
         "graph launch": lambda s, o: shared_prefix_decode_attention(**s),
         **{
@@ -150,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             for n in (1, 2, 8)
         },
         f"prefix items of {2 * rows} query rows": lambda s, o: shared_prefix_decode_attention(
-            **big[next(i for i, c in enumerate(cases) if c[0] is s)]
+            **big[case_index(s)]
         ),
         "16 split programs": lambda s, o: shared_prefix_decode_attention(
             **s, num_kv_splits=16, min_split_tokens=512
@@ -163,14 +177,13 @@ def main(argv: list[str] | None = None) -> None:
         },
         **{
             f"fused, one program per item and kv head (tile {n}, {w} warps, {st} stages)": (
-                lambda s, o, n=n, w=w, st=st: fused_group_decode_attention(
-                    **{k: v for k, v in s.items() if k != "prefix_lens"},
-                    block_n=n,
-                    num_warps=w,
-                    num_stages=st,
-                )
-            )  # fmt: skip
+                lambda s, o, n=n, w=w, st=st: fused(s, block_n=n, num_warps=w, num_stages=st)
+            )
             for n, w, st in FUSED_TILES
+        },
+        **{
+            f"fused, items of {m} requests": lambda s, o, m=m: fused(small[m][case_index(s)])
+            for m in small
         },
         "suffix alone, graph launch": lambda s, o: decode_attention(**o),
         "suffix alone, 1 split": lambda s, o: decode_attention(**o, num_kv_splits=1),
