@@ -39,14 +39,25 @@ from kernels.decode_attention import _LOG2E
 
 
 @triton.jit
-def _online(acc, l_i, m_i, qk, v, DOT_PRECISION: tl.constexpr):
-    """One tile of the online softmax: scores `qk` (log2 domain, -inf where hidden) and values."""
+def _attend(
+    acc, l_i, m_i, q, K, V, slots, in_range, seen, k_off, v_off, stride_kn, stride_vn, offs_d,
+    mask_d, qk_scale, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One K/V tile (the keys of `slots`, those `in_range` loaded) through the online softmax,
+    row r seeing key n where seen[r, n]."""
+    slots = slots.to(tl.int64)
+    kv_mask = in_range[:, None] & mask_d[None, :]
+    k = tl.load(K + k_off + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + v_off + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    qk = tl.where(seen, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # NOTE: every row has seen a finite score by its first tile (the prefix's first key for a
     # member's rows, 0 for padding rows, whose q is 0), so m_new is finite and exp2 is never NaN
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -111,17 +122,10 @@ def _fused_group_decode(
         n = start + offs_n
         in_range = n < prefix_len
         slots = tl.load(ReqToToken + prefix_row * stride_r2t + n, mask=in_range, other=0)
-        slots = slots.to(tl.int64)
-        kv_mask = in_range[:, None] & mask_d[None, :]
-        k = tl.load(
-            K + k_off + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            V + v_off + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(in_range[None, :], qk, float("-inf"))
-        acc, l_i, m_i = _online(acc, l_i, m_i, qk, v.to(q.dtype), DOT_PRECISION)
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, K, V, slots, in_range, in_range[None, :], k_off, v_off,
+            stride_kn, stride_vn, offs_d, mask_d, qk_scale, DOT_PRECISION,
+        )  # fmt: skip
 
     # -- the members' suffixes, end to end: key t is member m's token P + t - start[m]
     offs_m = tl.arange(0, ITEM_PAD)
@@ -141,18 +145,11 @@ def _fused_group_decode(
         row_t = tl.sum(tl.where(own, rows[None, :], 0), 1)
         pos_t = prefix_len + t - tl.sum(tl.where(own, first[None, :], 0), 1)
         slots = tl.load(ReqToToken + row_t * stride_r2t + pos_t, mask=in_range, other=0)
-        slots = slots.to(tl.int64)
-        kv_mask = in_range[:, None] & mask_d[None, :]
-        k = tl.load(
-            K + k_off + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            V + v_off + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        seen = (slot_r[:, None] == member_t[None, :]) & in_range[None, :]
-        qk = tl.where(seen, qk, float("-inf"))
-        acc, l_i, m_i = _online(acc, l_i, m_i, qk, v.to(q.dtype), DOT_PRECISION)
+        seen = (slot_r[:, None] == member_t[None, :]) & in_range[None, :]  # its own member's keys
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, K, V, slots, in_range, seen, k_off, v_off,
+            stride_kn, stride_vn, offs_d, mask_d, qk_scale, DOT_PRECISION,
+        )  # fmt: skip
 
     out = acc / l_i[:, None]
     o_ptrs = Out + members_r[:, None] * stride_ob + heads_r[:, None] * stride_oh + offs_d[None, :]
@@ -190,12 +187,13 @@ def fused_group_decode_attention(
         return out
     if block_n is None:
         block_n = 64 if q.device.type == "cuda" and q.element_size() <= 2 else 16
-    _fused_group_decode[(prefix_items.shape[0], Hkv)](
+    items = prefix_items.contiguous()
+    _fused_group_decode[(items.shape[0], Hkv)](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens,
-        prefix_items.contiguous(), float(scaling) * _LOG2E,
+        items, float(scaling) * _LOG2E,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0), prefix_items.contiguous().stride(0),
+        req_to_token.stride(0), items.stride(0),
         G=G,
         ITEM_SIZE=item_size,
         ITEM_PAD=triton.next_power_of_2(item_size),

@@ -117,13 +117,12 @@ class InputProcessor:
                 token_lists = self.prompt_tokens.encode_batch(prompts[first:end])
             else:
                 token_lists = [list(ids) for ids in prompts[first:end]]
-                for i, ids in enumerate(token_lists, first):  # (one prompt: _prompts checked it)
-                    if is_batch and not _all_tokens(ids):
-                        raise ValueError(f"request {i}: {_BAD_IDS}")
             requests = []
             for i, ids in enumerate(token_lists, first):
                 where = f"request {i}: " if is_batch else ""
                 try:
+                    if prompt is None and is_batch and not _all_tokens(ids):
+                        raise ValueError(_BAD_IDS)  # (one prompt's: _prompts checked it)
                     image_inputs = None
                     if images[i]:  # (a list of images, or the error of a bad one)
                         ids, image_inputs = self.images.build(ids, images[i])
