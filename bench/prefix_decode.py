@@ -4,13 +4,13 @@ The pair's decode step (bench --shared-prefix-len 2000 --input-len 50 --output-l
 requests) spends most of its attention in stage 1 over the short suffixes (kernels/
 shared_prefix_attention.py). This times the launch its CUDA graphs replay (no lengths) and
 variants of it, each captured in a graph: the split programs per (request, kv head) of the
-suffix (16, the graph launch's, down to 1), the one-pass experiment of
-kernels/fused_group_decode.py by tile, the suffix alone (plain decode over the suffix
+suffix (16 down to 2, with stage 2 merging; 1, stage 1 merging the prefix's columns into the
+output itself), the prefix stage and stage 1 in one launch, prefix splits and item sizes, the suffix alone (plain decode over the suffix
 tokens, the prefix stage's work left out), and the prefix stage alone (items only, empty
 suffixes). Prints µs per layer and the TB/s of the bytes the floor counts (each suffix's K/V,
-the prefix's once).
+the prefix's once); then a plain W1-like batch (100-2048 tokens, no prefix) by split count.
 
-    python -m bench.prefix_decode [--batch 1000 256] [--hq 16] [--prefix 2000]
+    python -m bench.prefix_decode [--batch 1000 512 256] [--hq 16] [--prefix 2000]
     python -m bench.prefix_decode --tiles   # stage 1's (tokens per tile, stages, warps)
 """
 
@@ -26,7 +26,6 @@ import kernels.shared_prefix_attention as spa
 from bench.decode_splits import case as mixed_case
 from bench.decode_splits import graph_time
 from kernels.decode_attention import decode_attention
-from kernels.fused_group_decode import fused_group_decode_attention
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
 
 PAGE = 16  # the engine's page size: slots of a request come in runs of 16
@@ -121,7 +120,7 @@ def sweep_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.prefix_decode")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1000, 256])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1000, 512, 256])
     ap.add_argument("--hq", type=int, default=16)
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=2000)
@@ -141,19 +140,9 @@ def main(argv: list[str] | None = None) -> None:
         make_case(b, a.prefix, lo, hi, a.hq, a.hkv, size=2 * rows // (a.hq // a.hkv))[0]
         for b in a.batch
     ]  # items of twice the rows (the kernel takes the item size from their shape)
-    # the one-pass experiment with smaller items: more programs for a smaller batch
-    small = {
-        members: [make_case(b, a.prefix, lo, hi, a.hq, a.hkv, size=members)[0] for b in a.batch]
-        for members in (8, 16)
-    }
 
     def case_index(s: dict) -> int:
         return next(i for i, c in enumerate(cases) if c[0] is s)
-
-    def fused(s: dict, **kwargs) -> torch.Tensor:
-        return fused_group_decode_attention(
-            **{k: v for k, v in s.items() if k != "prefix_lens"}, **kwargs
-        )
 
     variants = {
         "graph launch": lambda s, o: shared_prefix_decode_attention(**s),
@@ -166,24 +155,22 @@ def main(argv: list[str] | None = None) -> None:
         f"prefix items of {2 * rows} query rows": lambda s, o: shared_prefix_decode_attention(
             **big[case_index(s)]
         ),
-        "16 split programs": lambda s, o: shared_prefix_decode_attention(
-            **s, num_kv_splits=16, min_split_tokens=512
-        ),
         **{
             f"{n} split programs": lambda s, o, n=n: shared_prefix_decode_attention(
                 **s, num_kv_splits=n, min_split_tokens=512
             )
-            for n in (4, 2, 1)
+            for n in (16, 4, 2)
         },
+        "1 split, stage 1 writes the output": lambda s, o: shared_prefix_decode_attention(
+            **s, num_kv_splits=1
+        ),
         **{
-            f"fused, one program per item and kv head (tile {n}, {w} warps, {st} stages)": (
-                lambda s, o, n=n, w=w, st=st: fused(s, block_n=n, num_warps=w, num_stages=st)
+            f"one launch, {n} split programs, prefix in {p or 'default'} splits": (
+                lambda s, o, n=n, p=p: shared_prefix_decode_attention(
+                    **s, num_kv_splits=n, min_split_tokens=512, prefix_splits=p, one_launch=True
+                )
             )
-            for n, w, st in FUSED_TILES
-        },
-        **{
-            f"fused, items of {m} requests": lambda s, o, m=m: fused(small[m][case_index(s)])
-            for m in small
+            for n, p in ((2, None), (4, None), (2, 2), (2, 4))
         },
         "suffix alone, graph launch": lambda s, o: decode_attention(**o),
         "suffix alone, 1 split": lambda s, o: decode_attention(**o, num_kv_splits=1),
@@ -197,6 +184,24 @@ def main(argv: list[str] | None = None) -> None:
             us = graph_us(lambda f=fn, s=shared, o=alone: f(s, o))
             cells.append(f"{us:.1f} ({nbytes / us / 1e6:.2f})")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    plain_splits(a.hq, a.hkv)
+
+
+def plain_splits(hq: int, hkv: int) -> None:
+    """A W1-like batch (no prefix, 100-2048 tokens) by split count: where one split (no stage
+    2) pays and where the graph launch's splits do."""
+    batches = [1024, 512, 256, 128]
+    cases = [mixed_case(b, 100, 2048, hq, hkv) for b in batches]
+    print(f"\nplain decode, 100-2048 tokens, Hq {hq} / Hkv {hkv}; µs per layer (TB/s)")
+    print("| splits | " + " | ".join(f"B={b}" for b in batches) + " |")
+    print("|" + " --- |" * (1 + len(batches)))
+    for splits in (None, 4, 2, 1):
+        cells = []
+        for args, nbytes in cases:
+            kw = {} if splits is None else {"num_kv_splits": splits, "min_split_tokens": 512}
+            us = graph_us(lambda args=args, kw=kw: decode_attention(**args, **kw))
+            cells.append(f"{us:.1f} ({nbytes / us / 1e6:.2f})")
+        print(f"| {'graph launch' if splits is None else splits} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

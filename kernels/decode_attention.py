@@ -21,6 +21,11 @@ each program would walk thousands of tokens alone. So the sequence is also split
 * Stage 2, grid ``(B, Hq)``: merges a head's ``num_kv_splits`` partial results, weighting each by
   ``exp(lse_split - lse_total)``, and writes the output in q's dtype.
 
+One split (``num_kv_splits == 1``, which the graph launch takes for large batches:
+``graph_kv_splits``): nothing is left to merge, so stage 1 writes the output itself (``FINAL``)
+and there is no scratch and no stage 2. With a shared prefix, the prefix stage then runs
+first and stage 1 folds its columns into the request's online softmax before writing.
+
 Scores use ``exp2`` with ``scaling * log2(e)`` folded into one multiply (cheaper than ``exp``).
 
 q·kᵀ and p·v: the tensor cores' smallest product has 16 rows (Triton pads a smaller tile to
@@ -111,6 +116,13 @@ _GRAPH_SPLIT_TOKENS = 512
 # MAX_KV_SPLITS; lengths up to 2 * 512 tokens split as before at any batch size.
 _GRAPH_PROGRAMS = 8192
 _GRAPH_MIN_SPLITS = 2
+# ...and one split, which stage 1 finishes itself (no scratch, no stage 2: FINAL), once the
+# pairs alone are this many. bench/prefix_decode.py on an H200 (2026-11-28, as above), µs per
+# layer, graph launch -> one split: the pair's decode 203.9 -> 188.0 at B=1000, 113.8 -> 110.5
+# at 512, 69.8 -> 71.6 at 256; plain decode over 100-2048 tokens 1108 -> 1082 at B=1024, 562
+# -> 555 at 512, 289 -> 294 at 256, 156 -> 170 at 128. A long request among thousands then
+# walks its tokens in one program, while the rest of the batch keeps the GPU busy.
+_ONE_SPLIT_PAIRS = 4096
 # Stage 1 launch settings (tokens per tile, pipeline depth, warps), measured on an H100 (bf16,
 # D=128, Hkv 8 or 32, CUDA graphs): 64-token tiles and 3 stages were best or within 2% of best
 # from B=1 to B=256, and at B=1, L=32768 took half the time of 32-token tiles and 2 stages.
@@ -261,21 +273,19 @@ def _stage1_tile(
 
 
 @triton.jit
-def _attend_split(
+def _attend_rows(
     Q,
     K,
     V,
     KVScales,  # float32 (k_scale, v_scale) of a float8 cache (KV_FP8), else unused
     ReqToToken,
-    MidO,
-    MidLse,
     qk_scale,  # scaling * log2(e)
-    req,  # int64 batch index of the rows: a scalar, or one per row ([ROWS]) with REQ_PER_ROW
+    req_col,  # int64 batch index of the rows: a scalar, or a [ROWS, 1] column of them
+    heads,  # [ROWS] each row's query head
     group_rows,  # [ROWS] each row's query head within the group of kv head kvh
     row_mask,  # [ROWS] the rows that exist
     r2t_row,  # the req_to_token row that holds the slots of tokens [start, end)
     kvh,
-    col,  # the scratch column this split writes
     start,
     end,
     stride_qb,
@@ -285,37 +295,27 @@ def _attend_split(
     stride_vn,
     stride_vh,
     stride_r2t,
-    stride_mob,
-    stride_moh,
-    stride_mos,
-    stride_mlb,
-    stride_mlh,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROWS: tl.constexpr,
-    REQ_PER_ROW: tl.constexpr,
     USE_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
 ):
-    """Attention of ROWS query rows over tokens [start, end) (start < end) of kv head ``kvh``
-    (of kv heads ``kvh ..`` with HEADS > 1: row r then is head ``kvh * G + group_rows[r]``),
-    the work of one stage-1 program (one request's GQA group) or of one shared-prefix program
-    (the groups of an item's members): an online softmax over [BLOCK_N, BLOCK_D] K/V tiles,
-    then each row's normalised partial output and log2-sum-exp to scratch column ``col``, all
-    that stage 2 reads of a split."""
+    """The online softmax of ROWS query rows over tokens [start, end) (start < end) of kv head
+    ``kvh`` (of kv heads ``kvh ..`` with HEADS > 1: row r then is head ``kvh * G +
+    group_rows[r]``) in [BLOCK_N, BLOCK_D] K/V tiles: (running max, running sum, unnormalised
+    output ``[ROWS, BLOCK_D]``), log2 units; with KV_FP8 the output is still to be multiplied
+    by v_scale."""
     if KV_FP8:
         # scores are q.(k8 * k_scale) = (q.k8) * k_scale: one multiply per program
         qk_scale = qk_scale * tl.load(KVScales)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    heads = kvh * G + group_rows
-    # The [ROWS, BLOCK_D] pointers take per-row requests as a column; a scalar broadcasts.
-    req_col = req[:, None] if REQ_PER_ROW else req
     row_d_mask = row_mask[:, None] & mask_d[None, :]
     row_head = group_rows // G  # a row's kv head among the HEADS (0 with one)
     if HEADS == 1:
@@ -377,7 +377,66 @@ def _attend_split(
             V_GROUPED,
             HEADS,
         )
+    return m_i, l_i, acc
 
+
+@triton.jit
+def _attend_split(
+    Q,
+    K,
+    V,
+    KVScales,  # float32 (k_scale, v_scale) of a float8 cache (KV_FP8), else unused
+    ReqToToken,
+    MidO,
+    MidLse,
+    qk_scale,  # scaling * log2(e)
+    req,  # int64 batch index of the rows: a scalar, or one per row ([ROWS]) with REQ_PER_ROW
+    group_rows,  # [ROWS] each row's query head within the group of kv head kvh
+    row_mask,  # [ROWS] the rows that exist
+    r2t_row,  # the req_to_token row that holds the slots of tokens [start, end)
+    kvh,
+    col,  # the scratch column this split writes
+    start,
+    end,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_r2t,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROWS: tl.constexpr,
+    REQ_PER_ROW: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    V_GROUPED: tl.constexpr,
+    HEADS: tl.constexpr,
+):
+    """The work of one stage-1 program (one request's GQA group) or of one shared-prefix
+    program (the groups of an item's members): ``_attend_rows`` over tokens [start, end), then
+    each row's normalised partial output and log2-sum-exp to scratch column ``col``, all that
+    stage 2 reads of a split."""
+    offs_d = tl.arange(0, BLOCK_D)
+    row_d_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    heads = kvh * G + group_rows
+    # The [ROWS, BLOCK_D] pointers take per-row requests as a column; a scalar broadcasts.
+    req_col = req[:, None] if REQ_PER_ROW else req
+    m_i, l_i, acc = _attend_rows(
+        Q, K, V, KVScales, ReqToToken, qk_scale, req_col, heads, group_rows, row_mask,
+        r2t_row, kvh, start, end,
+        stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
+        G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS, USE_DOT, KV_FP8, V_GROUPED, HEADS,
+    )  # fmt: skip
     mo = (
         MidO
         + req_col * stride_mob
@@ -421,6 +480,11 @@ def _decode_stage1(
     stride_mos,
     stride_mlb,
     stride_mlh,
+    Out,  # [B, Hq, D] in q's dtype (FINAL), else unused
+    stride_ob,
+    stride_oh,
+    num_prefix_splits,  # the shared-prefix columns of MidO / MidLse to merge (FINAL)
+    prefix_min_split_len,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -432,11 +496,68 @@ def _decode_stage1(
     KV_FP8: tl.constexpr,
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
+    FINAL: tl.constexpr,  # one split: write the output, no stage 2 (module docstring)
+    PREFIX_BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) * HEADS  # the first of the program's kv heads
     split = tl.program_id(2)
+    if FINAL:
+        start, end = _split_range(
+            SeqLens, StartLens, b, split, num_kv_splits, min_split_len, BLOCK_N, HAS_START
+        )
+        # NOTE: num_kv_splits == 1, and with HAS_START the shared-prefix stage has already
+        # written its columns [0, num_prefix_splits) (the caller launches it first)
+        offs_g = tl.arange(0, BLOCK_H)
+        row_mask = offs_g < G * HEADS
+        heads = kvh * G + offs_g
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        if start < end:  # (a padding request of length 0 walks nothing and writes zeros)
+            row = tl.load(ReqPoolIdx + b).to(tl.int64)
+            m_i, l_i, acc = _attend_rows(
+                Q, K, V, KVScales, ReqToToken, qk_scale, b.to(tl.int64), heads, offs_g,
+                row_mask, row, kvh, start, end,
+                stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
+                G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, BLOCK_H, USE_DOT, KV_FP8,
+                V_GROUPED, HEADS,
+            )  # fmt: skip
+        if HAS_START:
+            prefix_len = tl.load(StartLens + b).to(tl.int32)  # (first, unclipped: stage 2's)
+        else:
+            prefix_len = 0
+        _store_final(
+            Out, MidO, MidLse, KVScales, m_i, l_i, acc, b.to(tl.int64), heads, row_mask,
+            prefix_len, num_prefix_splits, prefix_min_split_len,
+            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+            HEAD_DIM, BLOCK_D, KV_FP8, HAS_START, PREFIX_BLOCK_N,
+        )  # fmt: skip
+    else:
+        start, end = _split_range(
+            SeqLens, StartLens, b, split, num_kv_splits, min_split_len, BLOCK_N, HAS_START
+        )
+        if start < end:  # empty splits (short requests) write nothing; stage 2 skips them
+            row = tl.load(ReqPoolIdx + b).to(tl.int64)
+            # Rows past the HEADS groups only pad the tile to a power of 2, or to 16 rows for
+            # tl.dot with one head (module docstring).
+            offs_g = tl.arange(0, BLOCK_H)
+            _attend_split(
+                Q, K, V, KVScales, ReqToToken, MidO, MidLse, qk_scale,
+                b.to(tl.int64), offs_g, offs_g < G * HEADS, row, kvh, split, start, end,
+                stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
+                stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS=BLOCK_H, REQ_PER_ROW=False,
+                USE_DOT=USE_DOT, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED, HEADS=HEADS,
+            )  # fmt: skip
 
+
+@triton.jit
+def _split_range(
+    SeqLens, StartLens, b, split, num_kv_splits, min_split_len, BLOCK_N: tl.constexpr,
+    HAS_START: tl.constexpr,
+):  # fmt: skip
+    """Tokens [start, end) of request ``b``'s stage-1 split ``split`` (empty past its length)."""
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     if HAS_START:
         # Tokens [0, first) are read elsewhere (a shared prefix); the splits cut only the rest,
@@ -446,22 +567,67 @@ def _decode_stage1(
         first = 0
     split_len = _split_len(seq_len - first, num_kv_splits, min_split_len, BLOCK_N)
     start = first + split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    return start, tl.minimum(start + split_len, seq_len)
 
-    if start < end:  # empty splits (short requests) write nothing; stage 2 skips them
-        row = tl.load(ReqPoolIdx + b).to(tl.int64)
-        # Rows past the HEADS groups only pad the tile to a power of 2, or to 16 rows for tl.dot
-        # with one head (module docstring).
-        offs_g = tl.arange(0, BLOCK_H)
-        _attend_split(
-            Q, K, V, KVScales, ReqToToken, MidO, MidLse, qk_scale,
-            b.to(tl.int64), offs_g, offs_g < G * HEADS, row, kvh, split, start, end,
-            stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
-            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-            G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
-            ROWS=BLOCK_H, REQ_PER_ROW=False, USE_DOT=USE_DOT, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED,
-            HEADS=HEADS,
-        )  # fmt: skip
+
+@triton.jit
+def _store_final(
+    Out,
+    MidO,
+    MidLse,
+    KVScales,
+    m_i,
+    l_i,
+    acc,
+    b,
+    heads,
+    row_mask,
+    prefix_len,
+    num_prefix_splits,
+    prefix_min_split_len,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    PREFIX_BLOCK_N: tl.constexpr,
+):
+    """Request ``b``'s output rows from its one split's online softmax (m_i, l_i, acc of
+    ``_attend_rows``) and, with HAS_PREFIX, the shared-prefix columns written for it (which,
+    as in stage 2, follow from ``prefix_len`` alone), each folded in as one more token whose
+    score is its log2-sum-exp and whose value is its normalised output. Rows with no token at
+    all give zeros."""
+    offs_d = tl.arange(0, BLOCK_D)
+    row_d_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if KV_FP8:
+        acc = acc * tl.load(KVScales + 1)  # as _attend_split's partial output
+    if HAS_PREFIX:
+        split_len = _split_len(prefix_len, num_prefix_splits, prefix_min_split_len, PREFIX_BLOCK_N)
+        written = tl.minimum(num_prefix_splits, tl.cdiv(prefix_len, tl.maximum(split_len, 1)))
+        mo = MidO + b * stride_mob + heads[:, None] * stride_moh + offs_d[None, :]
+        ml = MidLse + b * stride_mlb + heads * stride_mlh
+        for col in range(0, written):
+            lse = tl.load(ml + col, mask=row_mask, other=float("-inf"))
+            o = tl.load(mo + col * stride_mos, mask=row_d_mask, other=0.0)
+            m_new = tl.maximum(m_i, lse)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # (absent rows: -inf both)
+            alpha = tl.exp2(m_i - m_ref)
+            beta = tl.exp2(lse - m_ref)
+            acc = acc * alpha[:, None] + o * beta[:, None]
+            l_i = l_i * alpha + beta
+            m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # acc is 0 where l_i is
+    tl.store(
+        Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_d_mask,
+    )
 
 
 @triton.jit
@@ -583,10 +749,13 @@ def choose_num_kv_splits(
 
 
 def graph_kv_splits(batch_size: int, head_programs: int) -> int:
-    """Stage 1's split count in the launch a CUDA graph captures (no lengths): a power of two
-    that keeps ``batch_size * head_programs * splits`` near ``_GRAPH_PROGRAMS``, within
+    """Stage 1's split count in the launch a CUDA graph captures (no lengths): 1 from
+    ``_ONE_SPLIT_PAIRS`` (request, head program) pairs, else a power of two that keeps
+    ``batch_size * head_programs * splits`` near ``_GRAPH_PROGRAMS``, within
     ``[_GRAPH_MIN_SPLITS, MAX_KV_SPLITS]``. Pure host arithmetic."""
     pairs = max(1, batch_size * head_programs)
+    if pairs >= _ONE_SPLIT_PAIRS:
+        return 1
     wanted = triton.next_power_of_2(triton.cdiv(_GRAPH_PROGRAMS, pairs))
     return max(_GRAPH_MIN_SPLITS, min(MAX_KV_SPLITS, wanted))
 
@@ -735,11 +904,19 @@ def _launch_stage1(
     min_split_len: int,
     tiles: _Tiles,
     kv_scales: torch.Tensor,
+    out: torch.Tensor | None = None,
+    num_prefix_splits: int = 0,
+    prefix_min_split_len: int = 0,
+    prefix_block_n: int = 16,
 ) -> None:
     """Stage 1 into split columns ``[0, num_kv_splits)`` of the scratch; with ``start_lens``
-    each request walks only ``[start_lens[b], seq_lens[b])``."""
+    each request walks only ``[start_lens[b], seq_lens[b])``. With ``out`` (one split), the
+    output itself, merged with the shared-prefix columns ``[0, num_prefix_splits)`` of the
+    scratch where ``start_lens`` is given (sized as ``_launch_stage2``'s)."""
     B, Hq, D = q.shape
     Hkv = k_buffer.shape[1]
+    assert out is None or num_kv_splits == 1, "stage 1 writes the output of one split only"
+    final = out if out is not None else mid_o  # (never written without FINAL)
     _decode_stage1[(B, Hkv // tiles.heads, num_kv_splits)](
         q,
         k_buffer,
@@ -766,6 +943,11 @@ def _launch_stage1(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
+        final,
+        final.stride(0),
+        final.stride(1),
+        num_prefix_splits,
+        prefix_min_split_len,
         G=Hq // Hkv,
         HEAD_DIM=D,
         BLOCK_H=tiles.BLOCK_H,
@@ -777,6 +959,8 @@ def _launch_stage1(
         KV_FP8=tiles.kv_fp8,
         V_GROUPED=tiles.v_grouped,
         HEADS=tiles.heads,
+        FINAL=out is not None,
+        PREFIX_BLOCK_N=prefix_block_n,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -872,25 +1056,14 @@ def decode_attention(
         num_kv_splits, max_seq_len, min_split_tokens, B, Hkv // tiles.heads, q.device
     )
     min_split_len = _min_split_len(min_split_tokens, tiles)
-
+    scales = scales_arg(kv_scales, k_buffer.dtype, q)
+    args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, None)
+    if num_kv_splits == 1:  # stage 1 writes the output: no scratch, no stage 2
+        _launch_stage1(*args, out, out, scaling, 1, min_split_len, tiles, scales, out=out)
+        return out
     mid_o = torch.empty((B, Hq, num_kv_splits, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B, Hq, num_kv_splits), dtype=torch.float32, device=q.device)
-    _launch_stage1(
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        None,
-        mid_o,
-        mid_lse,
-        scaling,
-        num_kv_splits,
-        min_split_len,
-        tiles,
-        scales_arg(kv_scales, k_buffer.dtype, q),
-    )
+    _launch_stage1(*args, mid_o, mid_lse, scaling, num_kv_splits, min_split_len, tiles, scales)
     _launch_stage2(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, tiles)
     return out
 

@@ -25,7 +25,13 @@ with extra split columns:
   and the K/V bytes per request drop by the item size. Online softmax in float32 with exp2, as
   in stage 1 (both run ``_attend_split``). Each member's normalised partial output and
   log2-sum-exp go to scratch column ``num_kv_splits + split`` of that member.
-* Merge: stage 2 of decode_attention (``HAS_PREFIX``) over both sets of columns.
+* Merge: stage 2 of decode_attention (``HAS_PREFIX``) over both sets of columns. With one
+  suffix split the prefix stage runs first, into columns ``[0, prefix_splits)``, and stage 1
+  merges them itself as it writes the output (``FINAL``): no stage 2, no suffix column.
+  Tried and dropped (bench/prefix_decode.py, H200, 2026-11-28, B=1000): both stages' programs
+  in one launch, so the prefix's tensor-core work would run beside the suffixes' reads, took
+  278 us a layer against 204 for two launches; a one-pass kernel (one program per work item
+  and kv head walking the prefix, then each member's suffix) took 245 at best.
 
 Scratch: ``mid_o`` float32 ``[B, Hq, num_kv_splits + prefix_splits, D]``, ``mid_lse`` float32
 ``[B, Hq, num_kv_splits + prefix_splits]``. Nothing marks an empty split: a column is written
@@ -275,26 +281,18 @@ def shared_prefix_decode_attention(
         PREFIX_BLOCK_N, prefix_stages = _PREFIX_BLOCK_N, _PREFIX_NUM_STAGES
     prefix_min_split_len = triton.cdiv(prefix_min_tokens, PREFIX_BLOCK_N) * PREFIX_BLOCK_N
 
-    num_cols = num_kv_splits + prefix_splits
+    # one suffix split: the prefix stage first, then stage 1 merges its columns [0,
+    # prefix_splits) into the output (FINAL); else the suffix splits' columns come first
+    final = num_kv_splits == 1
+    split_base = 0 if final else num_kv_splits
+    num_cols = split_base + prefix_splits
     mid_o = torch.empty((B, Hq, num_cols, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B, Hq, num_cols), dtype=torch.float32, device=q.device)
-
-    _launch_stage1(
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        prefix_lens,
-        mid_o,
-        mid_lse,
-        scaling,
-        num_kv_splits,
-        min_split_len,
-        tiles,
-        scales,
-    )
+    args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, prefix_lens)
+    args += (mid_o, mid_lse, scaling, num_kv_splits, min_split_len, tiles, scales)
+    prefix_warps = _PREFIX_NUM_WARPS * (1 if BLOCK_M <= 64 else 2)
+    if not final:
+        _launch_stage1(*args)
     if num_items > 0:
         _prefix_stage[(num_items, Hkv, prefix_splits)](
             q,
@@ -308,7 +306,7 @@ def shared_prefix_decode_attention(
             float(scaling) * _LOG2E,
             prefix_splits,
             prefix_min_split_len,
-            num_kv_splits,
+            split_base,
             q.stride(0),
             q.stride(1),
             k_buffer.stride(0),
@@ -332,9 +330,18 @@ def shared_prefix_decode_attention(
             KV_FP8=tiles.kv_fp8,
             V_GROUPED=tiles.v_grouped,
             # The [BLOCK_M, BLOCK_D] float32 accumulator lives in registers.
-            num_warps=_PREFIX_NUM_WARPS * (1 if BLOCK_M <= 64 else 2),
+            num_warps=prefix_warps,
             num_stages=prefix_stages,
         )
+    if final:
+        _launch_stage1(
+            *args,
+            out=out,
+            num_prefix_splits=prefix_splits,
+            prefix_min_split_len=prefix_min_split_len,
+            prefix_block_n=PREFIX_BLOCK_N,
+        )
+        return out
     _launch_stage2(
         mid_o,
         mid_lse,

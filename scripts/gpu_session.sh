@@ -121,7 +121,7 @@ run_step() {
                   --output-len "$3" --engine-args '{"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}' \
                   --kernels 0:3,200:210 2>&1 | grep -v "^Loading\|Writing\|WARNING\|UserWarning\|_warn_once" | tail -70; done ;;
       # the shared-prefix pair's decode attention, one layer, by variant (bench/prefix_decode.py)
-      prefix-decode) tests tests/kernels/test_fused_group_decode.py -m gpu  # (the one-pass experiment's GPU check)
+      prefix-decode) tests tests/kernels/test_shared_prefix_attention.py tests/kernels/test_decode_attention.py -m gpu
                 python3 -m bench.prefix_decode 2>&1 | grep "^|\|^Hq" ;;
       prefix-decode-tiles) python3 -m bench.prefix_decode --tiles 2>&1 | grep "^|" ;;
       # the shared-prefix pair's steps against their floors, kernels of the prefills and 10 decodes

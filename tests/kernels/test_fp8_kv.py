@@ -219,17 +219,19 @@ def test_extend_over_fp8_cache(fp8, dtype, tol):
 
 
 @pytest.mark.parametrize("fp8", FORMATS)
-def test_shared_prefix_decode_over_fp8_cache(fp8):
-    """The prefix stage and the suffix splits both read the float8 cache with its scales."""
+@pytest.mark.parametrize("splits", [2, 1])
+def test_shared_prefix_decode_over_fp8_cache(fp8, splits):
+    """The prefix stage and the suffix splits both read the float8 cache with its scales (with
+    one split, stage 1 folds v_scale into its own part before merging the prefix's)."""
     batch = make_shared_batch([(70, [3, 20, 1])], [15], 4, 2, 32, item_size=2, seed=45)
     quantized, ref_args = fp8_batch(batch, fp8, k_scale=4.0, v_scale=0.2)
     check_against_dequantized(
         shared_prefix_decode_attention, decode_attention_ref, quantized, plain(ref_args),
-        TOL_FP32, num_kv_splits=2, prefix_splits=2,
+        TOL_FP32, num_kv_splits=splits, prefix_splits=2,
     )  # fmt: skip
-    plain_fp8 = decode_attention(**plain(quantized), num_kv_splits=2)
+    plain_fp8 = decode_attention(**plain(quantized), num_kv_splits=splits)
     assert rel_err(run_into_nan_out(shared_prefix_decode_attention, quantized,
-                                    num_kv_splits=2, prefix_splits=2), plain_fp8) < TOL_FP32  # fmt: skip
+                                    num_kv_splits=splits, prefix_splits=2), plain_fp8) < TOL_FP32  # fmt: skip
 
 
 def test_quantize_helper_is_torchs_saturating_cast():

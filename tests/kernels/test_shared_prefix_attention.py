@@ -160,10 +160,15 @@ SHAPES = [(2, 1, 32), (2, 2, 64), (1, 4, 64)]
 
 # NOTE: the graph launch (splits fixed for any length, most of them empty) costs the interpreter
 # several times the explicit one, so it runs on one shape; the explicit launch on each.
+# One suffix split (stage 1 merges the prefix columns and writes the output, no stage 2) runs
+# on the shape of two kv heads of a pair.
 SPLITS = [
     pytest.param(shape, 2, 3, id=f"hkv{shape[0]}-g{shape[1]}-d{shape[2]}-explicit")
     for shape in SHAPES
-] + [pytest.param(SHAPES[-1], None, None, id="hkv1-g4-d64-graph")]
+] + [
+    pytest.param(SHAPES[-1], None, None, id="hkv1-g4-d64-graph"),
+    pytest.param(SHAPES[1], 1, 3, id="hkv2-g2-d64-one-split"),
+]
 
 
 @pytest.mark.parametrize("shape,num_kv_splits,prefix_splits", SPLITS)
@@ -205,14 +210,16 @@ def test_prefix_row_and_splits(item_row, prefix_splits):
     check(batch, TOL_FP32, num_kv_splits=3, prefix_splits=prefix_splits)
 
 
-def test_padding_items_and_zero_length_request():
+@pytest.mark.parametrize("num_kv_splits", [2, 1])
+def test_padding_items_and_zero_length_request(num_kv_splits):
     """Padding items (P == 0) whose row and members point at real ones write nothing, and a
-    padding request (seq_len 0, no prefix) gives zeros, not NaN."""
+    padding request (seq_len 0, no prefix) gives zeros, not NaN, with stage 2 merging or
+    with stage 1 writing the output (one split)."""
     batch = make_shared_batch(
         [(50, [3, 8, 1])], [0, 13], 4, 2, 32, item_size=2, spare_items=3, junk_padding=True
     )
     zero = int((batch["seq_lens"] == 0).nonzero()[0, 0])
-    out = check(batch, TOL_FP32, num_kv_splits=2, prefix_splits=2)
+    out = check(batch, TOL_FP32, num_kv_splits=num_kv_splits, prefix_splits=2)
     assert (out[zero] == 0).all()
 
 
@@ -225,12 +232,14 @@ def test_no_items():
     check(batch, TOL_FP32)
 
 
-def test_scratch_and_output_never_read_unwritten():
+@pytest.mark.parametrize("num_kv_splits", [4, 1])
+def test_scratch_and_output_never_read_unwritten(num_kv_splits):
     """Every float buffer the function allocates (output, split scratch) starts as NaN: a
-    column stage 2 merges must have been written by stage 1 or the prefix stage."""
+    column stage 2 (or, with one split, stage 1) merges must have been written by stage 1 or
+    the prefix stage."""
     batch = make_shared_batch([(90, [2, 35, 6])], [0, 21], 4, 2, 32, item_size=2, seed=5)
     with nan_filled_empty():
-        out = shared_prefix_decode_attention(**batch, num_kv_splits=4, prefix_splits=4)
+        out = shared_prefix_decode_attention(**batch, num_kv_splits=num_kv_splits, prefix_splits=4)
     assert torch.isfinite(out).all()
     assert rel_err(out, decode_attention_ref(**plain(batch))) < TOL_FP32
 
@@ -348,6 +357,12 @@ def test_gpu_cuda_graph_replay_and_bandwidth():
     out = torch.empty_like(static["q"])
     graph, t_shared = _graph(lambda: shared_prefix_decode_attention(**static, out=out))
     assert rel_err(out, decode_attention_ref(**plain(batch))) < TOL_16BIT
+    # ...and the one-split launch (stage 1 merges the prefix's columns), replayed below too
+    out_one = torch.empty_like(out)
+    graph_one, _ = _graph(
+        lambda: shared_prefix_decode_attention(**static, out=out_one, num_kv_splits=1)
+    )
+    assert rel_err(out_one, decode_attention_ref(**plain(batch))) < TOL_16BIT
     out_plain = torch.empty_like(out)
     _, t_plain = _graph(lambda: decode_attention(**plain(static), out=out_plain))
 
@@ -377,11 +392,12 @@ def test_gpu_cuda_graph_replay_and_bandwidth():
     ]:
         assert static[name].shape == new[name].shape, name
         static[name].copy_(new[name])
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    assert rel_err(out, decode_attention_ref(**plain(new))) < TOL_16BIT
+    for g, o in ((graph, out), (graph_one, out_one)):
+        o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(o).all()
+        assert rel_err(o, decode_attention_ref(**plain(new))) < TOL_16BIT
 
 
 @pytest.mark.gpu
@@ -404,3 +420,4 @@ def test_gpu_realistic_shapes(group, dtype, tol):
     )
     check(batch, tol)
     check(batch, tol, num_kv_splits=3, prefix_splits=5)
+    check(batch, tol, num_kv_splits=1, prefix_splits=2)  # stage 1 writes the output

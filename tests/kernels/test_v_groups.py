@@ -160,7 +160,7 @@ def tiles_of(hq: int, hkv: int, d: int, kv_dtype=E4M3):
     [(2, 2, 2), (8, 4, 2), (16, 4, 2), (8, 4, 4), (8, 8, 4)],
     ids=["G1x2", "G2x2", "G4x2", "G2x4", "G1x4"],
 )
-@pytest.mark.parametrize("num_kv_splits", [3, None], ids=["s3", "graph"])
+@pytest.mark.parametrize("num_kv_splits", [3, 1, None], ids=["s3", "s1", "graph"])
 def test_decode_packs_kv_heads(hq, hkv, heads, num_kv_splits, monkeypatch):
     """Several kv heads a stage-1 program (packed heads: q block-diagonal over the heads' K
     side by side, p over their V): each query head still reads only its own kv head. Rows of
@@ -204,9 +204,11 @@ def test_shared_prefix_over_grouped_fp8_v():
     )  # fmt: skip
 
 
-def test_shared_prefix_suffixes_in_packed_programs():
+@pytest.mark.parametrize("splits", [2, 1])
+def test_shared_prefix_suffixes_in_packed_programs(splits):
     """float16 q, GQA group 2 over 4 kv heads: stage 1 walks each suffix two heads a program
-    from its own first token (mid-group), the prefix stage one head a program."""
+    from its own first token (mid-group), the prefix stage one head a program; with one split
+    stage 1 merges the prefix's columns of both heads into the output."""
     assert tiles_of(8, 4, 32).heads == 2
     batch = make_shared_batch(
         [(70, [3, 20, 1])], [15], 8, 4, 32, item_size=2, dtype=torch.float16, seed=56
@@ -214,7 +216,7 @@ def test_shared_prefix_suffixes_in_packed_programs():
     quantized, ref_args = fp8_batch(batch, E4M3, k_scale=4.0, v_scale=0.2)
     check_against_dequantized(
         shared_prefix_decode_attention, decode_attention_ref, regrouped(quantized),
-        plain(ref_args), TOL_16BIT, num_kv_splits=2, prefix_splits=2,
+        plain(ref_args), TOL_16BIT, num_kv_splits=splits, prefix_splits=2,
     )  # fmt: skip
 
 
