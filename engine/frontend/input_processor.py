@@ -111,6 +111,7 @@ class InputProcessor:
         # NOTE: ids this tokenizer made are below its vocabulary's size: no check per token
         in_vocab = prompt is not None and len(self.tokenizer) <= self.config.vocab_size
         seen: set[str] = set()
+        parsed: dict[int, SamplingParams] = {}  # the call's sampling dicts, checked (by id)
         sent = 0  # requests in the chunks before this one (n > 1 makes several of a prompt)
         for first, end in _chunks(n):
             if prompt is not None:
@@ -127,8 +128,9 @@ class InputProcessor:
                     if images[i]:  # (a list of images, or the error of a bad one)
                         ids, image_inputs = self.images.build(ids, images[i])
                     request = self._make_request(
-                        ids, params[i], logprob[i], starts[i], tops[i], rids[i], stream, in_vocab
-                    )
+                        ids, params[i], logprob[i], starts[i], tops[i], rids[i], stream,
+                        in_vocab, parsed,
+                    )  # fmt: skip
                     if image_inputs is not None:
                         request = self._attach_images(request, image_inputs, sessions[i])
                     if sessions[i] is not None:
@@ -191,6 +193,20 @@ class InputProcessor:
             return input_ids, True
         raise ValueError(_BAD_IDS)
 
+    def _sampling(self, params: dict | None, parsed: dict[int, SamplingParams]) -> SamplingParams:
+        """The checked SamplingParams of `params`, with the model's stop ids; `parsed` holds
+        those of the call's dicts so far by id(), so one dict given for a whole batch is parsed
+        and checked once (the call's list keeps each dict alive, so ids are not reused).
+        NOTE: the requests of such a batch share the one object: nothing changes it in place
+        (dataclasses.replace makes a request's own)."""
+        sampling = parsed.get(id(params))
+        if sampling is None:
+            sampling = SamplingParams.from_dict(params)
+            sampling.verify_vocab(self.config.vocab_size)
+            check_grammar(sampling, has_tokenizer=self.tokenizer is not None)
+            sampling = parsed[id(params)] = sampling.with_stop_ids(self.eos_ids)
+        return sampling
+
     def _make_request(
         self,
         ids: list[int],
@@ -201,10 +217,9 @@ class InputProcessor:
         rid: str | None,
         stream: bool,
         in_vocab: bool = False,
+        parsed: dict[int, SamplingParams] | None = None,
     ) -> TokenizedRequest:
-        sampling = SamplingParams.from_dict(params)
-        sampling.verify_vocab(self.config.vocab_size)
-        check_grammar(sampling, has_tokenizer=self.tokenizer is not None)
+        sampling = self._sampling(params, {} if parsed is None else parsed)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
         vocab = self.config.vocab_size
@@ -238,7 +253,7 @@ class InputProcessor:
         return TokenizedRequest(
             rid=rid or uuid.uuid4().hex,
             input_ids=ids,
-            sampling=sampling.with_stop_ids(self.eos_ids),
+            sampling=sampling,
             seed=seed,
             return_logprob=bool(return_logprob),
             logprob_start_len=start,

@@ -294,3 +294,35 @@ def test_text_ids_beyond_the_models_vocabulary_are_refused(llama_dir, tmp_path):
     call = inputs.make_call("the quick brown fox jumps over the lazy dog", None, None, False,
                             None, None, None)  # fmt: skip
     assert call.requests[0].input_ids == ids
+
+
+def test_a_batchs_sampling_dicts_are_each_checked_once(llama_dir, monkeypatch):
+    """One dict for a whole batch is parsed and checked once and its requests share the
+    result; distinct dicts (even equal ones) each get their own; a bad dict among them still
+    names its request."""
+    from engine.frontend.input_processor import InputProcessor
+    from engine.model_config import ModelConfig
+    from engine.sampling_params import SamplingParams
+
+    args = ServerArgs.from_kwargs(model_path=str(llama_dir), device="cpu")
+    config = ModelConfig.from_folder(str(llama_dir))
+    inputs = InputProcessor(args, config, None, 4096)
+    parses = []
+    real = SamplingParams.from_dict.__func__
+    monkeypatch.setattr(
+        SamplingParams, "from_dict", classmethod(lambda cls, p: parses.append(p) or real(cls, p))
+    )
+    shared, other = {"max_new_tokens": 3, "temperature": 0.5}, {"max_new_tokens": 3}
+    call = inputs.make_call(None, [[1, 2]] * 150, shared, False, None, None, None)
+    assert len(parses) == 1 and len({id(r.sampling) for r in call.requests}) == 1
+    expected = real(SamplingParams, dict(shared)).with_stop_ids(inputs.eos_ids)
+    assert all(r.sampling == expected for r in call.requests)
+    parses.clear()
+    params = [shared, dict(shared), other, shared]
+    call = inputs.make_call(None, [[1, 2]] * 4, params, False, None, None, None)
+    assert len(parses) == 3
+    assert [r.sampling.temperature for r in call.requests] == [0.5, 0.5, 1.0, 0.5]
+    assert call.requests[0].sampling is call.requests[3].sampling
+    with pytest.raises(ValueError, match=r"request 2: top_p must be in \(0, 1\]"):
+        inputs.make_call(None, [[1, 2]] * 3, [shared, shared, {"top_p": 2.0}], False, None,
+                         None, None)  # fmt: skip
