@@ -89,17 +89,19 @@ def graph_us(fn) -> float:
 # kernels/fused_group_decode.py's (tokens per tile, warps, stages): an experiment to measure
 FUSED_TILES = [(64, 4, 2), (64, 4, 3), (32, 4, 2), (64, 8, 2), (128, 8, 2)]
 # stage 1's (tokens per tile, pipeline stages, warps); the first is the bf16 default
-TILES = [(64, 3, 4), (64, 2, 4), (64, 1, 4), (32, 2, 4), (32, 1, 2), (32, 2, 2), (16, 2, 1)]
+TILES = [(64, 3, 4), (64, 2, 4), (64, 2, 2), (64, 1, 4), (32, 3, 4), (32, 2, 4), (32, 2, 2),
+         (32, 1, 2), (16, 2, 1)]  # fmt: skip
 
 
 def sweep_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv: int) -> None:
-    """The graph launch with each of TILES for stage 1, on the shared-prefix cases and on a
-    W1-like plain batch (256 requests of 100-2048 tokens)."""
+    """The graph launch with each of TILES for stage 1, on the shared-prefix cases and on
+    W1-like plain batches (256 and 1024 requests of 100-2048 tokens: split, and one split)."""
     cases = [make_case(b, prefix, lo, hi, hq, hkv)[0] for b in batches]
-    mixed, mixed_bytes = mixed_case(256, 100, 2048, hq, hkv)
+    plains = {b: mixed_case(b, 100, 2048, hq, hkv) for b in (256, 1024)}
     print("| stage 1 tile, stages, warps | "
-          + " | ".join(f"shared B={b}" for b in batches) + " | plain B=256 100-2048 |")  # fmt: skip
-    print("|" + " --- |" * (2 + len(batches)))
+          + " | ".join(f"shared B={b}" for b in batches)
+          + "".join(f" | plain B={b} 100-2048" for b in plains) + " |")  # fmt: skip
+    print("|" + " --- |" * (1 + len(batches) + len(plains)))
     real = da._tiles
     for block_n, stages, warps in TILES:
 
@@ -111,8 +113,9 @@ def sweep_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv:
         try:
             cells = [f"{graph_us(lambda c=c: shared_prefix_decode_attention(**c)):.1f}"
                      for c in cases]  # fmt: skip
-            us = graph_us(lambda: decode_attention(**mixed))
-            cells.append(f"{us:.1f} ({mixed_bytes / us / 1e6:.2f} TB/s)")
+            for mixed, mixed_bytes in plains.values():
+                us = graph_us(lambda m=mixed: decode_attention(**m))
+                cells.append(f"{us:.1f} ({mixed_bytes / us / 1e6:.2f} TB/s)")
         finally:
             da._tiles = spa._tiles = real
         print(f"| {block_n}, {stages}, {warps} | " + " | ".join(cells) + " |")
