@@ -12,6 +12,7 @@ the prefix's once); then a plain W1-like batch (100-2048 tokens, no prefix) by s
 
     python -m bench.prefix_decode [--batch 1000 512 256] [--hq 16] [--prefix 2000]
     python -m bench.prefix_decode --tiles   # stage 1's (tokens per tile, stages, warps)
+    python -m bench.prefix_decode --prefix-tiles   # the prefix stage's
 """
 
 from __future__ import annotations
@@ -121,6 +122,34 @@ def sweep_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv:
         print(f"| {block_n}, {stages}, {warps} | " + " | ".join(cells) + " |")
 
 
+# the prefix stage's (tokens per tile, pipeline stages, warps); the first is the default
+PREFIX_TILES = [(64, 3, 4), (64, 2, 4), (64, 4, 4), (64, 3, 8), (32, 3, 4), (32, 4, 4),
+                (128, 2, 4), (128, 2, 8)]  # fmt: skip
+
+
+def sweep_prefix_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv: int):
+    """The graph launch with each of PREFIX_TILES for the prefix stage, and the prefix stage
+    alone (one-token suffixes), on the shared-prefix cases."""
+    cases = [make_case(b, prefix, lo, hi, hq, hkv)[0] for b in batches]
+    print("| prefix tile, stages, warps | "
+          + " | ".join(f"B={b}" for b in batches)
+          + " | " + " | ".join(f"prefix stage alone B={b}" for b in batches) + " |")  # fmt: skip
+    print("|" + " --- |" * (1 + 2 * len(batches)))
+    real = (spa._PREFIX_BLOCK_N, spa._PREFIX_NUM_STAGES, spa._PREFIX_NUM_WARPS)
+    for setting in PREFIX_TILES:
+        spa._PREFIX_BLOCK_N, spa._PREFIX_NUM_STAGES, spa._PREFIX_NUM_WARPS = setting
+        try:
+            cells = [f"{graph_us(lambda c=c: shared_prefix_decode_attention(**c)):.1f}"
+                     for c in cases]  # fmt: skip
+            cells += [
+                f"{graph_us(lambda c=c: shared_prefix_decode_attention(**dict(c, seq_lens=c['prefix_lens'] + 1))):.1f}"
+                for c in cases
+            ]
+        finally:
+            spa._PREFIX_BLOCK_N, spa._PREFIX_NUM_STAGES, spa._PREFIX_NUM_WARPS = real
+        print(f"| {', '.join(map(str, setting))} | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.prefix_decode")
     ap.add_argument("--batch", type=int, nargs="+", default=[1000, 512, 256])
@@ -129,10 +158,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefix", type=int, default=2000)
     ap.add_argument("--suffix", default="50:114", help="suffix lengths LO:HI")
     ap.add_argument("--tiles", action="store_true", help="sweep stage 1's tiles instead")
+    ap.add_argument(
+        "--prefix-tiles", action="store_true", help="sweep the prefix stage's tiles instead"
+    )
     a = ap.parse_args(argv)
     lo, hi = (int(x) for x in a.suffix.split(":"))
     if a.tiles:
         return sweep_tiles(a.batch, a.prefix, lo, hi, a.hq, a.hkv)
+    if a.prefix_tiles:
+        return sweep_prefix_tiles(a.batch, a.prefix, lo, hi, a.hq, a.hkv)
     print(f"Hq {a.hq} / Hkv {a.hkv}, D 128, bf16, prefix {a.prefix}, suffixes {lo}-{hi}; "
           "µs per layer (TB/s of the floor's bytes)")  # fmt: skip
     print("| variant | " + " | ".join(f"B={b}" for b in a.batch) + " |")
