@@ -142,7 +142,14 @@ def test_a_runs_memory_does_not_grow_with_its_input_and_a_killed_run_resumes(
     big = write_input(tmp_path / "big.jsonl", BIG_ROWS)
     assert big.stat().st_size > 5 * BUDGET_MB * 2**20  # several times the budget
 
-    small_peak, _ = finish(start_run(config_file(tmp_path, llama_dir, small, "small"), prefect_api))
+    # NOTE: a process's peak moves by up to ~35 MB from run to run of the same input (420-456
+    # MB before collect on the 2-core CPU), so the small input's peak is the higher of two
+    # runs: what the big input adds is measured above that noise, not into it
+    small_runs = [
+        finish(start_run(config_file(tmp_path, llama_dir, small, name), prefect_api))[0]
+        for name in ("small", "small-again")
+    ]
+    small_peak = (max(p[0] for p in small_runs), max(p[1] for p in small_runs))
 
     # the big run, killed once its first shards have landed
     config = config_file(tmp_path, llama_dir, big, "big")
