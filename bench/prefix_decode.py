@@ -5,7 +5,7 @@ requests) spends most of its attention in stage 1 over the short suffixes (kerne
 shared_prefix_attention.py). This times the launch its CUDA graphs replay (no lengths) and
 variants of it, each captured in a graph: the split programs per (request, kv head) of the
 suffix (16 down to 2, with stage 2 merging; 1, stage 1 merging the prefix's columns into the
-output itself), the prefix stage and stage 1 in one launch, prefix splits and item sizes, the suffix alone (plain decode over the suffix
+output itself), prefix splits and item sizes, the suffix alone (plain decode over the suffix
 tokens, the prefix stage's work left out), and the prefix stage alone (items only, empty
 suffixes). Prints µs per layer and the TB/s of the bytes the floor counts (each suffix's K/V,
 the prefix's once); then a plain W1-like batch (100-2048 tokens, no prefix) by split count.
@@ -87,8 +87,6 @@ def graph_us(fn) -> float:
     return graph_time(fn) * 1e6
 
 
-# kernels/fused_group_decode.py's (tokens per tile, warps, stages): an experiment to measure
-FUSED_TILES = [(64, 4, 2), (64, 4, 3), (32, 4, 2), (64, 8, 2), (128, 8, 2)]
 # stage 1's (tokens per tile, pipeline stages, warps); the first is the bf16 default
 TILES = [(64, 3, 4), (64, 2, 4), (64, 2, 2), (64, 1, 4), (32, 3, 4), (32, 2, 4), (32, 2, 2),
          (32, 1, 2), (16, 2, 1)]  # fmt: skip
@@ -201,14 +199,6 @@ def main(argv: list[str] | None = None) -> None:
         "1 split, stage 1 writes the output": lambda s, o: shared_prefix_decode_attention(
             **s, num_kv_splits=1
         ),
-        **{
-            f"one launch, {n} split programs, prefix in {p or 'default'} splits": (
-                lambda s, o, n=n, p=p: shared_prefix_decode_attention(
-                    **s, num_kv_splits=n, min_split_tokens=512, prefix_splits=p, one_launch=True
-                )
-            )
-            for n, p in ((2, None), (4, None), (2, 2), (2, 4))
-        },
         "suffix alone, graph launch": lambda s, o: decode_attention(**o),
         "suffix alone, 1 split": lambda s, o: decode_attention(**o, num_kv_splits=1),
         "prefix stage alone (empty suffixes)": lambda s, o: shared_prefix_decode_attention(

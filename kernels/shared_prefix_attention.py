@@ -34,7 +34,7 @@ with extra split columns:
   and kv head walking the prefix, then each member's suffix) took 245 at best.
 
 Scratch: ``mid_o`` float32 ``[B, Hq, num_kv_splits + prefix_splits, D]``, ``mid_lse`` float32
-``[B, Hq, num_kv_splits + prefix_splits]``. Nothing marks an empty split: a column is written
+``[B, Hq, num_kv_splits + prefix_splits]`` (with one suffix split, ``prefix_splits`` columns). Nothing marks an empty split: a column is written
 exactly when its split has tokens, and stage 2 recomputes which from ``seq_lens`` and
 ``prefix_lens`` with the same split sizing (``_split_len``), so no column needs to be
 initialised. A request with ``seq_len == 0`` and no prefix gives zeros.
@@ -292,7 +292,6 @@ def shared_prefix_decode_attention(
     mid_lse = torch.empty((B, Hq, num_cols), dtype=torch.float32, device=q.device)
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, prefix_lens)
     args += (mid_o, mid_lse, scaling, num_kv_splits, min_split_len, tiles, scales)
-    prefix_warps = _PREFIX_NUM_WARPS * (1 if BLOCK_M <= 64 else 2)
     if not final:
         _launch_stage1(*args)
     if num_items > 0:
@@ -332,7 +331,7 @@ def shared_prefix_decode_attention(
             KV_FP8=tiles.kv_fp8,
             V_GROUPED=tiles.v_grouped,
             # The [BLOCK_M, BLOCK_D] float32 accumulator lives in registers.
-            num_warps=prefix_warps,
+            num_warps=_PREFIX_NUM_WARPS * (1 if BLOCK_M <= 64 else 2),
             num_stages=prefix_stages,
         )
     if final:

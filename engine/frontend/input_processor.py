@@ -216,10 +216,10 @@ class InputProcessor:
         top_logprobs_num: int | None,
         rid: str | None,
         stream: bool,
-        in_vocab: bool = False,
-        parsed: dict[int, SamplingParams] | None = None,
+        in_vocab: bool,
+        parsed: dict[int, SamplingParams],
     ) -> TokenizedRequest:
-        sampling = self._sampling(params, {} if parsed is None else parsed)
+        sampling = self._sampling(params, parsed)
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
         vocab = self.config.vocab_size
