@@ -186,6 +186,7 @@ def _stage1_tile(
     stride_vn,
     stride_vh,
     row_head,
+    row_end,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -195,6 +196,7 @@ def _stage1_tile(
     KV_FP8: tl.constexpr,
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     """One [BLOCK_N] tile of tokens n0.. (< end) folded into the online softmax of a head group.
     With KV_FP8 the tile holds k / k_scale and v / v_scale (the caller folds the scales in).
@@ -202,7 +204,9 @@ def _stage1_tile(
     n0 is a multiple of 16, and tokens before ``lo`` (the range's first) are masked.
     HEADS > 1 (packed heads, module docstring): the tile holds HEADS kv heads from ``k_head`` /
     ``v_head`` (``stride_kh`` / ``stride_vh`` apart), q is block-diagonal over them, and row r
-    belongs to head ``row_head[r]`` of them; else both are unused."""
+    belongs to head ``row_head[r]`` of them; else both are unused. CAUSAL (a verify step's
+    queries, module docstring): row r sees only tokens before ``row_end[r]``, so a row may
+    have none in the tile, or in its whole range; else ``row_end`` is unused."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     tok = n0 + offs_n
@@ -227,13 +231,19 @@ def _stage1_tile(
     else:
         s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
     s = s * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
-    s = tl.where(mask_n[None, :], s, float("-inf"))
-
-    # Every tile has at least one valid token (n0 < end; a grouped first tile starts at most 15
-    # tokens before lo), so m_new is finite.
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if CAUSAL:
+        s = tl.where(mask_n[None, :] & (tok[None, :] < row_end[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row with no token yet keeps m = -inf: its exponents are taken against 0 instead
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        # Every tile has at least one valid token (n0 < end; a grouped first tile starts at
+        # most 15 tokens before lo), so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
     if HEADS > 1:
@@ -288,6 +298,7 @@ def _attend_rows(
     kvh,
     start,
     end,
+    row_end,  # [ROWS] each row's first token it may not see (CAUSAL), else unused
     stride_qb,
     stride_qh,
     stride_kn,
@@ -305,6 +316,7 @@ def _attend_rows(
     KV_FP8: tl.constexpr,
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     """The online softmax of ROWS query rows over tokens [start, end) (start < end) of kv head
     ``kvh`` (of kv heads ``kvh ..`` with HEADS > 1: row r then is head ``kvh * G +
@@ -367,6 +379,7 @@ def _attend_rows(
             stride_vn,
             stride_vh,
             row_head,
+            row_end,
             qk_scale,
             HEAD_DIM,
             BLOCK_N,
@@ -376,6 +389,7 @@ def _attend_rows(
             KV_FP8,
             V_GROUPED,
             HEADS,
+            CAUSAL,
         )
     return m_i, l_i, acc
 
@@ -398,6 +412,7 @@ def _attend_split(
     col,  # the scratch column this split writes
     start,
     end,
+    row_end,  # [ROWS] each row's first token it may not see (CAUSAL), else unused
     stride_qb,
     stride_qh,
     stride_kn,
@@ -421,11 +436,13 @@ def _attend_split(
     KV_FP8: tl.constexpr,
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
-    """The work of one stage-1 program (one request's GQA group) or of one shared-prefix
-    program (the groups of an item's members): ``_attend_rows`` over tokens [start, end), then
-    each row's normalised partial output and log2-sum-exp to scratch column ``col``, all that
-    stage 2 reads of a split."""
+    """The work of one stage-1 program (one request's GQA group, or its verify rows) or of
+    one shared-prefix program (the groups of an item's members): ``_attend_rows`` over tokens
+    [start, end), then each row's normalised partial output and log2-sum-exp to scratch column
+    ``col``, all that stage 2 reads of a split (CAUSAL: a row that saw no token writes 0 and
+    -inf, which stage 2 weighs 0)."""
     offs_d = tl.arange(0, BLOCK_D)
     row_d_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     heads = kvh * G + group_rows
@@ -433,10 +450,13 @@ def _attend_split(
     req_col = req[:, None] if REQ_PER_ROW else req
     m_i, l_i, acc = _attend_rows(
         Q, K, V, KVScales, ReqToToken, qk_scale, req_col, heads, group_rows, row_mask,
-        r2t_row, kvh, start, end,
+        r2t_row, kvh, start, end, row_end,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
         G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS, USE_DOT, KV_FP8, V_GROUPED, HEADS,
+        CAUSAL,
     )  # fmt: skip
+    if CAUSAL:
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # (acc is 0 there; m_i is -inf: the lse too)
     mo = (
         MidO
         + req_col * stride_mob
@@ -463,6 +483,8 @@ def _decode_stage1(
     ReqPoolIdx,
     SeqLens,
     StartLens,  # [B] first token each request walks (HAS_START), else unused
+    QStarts,  # [B] the row of q / out of each request's first query (QN > 1), else unused
+    QLens,  # [B] each request's queries (QN > 1), else unused
     MidO,
     MidLse,
     qk_scale,  # scaling * log2(e)
@@ -498,58 +520,69 @@ def _decode_stage1(
     HEADS: tl.constexpr,
     FINAL: tl.constexpr,  # one split: write the output, no stage 2 (module docstring)
     PREFIX_BLOCK_N: tl.constexpr,
+    QN: tl.constexpr,  # queries per request: 1, or a verify step's most (module docstring)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) * HEADS  # the first of the program's kv heads
     split = tl.program_id(2)
+    start, end = _split_range(
+        SeqLens, StartLens, b, split, num_kv_splits, min_split_len, BLOCK_N, HAS_START
+    )
+    # Rows past the HEADS groups (or the verify rows) only pad the tile to a power of 2, or to
+    # 16 rows for tl.dot (module docstring).
+    offs_r = tl.arange(0, BLOCK_H)
+    if QN > 1:
+        # a verify step: row r is query r // G of the request, head r % G of the group; query j
+        # of n sits at the request's position seq_len - n + j and sees the tokens up to it
+        n = tl.load(QLens + b).to(tl.int32)
+        j = offs_r // G
+        group_rows = offs_r % G
+        row_mask = j < n
+        q_rows = tl.load(QStarts + b) + j.to(tl.int64)  # each row's row of q and out
+        row_end = tl.load(SeqLens + b).to(tl.int32) - (n - 1 - j)
+        req_col = q_rows[:, None]
+    else:
+        group_rows = offs_r
+        row_mask = offs_r < G * HEADS
+        q_rows = b.to(tl.int64)
+        row_end = offs_r  # (unused)
+        req_col = q_rows
     if FINAL:
-        start, end = _split_range(
-            SeqLens, StartLens, b, split, num_kv_splits, min_split_len, BLOCK_N, HAS_START
-        )
         # NOTE: num_kv_splits == 1, and with HAS_START the shared-prefix stage has already
         # written its columns [0, num_prefix_splits) (the caller launches it first)
-        offs_g = tl.arange(0, BLOCK_H)
-        row_mask = offs_g < G * HEADS
-        heads = kvh * G + offs_g
+        heads = kvh * G + group_rows
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         if start < end:  # (a padding request of length 0 walks nothing and writes zeros)
             row = tl.load(ReqPoolIdx + b).to(tl.int64)
             m_i, l_i, acc = _attend_rows(
-                Q, K, V, KVScales, ReqToToken, qk_scale, b.to(tl.int64), heads, offs_g,
-                row_mask, row, kvh, start, end,
+                Q, K, V, KVScales, ReqToToken, qk_scale, req_col, heads, group_rows,
+                row_mask, row, kvh, start, end, row_end,
                 stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
                 G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, BLOCK_H, USE_DOT, KV_FP8,
-                V_GROUPED, HEADS,
+                V_GROUPED, HEADS, QN > 1,
             )  # fmt: skip
         if HAS_START:
             prefix_len = tl.load(StartLens + b).to(tl.int32)  # (first, unclipped: stage 2's)
         else:
             prefix_len = 0
         _store_final(
-            Out, MidO, MidLse, KVScales, m_i, l_i, acc, b.to(tl.int64), heads, row_mask,
+            Out, MidO, MidLse, KVScales, m_i, l_i, acc, req_col, heads, row_mask,
             prefix_len, num_prefix_splits, prefix_min_split_len,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
             HEAD_DIM, BLOCK_D, KV_FP8, HAS_START, PREFIX_BLOCK_N,
         )  # fmt: skip
-    else:
-        start, end = _split_range(
-            SeqLens, StartLens, b, split, num_kv_splits, min_split_len, BLOCK_N, HAS_START
-        )
-        if start < end:  # empty splits (short requests) write nothing; stage 2 skips them
-            row = tl.load(ReqPoolIdx + b).to(tl.int64)
-            # Rows past the HEADS groups only pad the tile to a power of 2, or to 16 rows for
-            # tl.dot with one head (module docstring).
-            offs_g = tl.arange(0, BLOCK_H)
-            _attend_split(
-                Q, K, V, KVScales, ReqToToken, MidO, MidLse, qk_scale,
-                b.to(tl.int64), offs_g, offs_g < G * HEADS, row, kvh, split, start, end,
-                stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
-                stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS=BLOCK_H, REQ_PER_ROW=False,
-                USE_DOT=USE_DOT, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED, HEADS=HEADS,
-            )  # fmt: skip
+    elif start < end:  # empty splits (short requests) write nothing; stage 2 skips them
+        row = tl.load(ReqPoolIdx + b).to(tl.int64)
+        _attend_split(
+            Q, K, V, KVScales, ReqToToken, MidO, MidLse, qk_scale,
+            q_rows, group_rows, row_mask, row, kvh, split, start, end, row_end,
+            stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
+            stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+            G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS=BLOCK_H, REQ_PER_ROW=QN > 1,
+            USE_DOT=USE_DOT, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED, HEADS=HEADS, CAUSAL=QN > 1,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -777,20 +810,28 @@ class _Tiles:
 
 
 def _tiles(
-    q: torch.Tensor, group: int, use_dot: bool, kv_dtype: torch.dtype, v_grouped: bool = False
+    q: torch.Tensor,
+    group: int,
+    use_dot: bool,
+    kv_dtype: torch.dtype,
+    v_grouped: bool = False,
+    queries: int = 1,
 ) -> _Tiles:
+    """``queries``: a program's queries per head of the group (a verify step's, module
+    docstring): its rows are ``group * queries``, and it packs no heads."""
     D = q.shape[-1]
     BLOCK_D = max(16, triton.next_power_of_2(D))
     num_stages, num_warps = _SMALL_NUM_STAGES, _NUM_WARPS
     kv_fp8 = kv_fp8_mode(kv_dtype, q.device)
     heads = 1
     if use_dot:
-        BLOCK_H = max(16, triton.next_power_of_2(group))
+        BLOCK_H = max(16, triton.next_power_of_2(group * queries))
         BLOCK_N = _SMALL_BLOCK_N
         if q.element_size() <= 2 and BLOCK_D <= 128:
             BLOCK_N, num_stages = _DOT_BLOCK_N, _DOT_NUM_STAGES
             packable = (
                 _PACKED_HEADS > 1
+                and queries == 1
                 and (q.shape[1] // group) % _PACKED_HEADS == 0
                 and group * _PACKED_HEADS <= _PACKED_MAX_ROWS
                 and BLOCK_D == D  # the heads' columns side by side, no gaps
@@ -806,7 +847,7 @@ def _tiles(
             elif kv_fp8:
                 BLOCK_N, num_stages = _FP8_DOT_BLOCK_N, _FP8_DOT_NUM_STAGES
     else:
-        BLOCK_H = triton.next_power_of_2(group)
+        BLOCK_H = triton.next_power_of_2(group * queries)
         # The broadcast product is [BLOCK_H, BLOCK_N, BLOCK_D]: keep it at most 8192 floats.
         BLOCK_N = max(16, min(64, 8192 // (BLOCK_H * BLOCK_D)))
     # fp32 inputs: exact fp32 products (the default would be TF32 on the GPU); ignored for
@@ -908,13 +949,17 @@ def _launch_stage1(
     num_prefix_splits: int = 0,
     prefix_min_split_len: int = 0,
     prefix_block_n: int = 16,
+    queries: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> None:
     """Stage 1 into split columns ``[0, num_kv_splits)`` of the scratch; with ``start_lens``
     each request walks only ``[start_lens[b], seq_lens[b])``. With ``out`` (one split), the
     output itself, merged with the shared-prefix columns ``[0, num_prefix_splits)`` of the
-    scratch where ``start_lens`` is given (sized as ``_launch_stage2``'s)."""
-    B, Hq, D = q.shape
+    scratch where ``start_lens`` is given (sized as ``_launch_stage2``'s). ``queries``: a
+    verify step's (first q row [B], query count [B], most queries), whose scratch and output
+    rows are q's rows."""
+    B, Hq, D = req_pool_indices.shape[0], q.shape[1], q.shape[2]
     Hkv = k_buffer.shape[1]
+    q_starts, q_lens, qn = queries if queries is not None else (seq_lens, seq_lens, 1)
     assert out is None or num_kv_splits == 1, "stage 1 writes the output of one split only"
     final = out if out is not None else mid_o  # (never written without FINAL)
     _decode_stage1[(B, Hkv // tiles.heads, num_kv_splits)](
@@ -926,6 +971,8 @@ def _launch_stage1(
         req_pool_indices,
         seq_lens,
         seq_lens if start_lens is None else start_lens,  # never read without HAS_START
+        q_starts,  # (these two are never read with one query a request)
+        q_lens,
         mid_o,
         mid_lse,
         float(scaling) * _LOG2E,
@@ -961,6 +1008,7 @@ def _launch_stage1(
         HEADS=tiles.heads,
         FINAL=out is not None,
         PREFIX_BLOCK_N=prefix_block_n,
+        QN=qn,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

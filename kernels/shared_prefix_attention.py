@@ -193,12 +193,12 @@ def _prefix_stage(
         members = members.to(tl.int64)
         _attend_split(
             Q, K, V, KVScales, ReqToToken, MidO, MidLse, qk_scale,
-            members, offs_m % G, mask_m, row, kvh, split_base + split, start, end,
+            members, offs_m % G, mask_m, row, kvh, split_base + split, start, end, offs_m,
             stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
             ROWS=BLOCK_M, REQ_PER_ROW=True, USE_DOT=True, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED,
-            HEADS=1,
+            HEADS=1, CAUSAL=False,
         )  # fmt: skip
 
 
