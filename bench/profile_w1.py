@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         out = launch(batch)
         end.record()
         steps.append(dict(mode=batch.mode, bs=len(batch.reqs), ctx=ctx, start=start, end=end,
-                          new=sum(batch.extend_lens)))  # fmt: skip
+                          new=sum(batch.extend_lens), verify=batch.verifies))  # fmt: skip
         return out
 
     sched._launch = timed_launch
@@ -122,9 +122,11 @@ def main(argv: list[str] | None = None) -> None:
         ms = s["start"].elapsed_time(s["end"])
         if prev is not None:
             idle += max(0.0, prev["end"].elapsed_time(s["start"]))
-        if s["mode"] is ForwardMode.DECODE:
+        if s["mode"] is ForwardMode.DECODE or s["verify"]:
+            # (a verify step, speculative decoding, reads what a decode step reads)
             lo_bs = 1 << (s["bs"].bit_length() - 1)
-            key = f"decode bs {lo_bs}-{2 * lo_bs - 1}"
+            kind = "verify" if s["verify"] else "decode"
+            key = f"{kind} bs {lo_bs}-{2 * lo_bs - 1}"
             floor = (w_bytes + kv_tok * s["ctx"]) / bandwidth * 1e3
         else:
             key = "prefill"
@@ -139,8 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| steps | count | device s | floor s | floor/device | ms/step |")
     print("| --- | --- | --- | --- | --- | --- |")
 
-    def order(key: str) -> int:
-        return 0 if key == "prefill" else int(key.split()[-1].split("-")[0])
+    def order(key: str) -> tuple[int, str]:
+        return (0, "") if key == "prefill" else (int(key.split()[-1].split("-")[0]), key)
 
     for key in sorted(bins, key=order):
         n, ms, floor, _ = bins[key]
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     for (lo, hi), prof in zip(windows, profiles):
         events = [e for e in prof.key_averages() if e.device_time_total > 0]
         total = sum(e.device_time_total for e in events)
-        modes = sorted({s["mode"].name.lower() for s in steps[lo:hi]})
+        modes = sorted({"verify" if s["verify"] else s["mode"].name.lower() for s in steps[lo:hi]})
         print(
             f"\nkernels of steps {lo}-{hi} ({'/'.join(modes)}; {total / 1e3:.2f} ms of device time)"
         )
