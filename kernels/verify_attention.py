@@ -54,6 +54,7 @@ def verify_attention(
     *,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    row_seq_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's ``q_lens[b]`` last tokens over its paged K/V; [T, Hq, D].
 
@@ -62,6 +63,8 @@ def verify_attention(
     (device tensors, never read on the host); ``max_queries``: a Python int at least every
     ``q_lens[b]`` (it sizes the programs' rows). The other arguments are decode_attention's:
     ``num_kv_splits`` None picks the split count from the batch and the ``max_seq_len`` hint.
+    ``row_seq_lens`` int64 [T]: each row's request's length (computed when None). A row of no
+    request (a CUDA graph's padding, with ``row_seq_lens`` 0) is left as ``out`` holds it.
     """
     T = q.shape[0]
     B = req_pool_indices.shape[0]
@@ -101,7 +104,8 @@ def verify_attention(
         queries=queries,
     )  # fmt: skip
     # stage 2 sizes each row's splits as stage 1 sized its request's: from the request's length
-    row_seq_lens = torch.repeat_interleave(seq_lens, q_lens, output_size=T)
+    if row_seq_lens is None:
+        row_seq_lens = torch.repeat_interleave(seq_lens, q_lens, output_size=T)
     _launch_stage2(mid_o, mid_lse, out, row_seq_lens, num_kv_splits, min_split_len, tiles)
     return out
 

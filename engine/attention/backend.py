@@ -30,6 +30,10 @@ class AttentionBackend(ABC):
     supports_cuda_graph = False
     # whether prefill steps can (engine/runner/prefill_graph.py, with the init_prefill_* hooks)
     supports_prefill_cuda_graph = False
+    # whether speculative verify steps (ForwardBatch.verify) run a kernel of their own rather
+    # than the extend one, with graphs of their own (engine/runner/verify_graph.py, with the
+    # init_verify_* hooks); else they are prefill steps like any other
+    has_verify_kernel = False
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
@@ -57,6 +61,16 @@ class AttentionBackend(ABC):
     ) -> None:
         """Before a replay of the `padded_tokens` prefill graph; the lengths include the padding
         request that owns the padded tokens."""
+        raise NotImplementedError
+
+    def init_verify_graph_capture(self, max_bs: int, max_tokens: int, max_queries: int) -> None:
+        """Before the verify graphs are captured: their batches have at most `max_bs` requests,
+        `max_tokens` tokens, and `max_queries` tokens a request."""
+        raise NotImplementedError
+
+    def init_verify_graph_replay(self, extend_lens: list[int], seq_lens: list[int]) -> None:
+        """Before a verify graph's replay: the requests' token counts and lengths (the graph's
+        padding requests, and its tokens past the batch's, are not in them)."""
         raise NotImplementedError
 
     @abstractmethod

@@ -18,6 +18,12 @@ Extend (prefill) attention runs over a tile table planned on the host (kernels/e
 prefill CUDA graphs (engine/runner/prefill_graph.py) the three live in static buffers sized for
 `max_requests` and the most tiles of the graph's token count; each replay refills them.
 
+A speculative verify step (ForwardBatch.verify: each request's last token and its few drafts)
+has the shape of a decode step, not of a prefill: it runs kernels/verify_attention.py (decode's
+two stages, each program's rows the request's queries times its GQA group), in graphs of its
+own (engine/runner/verify_graph.py) whose static buffers hold each request's first query row
+and query count and each row's request length; rows of no request come out as zeros.
+
 A float8 pool (engine/memory/kv_pool.py) goes to the kernels as it is, with the layer's row of
 `KVPool.scales` (k_scale, v_scale): they read it by pointer, so the graphs see scales changed
 after their capture. The kernels ignore it for a pool of the model's dtype.
@@ -35,11 +41,13 @@ from engine.transfer import to_device
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention, extend_block_m, extend_tiles, tile_capacity
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
+from kernels.verify_attention import verify_attention
 
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_prefill_cuda_graph = True
+    has_verify_kernel = True
 
     def __init__(
         self,
@@ -57,6 +65,12 @@ class TritonAttnBackend(AttentionBackend):
         # this extend batch's (extend_lens [B], qo_indptr [B + 1], tiles [N, 2])
         self.extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.graph_extend: torch.Tensor | None = None  # the prefill graphs' flat static buffer
+        # a verify step's (q_starts [B], q_lens [B], most queries, each row's request length
+        # [T] under a graph, else None), or None
+        self.verify: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None] | None = None
+        # the verify graphs' flat static buffer: q_starts [R], q_lens [R], row lengths [N]
+        self.graph_verify: torch.Tensor | None = None
+        self.graph_verify_shape = (0, 0, 0)  # (R, N, Q): most requests, tokens, and a request's
         self.graph_max_requests = 0
         self.shared_prefix = shared_prefix
         self.item_size = prefix_item_size(attn.num_heads // attn.num_kv_heads)
@@ -74,13 +88,25 @@ class TritonAttnBackend(AttentionBackend):
         # sizes its grid from the table's width, so one capture serves every length.
         self.max_seq_len = None if batch.seq_lens_cpu is None else max(batch.seq_lens_cpu)
         self.prefix = None
+        self.verify = None
         if batch.mode is ForwardMode.EXTEND:
-            if batch.seq_lens_cpu is None:  # captured: the graph reads the static buffers
+            if batch.seq_lens_cpu is None and batch.verify:  # a verify graph's static buffers
+                assert self.graph_verify is not None
+                most_bs, _, most = self.graph_verify_shape
+                bs, tokens, flat = batch.batch_size, batch.positions.shape[0], self.graph_verify
+                row_lens = flat[2 * most_bs :][:tokens]
+                self.verify = (flat[:bs], flat[most_bs : most_bs + bs], most, row_lens)
+            elif batch.seq_lens_cpu is None:  # captured: the graph reads the static buffers
                 assert self.graph_extend is not None
                 capacity = self._graph_tiles(batch.positions.shape[0])
                 self.extend = self._split_extend(
                     self.graph_extend, self.graph_max_requests, capacity
                 )
+            elif batch.verify:
+                lens = np.asarray(batch.extend_lens_cpu, dtype=np.int64)
+                host = np.concatenate([np.cumsum(lens) - lens, lens])  # q_starts, q_lens
+                flat = to_device(host, torch.int64, batch.seq_lens.device)
+                self.verify = (flat[: len(lens)], flat[len(lens) :], int(lens.max()), None)
             else:
                 lens = batch.extend_lens_cpu
                 host = self._extend_host(lens, batch.seq_lens_cpu, len(lens), None)
@@ -154,6 +180,23 @@ class TritonAttnBackend(AttentionBackend):
         flat = to_device(host, torch.int64, self.graph_extend.device)
         self.graph_extend[: len(host)].copy_(flat)
 
+    def init_verify_graph_capture(self, max_bs: int, max_tokens: int, max_queries: int) -> None:
+        self.graph_verify_shape = (max_bs, max_tokens, max_queries)
+        self.graph_verify = torch.zeros(
+            2 * max_bs + max_tokens, dtype=torch.int64, device=self.device
+        )
+
+    def init_verify_graph_replay(self, extend_lens: list[int], seq_lens: list[int]) -> None:
+        assert self.graph_verify is not None
+        most_bs, most_tokens, _ = self.graph_verify_shape
+        lens = np.zeros(most_bs, dtype=np.int64)
+        lens[: len(extend_lens)] = extend_lens
+        row_lens = np.zeros(most_tokens, dtype=np.int64)
+        row_lens[: sum(extend_lens)] = np.repeat(np.asarray(seq_lens, np.int64), extend_lens)
+        # (padding requests: no queries, at the end of the batch's rows)
+        host = np.concatenate([np.cumsum(lens) - lens, lens, row_lens])
+        self.graph_verify.copy_(to_device(host, torch.int64, self.device))
+
     def _graph_tiles(self, padded_tokens: int) -> int:
         """The tile rows of the prefill graph for `padded_tokens`: its grid, fixed at capture."""
         return tile_capacity(padded_tokens, self.graph_max_requests, self.block_m)
@@ -180,9 +223,19 @@ class TritonAttnBackend(AttentionBackend):
     def forward_extend(
         self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
+        pool, i = batch.kv_pool, layer.layer_id
+        if self.verify is not None:
+            q_starts, q_lens, most, row_lens = self.verify
+            # (under a graph, rows of no request stay as `out` holds them: zeros)
+            out = None if row_lens is None else q.new_zeros(q.shape)
+            return verify_attention(
+                q, pool.k_buffers[i], pool.v_buffers[i],
+                batch.req_to_token, batch.req_pool_indices, batch.seq_lens, q_starts, q_lens,
+                most, layer.scaling, max_seq_len=self.max_seq_len, out=out,
+                kv_scales=pool.layer_scales[i], row_seq_lens=row_lens,
+            )  # fmt: skip
         assert self.extend is not None
         extend_lens, qo_indptr, tiles = self.extend
-        pool, i = batch.kv_pool, layer.layer_id
         return extend_attention(
             q, pool.k_buffers[i], pool.v_buffers[i],
             batch.req_to_token, batch.req_pool_indices, batch.seq_lens, extend_lens, qo_indptr,

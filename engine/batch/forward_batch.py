@@ -56,6 +56,8 @@ class ForwardBatch:
     shared_prefixes: list[SharedPrefix] | None = None
     # extend, on a vision-language model: M-RoPE positions and image embeddings
     images: ImageBatch | None = None
+    # extend, a speculative verify step: each request's last token and its few drafts
+    verify: bool = False
 
     @property
     def batch_size(self) -> int:

@@ -145,6 +145,7 @@ def _build_extend(
         kv_pool=kv_pool,
         req_to_token=req_to_token.table,
         packed=tokens,
+        verify=batch.drafts is not None,
     )
     return forward, plan
 

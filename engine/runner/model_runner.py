@@ -44,6 +44,7 @@ from engine.runner.launched_step import LaunchedStep
 from engine.runner.loader import load_model, reload_weights
 from engine.runner.logits_step import LogitsStep
 from engine.runner.prefill_graph import PrefillCudaGraphs, prefill_capture_sizes
+from engine.runner.verify_graph import VerifyCudaGraphs
 from engine.sampling.penalties import PenaltyState
 from engine.server_args import ServerArgs
 from engine.speculative_args import MAX_VERIFY_TOKENS
@@ -110,6 +111,7 @@ class ModelRunner:
         self.logits_step = LogitsStep(rows + 1, config.vocab_size, device, self.next_token)
         self.graphs: DecodeCudaGraphs | None = None
         self.prefill_graphs: PrefillCudaGraphs | None = None
+        self.verify_graphs: VerifyCudaGraphs | None = None
         if self._use_cuda_graphs():
             pool = torch.cuda.graph_pool_handle()
             if self._prefill_graph_tokens():
@@ -125,6 +127,12 @@ class ModelRunner:
                 max_bs=min(args.cuda_graph_max_bs, self.max_running_requests), pool=pool,
                 lora_batch=self.lora.batch if self.lora is not None else None,
             )  # fmt: skip
+            if self._verifies_on_graphs():
+                self.verify_graphs = VerifyCudaGraphs(
+                    self.forward_hidden, self.attn_backend, self.kv_pool, self.req_to_token,
+                    config.hidden_size, config.dtype, self.graphs.max_bs,
+                    args.speculative_num_draft_tokens, pool=pool,
+                )  # fmt: skip
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, model_path: str, load_format: str | None) -> None:
@@ -187,9 +195,18 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):
             return width, width
         graphs = self.prefill_graphs
-        if graphs is not None and graphs.fits(batch):
+        if self._prefill_graph_fits(batch):
             return graphs.padded_size(batch.input_ids.shape[0]), graphs.max_requests
         return None
+
+    def _prefill_graph_fits(self, batch: ForwardBatch) -> bool:
+        """Whether `forward` replays a prefill graph for the batch (else it runs eagerly)."""
+        graphs = self.prefill_graphs
+        if graphs is None or not graphs.fits(batch):
+            return False
+        # (a backend with a verify kernel runs verify steps on it: the prefill graphs hold the
+        # extend kernel)
+        return not (batch.verify and self.attn_backend.has_verify_kernel)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None) -> torch.Tensor:
@@ -197,8 +214,10 @@ class ModelRunner:
         None), in the model's dtype: argmax needs no float32 copy, log-softmax makes one."""
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.replay(batch)
-        if self.prefill_graphs is not None and self.prefill_graphs.fits(batch):
+        if self._prefill_graph_fits(batch):
             return self._logits(self.prefill_graphs.replay(batch), logit_rows)
+        if self.verify_graphs is not None and self.verify_graphs.fits(batch):
+            return self._logits(self.verify_graphs.replay(batch), logit_rows)
         return self.forward_eager(batch, logit_rows)
 
     def forward_eager(
@@ -299,6 +318,11 @@ class ModelRunner:
             and not self.args.disable_cuda_graph
             and self.attn_backend.supports_cuda_graph
         )
+
+    def _verifies_on_graphs(self) -> bool:
+        """Whether verify steps get graphs of their own (engine/runner/verify_graph.py); with
+        LoRA they run eagerly (its block table would need capturing per size too)."""
+        return self.args.speculative and self.attn_backend.has_verify_kernel and self.lora is None
 
     def _prefill_graph_tokens(self) -> int:
         """The largest prefill step a graph replays (0: none), never above what a step holds."""

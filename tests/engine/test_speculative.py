@@ -15,6 +15,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from engine import Engine
@@ -127,7 +128,7 @@ def test_stop_ids_and_stop_strings_end_inside_an_accepted_draft(llama_dir):
 def test_retraction_under_a_small_pool(llama_dir):
     """Admission expects requests that may stop to generate a share of their limit only; a
     pool of about two prompts and 1.3 outputs then retracts one (after drafts were taken)."""
-    prompts = repeating_prompts(4)
+    prompts = repeating_prompts(2)
     sampling = {**GREEDY, "max_new_tokens": 60, "ignore_eos": False, "stop_token_ids": [2]}
     base, _ = run(llama_dir, prompts, sampling, spec=False)
     pool = 2 * max(map(len, prompts)) + 78
@@ -273,11 +274,57 @@ def test_engine_reports_spec_counts_in_meta_info(llama_dir):
     assert outs[0]["output_ids"] == [t for c in streamed for t in c["output_ids"]]
 
 
+def test_the_triton_backend_verifies_on_its_kernel_eagerly_and_in_graphs(llama_dir, monkeypatch):
+    """attention_backend="triton" (the interpreter here): verify steps run
+    kernels/verify_attention.py, eagerly and in engine/runner/verify_graph.py's forwards over
+    their static buffers (without capture; the captured graphs run in the GPU test below),
+    and the tokens are those of decoding without speculation: the graphs' tokens past the
+    batch's and their padding requests change no request's tokens, and stay finite."""
+    import engine.attention.triton_backend as tb
+    from engine.runner.verify_graph import VerifyCudaGraphs
+
+    calls = []
+    kernel = tb.verify_attention
+    monkeypatch.setattr(tb, "verify_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    prompts = repeating_prompts(2)
+    sampling = {**GREEDY, "max_new_tokens": 16}
+    args = {**CORE, "attention_backend": "triton"}
+    no_spec = InProcessCore(llama_dir, **args).run(prompts, sampling)
+    eager = InProcessCore(llama_dir, **args, **SPEC)
+    assert eager.run(prompts, sampling) == no_spec
+    assert_speculated(eager.scheduler)
+    assert (
+        len(calls) == eager.scheduler.stats.verify_steps * eager.scheduler.runner.config.num_layers
+    )
+
+    core = InProcessCore(llama_dir, **args, **SPEC)
+    runner = core.scheduler.runner
+    graphs = VerifyCudaGraphs(
+        runner.forward_hidden, runner.attn_backend, runner.kv_pool, runner.req_to_token,
+        runner.config.hidden_size, torch.float32, max_bs=4, max_queries=5, capture=False,
+    )  # fmt: skip
+    replays = []
+    replay = graphs.replay
+
+    def counting(batch):
+        tokens = batch.input_ids.shape[0]
+        replays.append((batch.batch_size, tokens, graphs.padded_size(tokens)))
+        return replay(batch)
+
+    graphs.replay = counting
+    runner.verify_graphs = graphs
+    assert core.run(prompts, sampling) == no_spec
+    assert replays and len(replays) == core.scheduler.stats.verify_steps
+    assert any(padded > tokens for _, tokens, padded in replays), replays
+    assert any(graphs.requests(padded) > bs for bs, _, padded in replays), replays
+    assert graphs.hidden[: replays[-1][2]].isfinite().all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [True, False])
 def test_greedy_on_the_gpu_equals_decoding_without_speculation(qwen3_dir, overlap):
-    """The GPU path: verify steps through the triton backend's extend attention and the
-    prefill CUDA graphs, decode steps through the decode graphs, in float32."""
+    """The GPU path: verify steps through the triton backend's verify kernel, decode steps
+    through the decode graphs, in float32."""
     prompts = repeating_prompts(48)
     args = {"model_path": str(qwen3_dir), "skip_tokenizer_init": True, "dtype": "float32",
             "max_total_tokens": 16384, "disable_overlap_schedule": not overlap}  # fmt: skip
