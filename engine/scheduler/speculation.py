@@ -117,7 +117,8 @@ class Speculation:
         per_request = self._per_request(reqs)
         drafts: list[list[int]] = []
         expected = 0.0
-        for req in reqs:
+        searches: list[tuple[int, Req, int]] = []  # (index, request, k): one search for all
+        for i, req in enumerate(reqs):
             state = req.spec
             if state is None:
                 state = req.spec = policy.new_state()
@@ -125,14 +126,27 @@ class Speculation:
                 policy.judge_shadow(state, req.fill_ids)
             k = policy.budget(state, req.draw_limit - req.drawn) if _may_draft(req) else 0
             k = min(k, per_request)
+            draft: list[int] = []
             if req.grammar is not None:  # what its grammar forces: accepted whatever is drawn
                 draft = self.forced(req, k) if k and not req.pending else []
                 expected += len(draft)
-            else:
-                draft = self._draft(req, state, k) if k else []
-                if draft:
+            elif k:
+                draft = self._follow(req, state, k)
+                if draft is None:
+                    searches.append((i, req, k))
+                    draft = []
+                else:
                     expected += policy.expected(state, len(draft))
             drafts.append(draft)
+        if searches:
+            found = self.drafter.draft_many(
+                [r.fill_ids for _, r, _ in searches], [k for *_, k in searches]
+            )
+            for (i, req, _), (draft, source) in zip(searches, found):
+                req.spec.source = source
+                drafts[i] = draft
+                if draft:
+                    expected += policy.expected(req.spec, len(draft))
         return drafts, expected
 
     def _model_drafts(self, reqs: list[Req]) -> list[list[int]] | None:
@@ -174,17 +188,17 @@ class Speculation:
         """Drafts a request may take within MAX_VERIFY_TOKENS for the batch."""
         return max((self.max_tokens - len(reqs)) // max(len(reqs), 1), 0)
 
-    def _draft(self, req: Req, state: DraftState, k: int) -> list[int]:
-        """The request's draft: where its last one was all accepted and its source went on as
-        its output did, the same source's next tokens (no search: the common case of a long
-        copied span); else a search of its tokens and the corpus."""
+    def _follow(self, req: Req, state: DraftState, k: int) -> list[int] | None:
+        """Where the request's last draft was all accepted and its source went on as its output
+        did, the same source's next tokens (no search: the common case of a long copied span);
+        else None: its tokens and the corpus are searched (NgramDrafter.draft_many, one search
+        for the batch's requests)."""
         tokens = req.fill_ids
         follow = state.follow
-        if follow is not None and follow[1] == len(tokens):
-            state.source = follow[0]
-            return self.drafter.follow(tokens, follow[0], k)
-        draft, state.source = self.drafter.draft_with_source(tokens, k)
-        return draft
+        if follow is None or follow[1] != len(tokens):
+            return None
+        state.source = follow[0]
+        return self.drafter.follow(tokens, follow[0], k)
 
     def verified(self, req: Req, drafted: int, new: list[int]) -> None:
         """A verify step's outcome for a request whose `new` tokens were appended (its accepted

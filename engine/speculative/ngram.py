@@ -63,6 +63,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -161,6 +162,104 @@ class NgramDrafter:
         if max_tokens is None or isinstance(max_tokens, int):
             return [self.draft(seq, max_tokens) for seq in seqs]
         return [self.draft(seq, m) for seq, m in zip(seqs, max_tokens, strict=True)]
+
+    def draft_many(
+        self, seqs: Sequence[np.ndarray], max_tokens: Sequence[int]
+    ) -> list[tuple[list[int], int]]:
+        """`draft_with_source(seqs[i], max_tokens[i])` for each sequence (int64 arrays), searched
+        as one batch: the same drafts from a few numpy calls over all the sequences' tokens
+        at once, instead of a dozen small ones per sequence (~50 us each at batch 256)."""
+        out: list[tuple[list[int], int]] = [([], -1)] * len(seqs)
+        ks = np.minimum(np.asarray(max_tokens, dtype=np.int64), self.num_draft_tokens)
+        live = np.flatnonzero((ks > 0) & (np.fromiter(map(len, seqs), np.int64, len(seqs)) > 0))
+        if len(live) == 0:
+            return out
+        group = [seqs[i] for i in live]
+        lens = np.fromiter(map(len, group), np.int64, len(group))
+        batch = _Batch(np.concatenate(group), lens)
+        own_n, own_end = self._own_match_many(batch)
+        corpus_n, corpus_at = np.zeros_like(own_n), np.zeros_like(own_n)
+        if self._index:  # (as draft_with_source: only a longer match than the own can win)
+            need = np.flatnonzero(own_n < np.minimum(self.max_window, lens))
+            corpus_n[need], corpus_at[need] = self._corpus_match_many(batch, need)
+        for j, i in enumerate(live.tolist()):
+            k = int(ks[i])
+            if corpus_n[j] > own_n[j]:
+                out[i] = (self._corpus_draft(int(corpus_at[j]), k), -1)
+            elif own_n[j]:
+                end = int(own_end[j])
+                out[i] = (_copy_forward(group[j], end, k), end)
+        return out
+
+    def _own_match_many(self, batch: _Batch) -> tuple[np.ndarray, np.ndarray]:
+        """`_own_match` of every sequence of the batch: (n [B], e [B])."""
+        n, end = np.zeros(len(batch.lens), np.int64), np.zeros(len(batch.lens), np.int64)
+        cat, last = batch.tokens, batch.ends - 1
+        width = np.minimum(self.max_window, batch.lens - 1)
+        hits = cat == np.repeat(cat[last], batch.lens)  # where each sequence's last token is
+        hits[last] = False  # (an earlier occurrence only)
+        cands = np.flatnonzero(hits)
+        seq = np.searchsorted(batch.ends, cands, side="right")
+        keep = width[seq] >= self.min_window
+        cands, seq = cands[keep], seq[keep]
+        self.cost.scanned += int((batch.lens - 1)[width >= self.min_window].sum())
+        # the newest OWN_NEWEST_FIRST candidates of each sequence first, as _own_match does
+        run = np.bincount(seq, minlength=len(width))[seq]  # each one's sequence's candidates
+        first = _ranks(seq) >= run - OWN_NEWEST_FIRST
+        rows, best = self._best_own(batch, cands[first], seq[first], width)
+        n[rows], end[rows] = best
+        redo = np.isin(seq, rows[best[0] < width[rows]]) & ~first
+        if redo.any():  # (a sequence whose newest candidates fell short: all of them)
+            again = np.isin(seq, seq[redo])
+            rows, best = self._best_own(batch, cands[again], seq[again], width)
+            n[rows], end[rows] = best
+        return n, end
+
+    def _best_own(
+        self, batch: _Batch, cands: np.ndarray, seq: np.ndarray, width: np.ndarray
+    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """(sequences with a candidate, (n, e) of each): `_longest_own` per sequence."""
+        if len(cands) == 0:
+            return seq, (seq, seq)
+        self.cost.compared += len(cands) * self.max_window
+        start = batch.ends[seq] - batch.lens[seq]
+        back = np.maximum(cands[:, None] - self._offsets, start[:, None])
+        tail = np.maximum(batch.ends[seq][:, None] - 1 - self._offsets, start[:, None])
+        local = cands - start
+        lengths = _run_lengths(
+            batch.tokens[back] == batch.tokens[tail], self.max_window,
+            np.minimum(width[seq], local + 1),
+        )  # fmt: skip
+        rows, (n, at) = _longest_newest_each(seq, lengths, local)
+        found = n >= self.min_window
+        return rows, (np.where(found, n, 0), np.where(found, at + 1, 0))
+
+    def _corpus_match_many(self, batch: _Batch, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`_corpus_match` of the batch's sequences `which`: (n, g) of each."""
+        lo, n, at = self.min_window, np.zeros(len(which), np.int64), np.zeros(len(which), np.int64)
+        ends, lens, cat = batch.ends[which], batch.lens[which], batch.tokens
+        found = [
+            self._index.get(int(cat[e - 1]) if lo == 1 else tuple(cat[e - lo : e].tolist()))
+            if length >= lo else None
+            for e, length in zip(ends.tolist(), lens.tolist())
+        ]  # fmt: skip
+        found = [f or () for f in found]
+        counts = np.fromiter(map(len, found), np.int64, len(found))
+        if not counts.any():
+            return n, at
+        cands = np.fromiter(chain.from_iterable(found), np.int64, int(counts.sum()))
+        seq = np.repeat(np.arange(len(which)), counts)
+        size, width = len(self._ring), np.minimum(self.max_window, lens)
+        self.cost.corpus_candidates += len(cands)
+        self.cost.compared += len(cands) * self.max_window
+        back = (cands[:, None] - 1 - self._offsets) % size
+        tail = np.maximum(ends[seq][:, None] - 1 - self._offsets, (ends - lens)[seq][:, None])
+        cap = np.minimum(width[seq], cands - self._ring_start[cands % size])
+        lengths = _run_lengths(self._ring[back] == cat[tail], self.max_window, cap)
+        rows, (best, rank) = _longest_newest_each(seq, lengths, _ranks(seq))
+        n[rows] = best
+        at[rows] = cands[np.searchsorted(seq, rows) + rank]
+        return n, at
 
     def _own_match(self, tokens: np.ndarray) -> tuple[int, int]:
         """(n, e) of the longest suffix within the windows that occurred earlier, e the position
@@ -306,6 +405,34 @@ def _longest_newest(lengths: np.ndarray) -> tuple[int, int]:
     """(row, length) of the longest, the last row (the newest candidate) among equals."""
     i = len(lengths) - 1 - int(lengths[::-1].argmax())
     return i, int(lengths[i])
+
+
+class _Batch:
+    """Sequences searched together: their tokens end to end, and each one's length and end."""
+
+    __slots__ = ("ends", "lens", "tokens")
+
+    def __init__(self, tokens: np.ndarray, lens: np.ndarray) -> None:
+        self.tokens, self.lens, self.ends = tokens, lens, np.cumsum(lens)
+
+
+def _ranks(seq: np.ndarray) -> np.ndarray:
+    """Each entry's index within its run of equal values (`seq` sorted)."""
+    if len(seq) == 0:
+        return seq
+    firsts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+    return np.arange(len(seq)) - np.repeat(firsts, np.diff(np.r_[firsts, len(seq)]))
+
+
+def _longest_newest_each(
+    seq: np.ndarray, lengths: np.ndarray, order: np.ndarray
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """Per run of equal `seq` (sorted): (the run's value, (the longest length, and the largest
+    `order` among the longest)): `_longest_newest` of each sequence's candidates at once."""
+    scale = int(order.max()) + 1
+    firsts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+    best = np.maximum.reduceat(lengths * scale + order, firsts)
+    return seq[firsts], (best // scale, best % scale)
 
 
 def _copy_forward(toks: np.ndarray, end: int, k: int) -> list[int]:

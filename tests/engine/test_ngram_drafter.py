@@ -168,6 +168,31 @@ def test_drafts_with_the_corpus_equal_the_reference(seed):
             assert drafter.corpus_tokens <= capacity
 
 
+@pytest.mark.parametrize("newest_first", [OWN_NEWEST_FIRST, 3])
+def test_batch_search_equals_the_reference(newest_first, monkeypatch):
+    """draft_many (one search over a batch's sequences) against the brute-force reference,
+    with a corpus, k = 0 and empty sequences in the batch, and few candidates tried first."""
+    import engine.speculative.ngram as ngram
+
+    monkeypatch.setattr(ngram, "OWN_NEWEST_FIRST", newest_first)
+    rng = random.Random(7)
+    for _case in range(40):
+        lo, hi, k = random_config(rng)
+        drafter, corpus = NgramDrafter(lo, hi, k, 300), RefCorpus(hi, 300)
+        vocab = rng.choice([2, 3, 8, 50])
+        for _row in range(rng.randint(0, 5)):
+            prompt, output = planted(rng, rng.randint(0, 20), vocab), planted(rng, 12, vocab)
+            drafter.add_output(prompt, output)
+            corpus.add(prompt, output)
+        seqs = [planted(rng, rng.choice([0, 1, 5, 40, 300]), vocab) for _ in range(9)]
+        bounds = [rng.choice([0, 1, k, 100]) for _ in seqs]
+        got = drafter.draft_many([arr(t) for t in seqs], bounds)
+        for tokens, bound, (draft, source) in zip(seqs, bounds, got):
+            assert draft == ref_draft(tokens, corpus, lo, hi, min(k, bound))
+            if source >= 0:  # an own draft: copied on from its source
+                assert draft == drafter.follow(arr(tokens), source, bound)
+
+
 def test_corpus_reads_the_most_recent_candidates_only():
     """A long match behind CORPUS_CANDIDATES newer occurrences of the suffix's last `min_window`
     tokens is not found: the index keeps no more, and the reference applies the same bound."""
