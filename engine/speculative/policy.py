@@ -48,15 +48,15 @@ from dataclasses import dataclass
 
 # Expected accepted drafts per running request that a verify step must promise (adaptive), by
 # the running batch: what a verify step costs over a decode step, less the one token a decode
-# step gives too. A verify step is read before the next step is planned (no overlap), drafts on
-# the host, and its extend attention reads K/V once per query head. Measured on an H200
-# (Qwen3-0.6B shape, 1000 tokens in, 4 waves of each batch size: `python -m bench.speculative`,
-# its "verify / decode step" column): when every step verifies, 2.0-2.4x a decode step at batch
-# 1 and 16, 3.0-3.5x at 64 and 256; a verify step among plain ones, as this policy runs them,
-# 10x at batch 1, 2.7x at 16, 3.8x at 64, 4.9-5.5x at 256. The table takes the latter: the
-# adaptive policy verifies only drafts that are nearly all accepted, long ones at large batches
-# (speculative_policy="always" is there for a job known to copy). (batch at least, gain).
-VERIFY_GAIN = ((1, 3.0), (16, 3.0), (64, 4.0), (256, 5.0))
+# step gives too. A verify step is read before the next step is planned (no overlap) and drafts
+# on the host; its attention is decode's (kernels/verify_attention.py), replayed from CUDA
+# graphs of its own. Measured on an H200 (Qwen3-0.6B shape, 1000 tokens in, 4 waves of each
+# batch size: `python -m bench.speculative`, its "verify / decode step" column, 2026-11-28):
+# when every step verifies, 1.8x a decode step at batch 1, 2.2x at 16, 2.5x at 64, 2.2x at
+# 256; a verify step among plain ones, as this policy runs them, 2.6x at 16 and 3.2x at 64.
+# The table takes the latter, and 64's for 256, where none ran among plain steps (it must not
+# fall with the batch). (batch at least, gain).
+VERIFY_GAIN = ((1, 1.5), (16, 1.6), (64, 2.2), (256, 2.2))
 MAX_PAUSE = 64  # steps between probes, at most, while drafting does not pay
 MAX_WAIT = 31  # steps a request waits after a draft that missed, at most
 # a request's acceptance rate starts at the engine's, weighted as this many drafted tokens
