@@ -64,7 +64,103 @@ def prefill_capture_sizes(max_tokens: int) -> list[int]:
     return capped + [max_tokens]
 
 
-class PrefillCudaGraphs:
+class TokenBucketGraphs:
+    """Forwards of EXTEND batches over static buffers, one per token-count bucket (`sizes`),
+    captured as CUDA graphs (or, `capture=False`, run eagerly over the same buffers): what the
+    prefill graphs and the verify graphs (engine/runner/verify_graph.py) share. A subclass
+    says how many requests the bucket of `tokens` holds (`requests`), prepares the static
+    buffers before each capture (`_before_capture`) and fills them before each replay."""
+
+    verify = False  # the ForwardBatch flag of the captured batches
+
+    def __init__(
+        self,
+        forward_hidden: Callable[[ForwardBatch], torch.Tensor],
+        kv_pool: KVPool,
+        req_to_token: ReqToTokenPool,
+        hidden_size: int,
+        dtype: torch.dtype,
+        max_tokens: int,
+        max_requests: int,
+    ) -> None:
+        self.forward_hidden = forward_hidden
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.sizes = prefill_capture_sizes(max_tokens)
+        self.max_tokens = max_tokens
+        self.max_requests = max_requests
+        self.device = device = req_to_token.table.device
+        self.tokens = torch.zeros((3, max_tokens), dtype=torch.int64, device=device)
+        self.reqs = torch.zeros((2, max_requests), dtype=torch.int64, device=device)
+        self.hidden = torch.empty((max_tokens, hidden_size), dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def requests(self, tokens: int) -> int:
+        """The requests the graph of `tokens` tokens holds (its static request columns)."""
+        return self.max_requests
+
+    def padded_size(self, tokens: int) -> int:
+        return next(s for s in self.sizes if s >= tokens)
+
+    def _run(self, padded: int, num_tokens: int) -> torch.Tensor:
+        """Replay (or run) the `padded` bucket; the first `num_tokens` rows of its output."""
+        if self.graphs:
+            self.graphs[padded].replay()
+        else:
+            self.forwards[padded]()
+        # NOTE: a view of the shared buffer: valid until the next replay (the caller computes
+        # the logits from it first; device work runs in launch order)
+        return self.hidden[:num_tokens]
+
+    # ------------------------------------------------------------------ capture
+    def _build(self, capture: bool, pool: object, name: str) -> None:
+        self.forwards = {tokens: self._forward_fn(tokens) for tokens in self.sizes}
+        if not capture:
+            return
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        stream = torch.cuda.Stream(self.device)
+        # largest first: later, smaller graphs reuse the memory pool the first one grew
+        for tokens in reversed(self.sizes):
+            self._before_capture(tokens)
+            self.graphs[tokens] = capture_graph(self.forwards[tokens], pool, stream, warm_ups=1)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "captured %d CUDA graphs for %s (up to %d tokens) in %.1fs (%.0f MiB)",
+            len(self.sizes),
+            name,
+            self.max_tokens,
+            time.perf_counter() - started,
+            used / 2**20,
+        )
+
+    def _before_capture(self, tokens: int) -> None:
+        """The static buffers a capture of `tokens` runs over (a harmless batch)."""
+
+    def _forward_fn(self, tokens: int) -> Callable[[], None]:
+        static, bs = self.tokens, self.requests(tokens)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=static[0, :tokens],
+            positions=static[1, :tokens],
+            out_cache_loc=static[2, :tokens],
+            req_pool_indices=self.reqs[0, :bs],
+            seq_lens=self.reqs[1, :bs],
+            seq_lens_cpu=None,
+            extend_lens_cpu=None,
+            kv_pool=self.kv_pool,
+            req_to_token=self.req_to_token.table,
+            verify=self.verify,
+        )
+        out, forward_hidden = self.hidden[:tokens], self.forward_hidden
+
+        def forward() -> None:
+            out.copy_(forward_hidden(batch))
+
+        return forward
+
+
+class PrefillCudaGraphs(TokenBucketGraphs):
     def __init__(
         self,
         forward_hidden: Callable[[ForwardBatch], torch.Tensor],
@@ -79,24 +175,14 @@ class PrefillCudaGraphs:
         capture: bool = True,
         lora_batch: LoraBatch | None = None,
     ) -> None:
-        self.forward_hidden = forward_hidden
+        # (max_requests: the batch's requests and the padding request)
+        super().__init__(
+            forward_hidden, kv_pool, req_to_token, hidden_size, dtype, max_tokens, max_requests
+        )
         self.lora_batch = lora_batch  # LoRA's block table, captured at each bucket's length
         self.backend = backend
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
-        self.sizes = prefill_capture_sizes(max_tokens)
-        self.max_tokens = max_tokens
-        # the batch's requests and the padding request
-        self.max_requests = max_requests
-        self.device = device = req_to_token.table.device
-        self.tokens = torch.zeros((3, max_tokens), dtype=torch.int64, device=device)
-        self.reqs = torch.zeros((2, max_requests), dtype=torch.int64, device=device)
-        self.hidden = torch.empty((max_tokens, hidden_size), dtype=dtype, device=device)
         backend.init_prefill_graph_capture(max_requests, max_tokens)
-        self.forwards = {tokens: self._forward_fn(tokens) for tokens in self.sizes}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if capture:
-            self._capture_all(pool)
+        self._build(capture, pool, "prefill")
 
     def fits(self, batch: ForwardBatch) -> bool:
         if batch.mode is not ForwardMode.EXTEND or batch.input_ids is None:
@@ -106,9 +192,6 @@ class PrefillCudaGraphs:
             return False
         # the padding request's positions must fit in the table's padding row
         return self.padded_size(tokens) - tokens <= self.req_to_token.table.shape[1]
-
-    def padded_size(self, tokens: int) -> int:
-        return next(s for s in self.sizes if s >= tokens)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the prefill batch; returns the last layer's hidden states [T, hidden]."""
@@ -126,35 +209,9 @@ class PrefillCudaGraphs:
             self.reqs[1, bs : bs + 1].fill_(pad)
             extend_lens, seq_lens = [*extend_lens, pad], [*seq_lens, pad]
         self.backend.init_prefill_graph_replay(extend_lens, seq_lens, padded)
-        if self.graphs:
-            self.graphs[padded].replay()
-        else:
-            self.forwards[padded]()
-        # NOTE: a view of the shared buffer: valid until the next replay (the caller computes
-        # the logits from it first; device work runs in launch order)
-        return self.hidden[:num_tokens]
+        return self._run(padded, num_tokens)
 
-    # ------------------------------------------------------------------ capture
-    def _capture_all(self, pool: object) -> None:
-        started = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        stream = torch.cuda.Stream(self.device)
-        # largest first: later, smaller graphs reuse the memory pool the first one grew
-        for tokens in reversed(self.sizes):
-            self.graphs[tokens] = self._capture(tokens, pool, stream)
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info(
-            "captured %d CUDA graphs for prefill (up to %d tokens) in %.1fs (%.0f MiB)",
-            len(self.sizes),
-            self.max_tokens,
-            time.perf_counter() - started,
-            used / 2**20,
-        )
-
-    def _capture(
-        self, tokens: int, pool: object, stream: torch.cuda.Stream
-    ) -> torch.cuda.CUDAGraph:
-        forward = self.forwards[tokens]
+    def _before_capture(self, tokens: int) -> None:
         # the warm-up's batch is padding requests alone (each at most a table row long), so it
         # reads and writes only slot 0
         width = self.req_to_token.table.shape[1]
@@ -164,25 +221,3 @@ class PrefillCudaGraphs:
         self.reqs[1, : len(lens)] = torch.tensor(lens)
         if self.lora_batch is not None:  # the LoRA kernels read a table of this bucket's length
             self.lora_batch.for_graph(tokens, self.max_requests)
-        return capture_graph(forward, pool, stream, warm_ups=1)
-
-    def _forward_fn(self, tokens: int) -> Callable[[], None]:
-        static = self.tokens
-        batch = ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            input_ids=static[0, :tokens],
-            positions=static[1, :tokens],
-            out_cache_loc=static[2, :tokens],
-            req_pool_indices=self.reqs[0],
-            seq_lens=self.reqs[1],
-            seq_lens_cpu=None,
-            extend_lens_cpu=None,
-            kv_pool=self.kv_pool,
-            req_to_token=self.req_to_token.table,
-        )
-        out, forward_hidden = self.hidden[:tokens], self.forward_hidden
-
-        def forward() -> None:
-            out.copy_(forward_hidden(batch))
-
-        return forward

@@ -30,23 +30,20 @@ next replay; the caller computes the logits of the rows it needs from them at on
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.batch.forward_batch import ForwardBatch, ForwardMode
+from engine.batch.forward_batch import ForwardBatch
 from engine.memory.kv_pool import KVPool
 from engine.memory.req_to_token import ReqToTokenPool
-from engine.runner.cuda_graph import capture_graph
-from engine.runner.prefill_graph import prefill_capture_sizes
-
-logger = logging.getLogger(__name__)
+from engine.runner.prefill_graph import TokenBucketGraphs
 
 
-class VerifyCudaGraphs:
+class VerifyCudaGraphs(TokenBucketGraphs):
+    verify = True
+
     def __init__(
         self,
         forward_hidden: Callable[[ForwardBatch], torch.Tensor],
@@ -60,38 +57,25 @@ class VerifyCudaGraphs:
         pool: object = None,
         capture: bool = True,
     ) -> None:
-        self.forward_hidden = forward_hidden
-        self.backend = backend
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token
         max_tokens = max_bs * max_queries
-        self.sizes = prefill_capture_sizes(max_tokens)
-        self.max_bs = max_bs
-        self.max_tokens = max_tokens
-        self.device = device = req_to_token.table.device
-        self.tokens = torch.zeros((3, max_tokens), dtype=torch.int64, device=device)
-        self.reqs = torch.zeros((2, max_bs), dtype=torch.int64, device=device)
-        self.reqs[0] = req_to_token.padding_row
-        self.hidden = torch.empty((max_tokens, hidden_size), dtype=dtype, device=device)
+        super().__init__(
+            forward_hidden, kv_pool, req_to_token, hidden_size, dtype, max_tokens, max_bs
+        )
+        self.reqs[0] = req_to_token.padding_row  # (length 0: the captures' batches read nothing)
+        self.backend = backend
         backend.init_verify_graph_capture(max_bs, max_tokens, max_queries)
-        self.forwards = {tokens: self._forward_fn(tokens) for tokens in self.sizes}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if capture:
-            self._capture_all(pool)
+        backend.init_verify_graph_replay([], [])  # (no request: all padding)
+        self._build(capture, pool, "verify steps")
 
     def fits(self, batch: ForwardBatch) -> bool:
         return (
             batch.verify
-            and batch.batch_size <= self.max_bs
+            and batch.batch_size <= self.max_requests
             and batch.input_ids.shape[0] <= self.max_tokens
         )
 
-    def padded_size(self, tokens: int) -> int:
-        return next(s for s in self.sizes if s >= tokens)
-
     def requests(self, tokens: int) -> int:
-        """The requests the graph of `tokens` tokens holds."""
-        return min(self.max_bs, tokens)
+        return min(self.max_requests, tokens)  # (each request has a token at least)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the verify batch; returns the last layer's hidden states [T, hidden]."""
@@ -108,53 +92,4 @@ class VerifyCudaGraphs:
             self.reqs[0, bs:requests].fill_(self.req_to_token.padding_row)
             self.reqs[1, bs:requests].zero_()
         self.backend.init_verify_graph_replay(batch.extend_lens_cpu, batch.seq_lens_cpu)
-        if self.graphs:
-            self.graphs[padded].replay()
-        else:
-            self.forwards[padded]()
-        # NOTE: a view of the shared buffer: valid until the next replay (the caller computes
-        # the logits from it first; device work runs in launch order)
-        return self.hidden[:num_tokens]
-
-    # ------------------------------------------------------------------ capture
-    def _capture_all(self, pool: object) -> None:
-        started = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        stream = torch.cuda.Stream(self.device)
-        self.backend.init_verify_graph_replay([], [])  # (no request: all padding)
-        # largest first: later, smaller graphs reuse the memory pool the first one grew
-        for tokens in reversed(self.sizes):
-            self.graphs[tokens] = capture_graph(self.forwards[tokens], pool, stream, warm_ups=1)
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info(
-            "captured %d CUDA graphs for verify steps (up to %d tokens of %d requests) in "
-            "%.1fs (%.0f MiB)",
-            len(self.sizes),
-            self.max_tokens,
-            self.max_bs,
-            time.perf_counter() - started,
-            used / 2**20,
-        )
-
-    def _forward_fn(self, tokens: int) -> Callable[[], None]:
-        bs = self.requests(tokens)
-        static = self.tokens
-        batch = ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            input_ids=static[0, :tokens],
-            positions=static[1, :tokens],
-            out_cache_loc=static[2, :tokens],
-            req_pool_indices=self.reqs[0, :bs],
-            seq_lens=self.reqs[1, :bs],
-            seq_lens_cpu=None,
-            extend_lens_cpu=None,
-            kv_pool=self.kv_pool,
-            req_to_token=self.req_to_token.table,
-            verify=True,
-        )
-        out, forward_hidden = self.hidden[:tokens], self.forward_hidden
-
-        def forward() -> None:
-            out.copy_(forward_hidden(batch))
-
-        return forward
+        return self._run(padded, num_tokens)
