@@ -72,6 +72,8 @@ import numpy as np
 CORPUS_CANDIDATES = 64
 # Past this many earlier occurrences of the last token, the own search tries the newest first.
 OWN_NEWEST_FIRST = 256
+# ...and a batch's corpus search this many of each suffix's candidates (draft_many).
+CORPUS_NEWEST_FIRST = 8
 
 
 def drafts_from_sglang(speculative_num_draft_tokens: int) -> int:
@@ -235,7 +237,9 @@ class NgramDrafter:
         return rows, (np.where(found, n, 0), np.where(found, at + 1, 0))
 
     def _corpus_match_many(self, batch: _Batch, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`_corpus_match` of the batch's sequences `which`: (n, g) of each."""
+        """`_corpus_match` of the batch's sequences `which`: (n, g) of each. Each one's newest
+        CORPUS_NEWEST_FIRST candidates go first; a match of full width among them is the
+        answer (an older one could only tie), and only the others compare the rest."""
         lo, n, at = self.min_window, np.zeros(len(which), np.int64), np.zeros(len(which), np.int64)
         ends, lens, cat = batch.ends[which], batch.lens[which], batch.tokens
         found = [
@@ -244,22 +248,42 @@ class NgramDrafter:
             for e, length in zip(ends.tolist(), lens.tolist())
         ]  # fmt: skip
         found = [f or () for f in found]
+        width = np.minimum(self.max_window, lens)
+        # each sequence's last max_window tokens, newest first (cells past its start: capped)
+        suffix = cat[np.maximum(ends[:, None] - 1 - self._offsets, (ends - lens)[:, None])]
+        newest = [f[-CORPUS_NEWEST_FIRST:] for f in found]
+        rows, best, g = self._best_corpus(newest, suffix, width)
+        n[rows], at[rows] = best, g
+        rest = [i for i in rows[best < width[rows]].tolist() if len(found[i]) > CORPUS_NEWEST_FIRST]
+        if rest:
+            rows, best, g = self._best_corpus([found[i] for i in rest], suffix[rest], width[rest])
+            rest = np.asarray(rest)[rows]
+            n[rest], at[rest] = best, g
+        return n, at
+
+    def _best_corpus(
+        self, found: list, suffix: np.ndarray, width: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sequences with a candidate, the longest match of each, its global position): the
+        longest-newest among each sequence's candidate list `found[i]` (ascending)."""
         counts = np.fromiter(map(len, found), np.int64, len(found))
         if not counts.any():
-            return n, at
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
         cands = np.fromiter(chain.from_iterable(found), np.int64, int(counts.sum()))
-        seq = np.repeat(np.arange(len(which)), counts)
-        size, width = len(self._ring), np.minimum(self.max_window, lens)
+        seq = np.repeat(np.arange(len(found)), counts)
+        size = len(self._ring)
         self.cost.corpus_candidates += len(cands)
         self.cost.compared += len(cands) * self.max_window
-        back = (cands[:, None] - 1 - self._offsets) % size
-        tail = np.maximum(ends[seq][:, None] - 1 - self._offsets, (ends - lens)[seq][:, None])
-        cap = np.minimum(width[seq], cands - self._ring_start[cands % size])
-        lengths = _run_lengths(self._ring[back] == cat[tail], self.max_window, cap)
+        slots = cands % size
+        back = (slots - 1)[:, None] - self._offsets  # ring slots before each candidate
+        if size > self.max_window:  # (one wrap at most: cheaper than a modulo of every cell)
+            back[back < 0] += size
+        else:
+            back %= size
+        cap = np.minimum(width[seq], cands - self._ring_start[slots])
+        lengths = _run_lengths(self._ring[back] == suffix[seq], self.max_window, cap)
         rows, (best, rank) = _longest_newest_each(seq, lengths, _ranks(seq))
-        n[rows] = best
-        at[rows] = cands[np.searchsorted(seq, rows) + rank]
-        return n, at
+        return rows, best, cands[np.searchsorted(seq, rows) + rank]
 
     def _own_match(self, tokens: np.ndarray) -> tuple[int, int]:
         """(n, e) of the longest suffix within the windows that occurred earlier, e the position
