@@ -20,7 +20,9 @@ verify step and a decode step).
 
 What the drafts meet is the model's: random token-id prompts on dummy weights (`--model-config`)
 give greedy outputs that repeat themselves (the drafts come from the request's own output), so
-they show the mechanism's cost and ceiling, not an extraction job's acceptance; at
+they show the mechanism's cost and ceiling, not an extraction job's acceptance; `--copier`
+builds the architecture with weights whose output copies the prompt (bench/copier.py: every
+n-gram draft from the prompt is right, the extraction shape at its best); at
 `--temperature 1` the outputs are random (nothing to accept: the policy's cost); `--prompts` (a
 JSON list of token-id lists) with a trained `--model` measures a real job.
 """
@@ -139,8 +141,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the table's rows to this file")
+    ap.add_argument(
+        "--copier", action="store_true",
+        help="--model-config's architecture with weights that copy the prompt (bench/copier.py)",
+    )  # fmt: skip
     a = ap.parse_args(argv)
+    if a.copier and not a.model_config:
+        raise SystemExit("--copier needs --model-config (the architecture to build it in)")
     model = a.model or dummy_folder(a.model_config)
+    if a.copier:  # (real weights: the engine loads them, not dummy ones)
+        from bench.copier import write_copier
+
+        config = json.loads((Path(model) / "config.json").read_text())
+        max_len = a.input_len + a.output_len + 16
+        model = str(
+            write_copier(tempfile.mkdtemp(prefix="gristmill-copier-"), config, a.input_len, max_len)
+        )
     rng = random.Random(a.seed)
     if a.prompts:
         pool = json.loads(open(a.prompts).read())
@@ -153,12 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [pool[i % len(pool)] for i in range(max(a.batch) * WAVES)]
     sampling = {"temperature": a.temperature, "max_new_tokens": a.output_len, "ignore_eos": True}
     extra = json.loads(a.engine_args)
-    if any(m.startswith("standalone-eighth") for m in a.modes) and a.model:
+    if any(m.startswith("standalone-eighth") for m in a.modes) and (a.model or a.copier):
         raise SystemExit(
-            "--modes standalone-eighth needs --model-config (a dummy draft of 1/8 the layers)"
+            "--modes standalone-eighth needs --model-config without --copier (a dummy draft)"
         )
     mode_args = {m: MODES[m] if m in MODES else standalone_args(m, model) for m in a.modes}
-    runs = {m: run_mode(model, a.model is None, {**extra, **mode_args[m]}, prompts, a.batch, sampling)
+    dummy = a.model is None and not a.copier
+    runs = {m: run_mode(model, dummy, {**extra, **mode_args[m]}, prompts, a.batch, sampling)
             for m in a.modes}  # fmt: skip
     header = (
         "| batch | mode | wall (s) | output tok/s | x off | verify steps | drafted | accepted "
