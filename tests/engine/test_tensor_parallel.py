@@ -194,3 +194,25 @@ def test_tp2_with_a_float8_cache_and_grammars_equals_tp1(llama_dir):
     assert [o["output_ids"] for o in outs] == ref
     for out, regex in zip(outs, regexes):
         assert re.fullmatch(regex, out["text"]), (regex, out["text"])
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_tp2_with_speculation_equals_decoding_without(llama_dir, algorithm):
+    """Every rank verifies the same drafts (the leader's scheduler decides, the ranks follow its
+    messages) and keeps the same accepted tokens: greedy outputs equal one process decoding
+    without speculation, and drafts were accepted."""
+    from tests.engine.test_speculative import repeating_prompts
+
+    prompts = repeating_prompts(6)
+    greedy = {**GREEDY, "max_new_tokens": 24}
+    ref = InProcessCore(llama_dir, dtype="float32").run(prompts, greedy)
+    spec = {"speculative_algorithm": algorithm, "speculative_policy": "always"}
+    if algorithm == "STANDALONE":  # the target as its own draft: every draft accepted
+        spec["speculative_draft_model_path"] = str(llama_dir)
+    with Engine(
+        model_path=str(llama_dir), dtype="float32", tp_size=2, device="cpu", **IDS_ONLY, **spec
+    ) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+        state = engine.get_server_info()["internal_states"][0]
+    assert [o["output_ids"] for o in outs] == ref
+    assert state["verify_steps"] > 0 and state["accepted_draft_tokens"] > 0, state
