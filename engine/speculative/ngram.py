@@ -67,6 +67,15 @@ from itertools import chain
 
 import numpy as np
 
+from engine.speculative.ngram_match import (
+    Batch,
+    copy_forward,
+    longest_newest,
+    longest_newest_each,
+    ranks,
+    run_lengths,
+)
+
 # The corpus's index keeps, per `min_window`-gram, the positions after its most recent
 # occurrences only: a draft compares that many candidates at most, whatever the corpus holds.
 CORPUS_CANDIDATES = 64
@@ -147,7 +156,7 @@ class NgramDrafter:
             corpus_n, at = self._corpus_match(tokens)
             if corpus_n > own_n:
                 return self._corpus_draft(at, k), -1
-        return (_copy_forward(tokens, own_end, k), own_end) if own_n else ([], -1)
+        return (copy_forward(tokens, own_end, k), own_end) if own_n else ([], -1)
 
     def follow(self, tokens: np.ndarray, source: int, max_tokens: int | None = None) -> list[int]:
         """The draft copied from `source` on (a position of `tokens`, as `draft_with_source`
@@ -155,7 +164,7 @@ class NgramDrafter:
         source went on as its output did (the scheduler's shortcut, engine/scheduler/
         speculation.py). Up to `min(num_draft_tokens, max_tokens)` tokens."""
         k = self.num_draft_tokens if max_tokens is None else min(self.num_draft_tokens, max_tokens)
-        return _copy_forward(tokens, source, k) if k > 0 else []
+        return copy_forward(tokens, source, k) if k > 0 else []
 
     def draft_batch(
         self, seqs: Sequence[np.ndarray], max_tokens: Sequence[int] | int | None = None
@@ -178,7 +187,7 @@ class NgramDrafter:
             return out
         group = [seqs[i] for i in live]
         lens = np.fromiter(map(len, group), np.int64, len(group))
-        batch = _Batch(np.concatenate(group), lens)
+        batch = Batch(np.concatenate(group), lens)
         own_n, own_end = self._own_match_many(batch)
         corpus_n, corpus_at = np.zeros_like(own_n), np.zeros_like(own_n)
         if self._index:  # (as draft_with_source: only a longer match than the own can win)
@@ -190,10 +199,10 @@ class NgramDrafter:
                 out[i] = (self._corpus_draft(int(corpus_at[j]), k), -1)
             elif own_n[j]:
                 end = int(own_end[j])
-                out[i] = (_copy_forward(group[j], end, k), end)
+                out[i] = (copy_forward(group[j], end, k), end)
         return out
 
-    def _own_match_many(self, batch: _Batch) -> tuple[np.ndarray, np.ndarray]:
+    def _own_match_many(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         """`_own_match` of every sequence of the batch: (n [B], e [B])."""
         n, end = np.zeros(len(batch.lens), np.int64), np.zeros(len(batch.lens), np.int64)
         cat, last = batch.tokens, batch.ends - 1
@@ -207,7 +216,7 @@ class NgramDrafter:
         self.cost.scanned += int((batch.lens - 1)[width >= self.min_window].sum())
         # the newest OWN_NEWEST_FIRST candidates of each sequence first, as _own_match does
         run = np.bincount(seq, minlength=len(width))[seq]  # each one's sequence's candidates
-        first = _ranks(seq) >= run - OWN_NEWEST_FIRST
+        first = ranks(seq) >= run - OWN_NEWEST_FIRST
         rows, best = self._best_own(batch, cands[first], seq[first], width)
         n[rows], end[rows] = best
         redo = np.isin(seq, rows[best[0] < width[rows]]) & ~first
@@ -218,7 +227,7 @@ class NgramDrafter:
         return n, end
 
     def _best_own(
-        self, batch: _Batch, cands: np.ndarray, seq: np.ndarray, width: np.ndarray
+        self, batch: Batch, cands: np.ndarray, seq: np.ndarray, width: np.ndarray
     ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """(sequences with a candidate, (n, e) of each): `_longest_own` per sequence."""
         if len(cands) == 0:
@@ -228,15 +237,15 @@ class NgramDrafter:
         back = np.maximum(cands[:, None] - self._offsets, start[:, None])
         tail = np.maximum(batch.ends[seq][:, None] - 1 - self._offsets, start[:, None])
         local = cands - start
-        lengths = _run_lengths(
+        lengths = run_lengths(
             batch.tokens[back] == batch.tokens[tail], self.max_window,
             np.minimum(width[seq], local + 1),
         )  # fmt: skip
-        rows, (n, at) = _longest_newest_each(seq, lengths, local)
+        rows, (n, at) = longest_newest_each(seq, lengths, local)
         found = n >= self.min_window
         return rows, (np.where(found, n, 0), np.where(found, at + 1, 0))
 
-    def _corpus_match_many(self, batch: _Batch, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _corpus_match_many(self, batch: Batch, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`_corpus_match` of the batch's sequences `which`: (n, g) of each. Each one's newest
         CORPUS_NEWEST_FIRST candidates go first; a match of full width among them is the
         answer (an older one could only tie), and only the others compare the rest."""
@@ -281,8 +290,8 @@ class NgramDrafter:
         else:
             back %= size
         cap = np.minimum(width[seq], cands - self._ring_start[slots])
-        lengths = _run_lengths(self._ring[back] == suffix[seq], self.max_window, cap)
-        rows, (best, rank) = _longest_newest_each(seq, lengths, _ranks(seq))
+        lengths = run_lengths(self._ring[back] == suffix[seq], self.max_window, cap)
+        rows, (best, rank) = longest_newest_each(seq, lengths, ranks(seq))
         return rows, best, cands[np.searchsorted(seq, rows) + rank]
 
     def _own_match(self, tokens: np.ndarray) -> tuple[int, int]:
@@ -308,8 +317,8 @@ class NgramDrafter:
         idx = cands[:, None] - self._offsets[:width]
         np.maximum(idx, 0, out=idx)  # cells before the sequence's start: capped below
         eq = tokens[idx] == tokens[len(tokens) - width :][::-1]
-        lengths = _run_lengths(eq, width, cands + 1)
-        i, n = _longest_newest(lengths)
+        lengths = run_lengths(eq, width, cands + 1)
+        i, n = longest_newest(lengths)
         return (n, int(cands[i]) + 1) if n >= self.min_window else (0, 0)
 
     def _corpus_match(self, tokens: np.ndarray) -> tuple[int, int]:
@@ -330,8 +339,8 @@ class NgramDrafter:
         idx = (cands[:, None] - 1 - self._offsets[:width]) % size
         eq = self._ring[idx] == tokens[length - width :][::-1]
         # the first `lo` cells are the key, equal; a match stops at its entry's start
-        lengths = _run_lengths(eq, width, cands - self._ring_start[cands % size])
-        i, n = _longest_newest(lengths)
+        lengths = run_lengths(eq, width, cands - self._ring_start[cands % size])
+        i, n = longest_newest(lengths)
         return n, int(cands[i])
 
     def _corpus_draft(self, at: int, k: int) -> list[int]:
@@ -416,54 +425,3 @@ class NgramDrafter:
             ring[kept % new] = self._ring[kept % size]
             ring_start[kept % new] = self._ring_start[kept % size]
         self._ring, self._ring_start = ring, ring_start
-
-
-def _run_lengths(eq: np.ndarray, width: int, cap: np.ndarray) -> np.ndarray:
-    """Per row of `eq` (cell 0 always True): the leading run of Trues, at most `cap`."""
-    lengths = eq.argmin(axis=1)  # the first mismatch; 0 where there is none
-    lengths[lengths == 0] = width
-    return np.minimum(lengths, cap, out=lengths)
-
-
-def _longest_newest(lengths: np.ndarray) -> tuple[int, int]:
-    """(row, length) of the longest, the last row (the newest candidate) among equals."""
-    i = len(lengths) - 1 - int(lengths[::-1].argmax())
-    return i, int(lengths[i])
-
-
-class _Batch:
-    """Sequences searched together: their tokens end to end, and each one's length and end."""
-
-    __slots__ = ("ends", "lens", "tokens")
-
-    def __init__(self, tokens: np.ndarray, lens: np.ndarray) -> None:
-        self.tokens, self.lens, self.ends = tokens, lens, np.cumsum(lens)
-
-
-def _ranks(seq: np.ndarray) -> np.ndarray:
-    """Each entry's index within its run of equal values (`seq` sorted)."""
-    if len(seq) == 0:
-        return seq
-    firsts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
-    return np.arange(len(seq)) - np.repeat(firsts, np.diff(np.r_[firsts, len(seq)]))
-
-
-def _longest_newest_each(
-    seq: np.ndarray, lengths: np.ndarray, order: np.ndarray
-) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """Per run of equal `seq` (sorted): (the run's value, (the longest length, and the largest
-    `order` among the longest)): `_longest_newest` of each sequence's candidates at once."""
-    scale = int(order.max()) + 1
-    firsts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
-    best = np.maximum.reduceat(lengths * scale + order, firsts)
-    return seq[firsts], (best // scale, best % scale)
-
-
-def _copy_forward(toks: np.ndarray, end: int, k: int) -> list[int]:
-    """k tokens copied from position `end` on, reading past the end of `toks` into the copy
-    itself (an overlapping copy, as LZ77's): (toks + draft)[end + j] for j < k."""
-    draft = toks[end : end + k].tolist()
-    period = len(toks) - end
-    while len(draft) < k:
-        draft.append(draft[len(draft) - period])
-    return draft
