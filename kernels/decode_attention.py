@@ -62,6 +62,16 @@ normalisation, so no element is multiplied by a scale.
 The broadcast path widens to float32 as always. A cache of q's dtype compiles without any of
 it (``KV_FP8`` is a constexpr) and never reads the scales.
 
+Several queries a request (``QN`` > 1: a speculative verify step, kernels/verify_attention.py).
+A request brings its last ``n <= QN`` tokens as queries (rows ``QStarts[b] ..`` of q), and a
+stage-1 program takes all of them for its kv head: row r is query ``r // G`` and head ``r %
+G`` of the group, ``BLOCK_H = next_pow2(G * QN)`` rows, so each K/V tile is read once for the
+request's queries and heads together, as a decode step reads it for the heads. Query j sees
+the tokens before ``seq_len - n + j + 1`` (``CAUSAL``: a per-row bound on the tile's columns);
+a row whose split holds none of its tokens keeps ``m = -inf`` and writes weight 0 to stage 2,
+which merges each query row's splits as a decode row's. The scratch and the output are
+indexed by q's rows.
+
 Packed heads (``HEADS`` > 1; a float8 cache with V grouped, kernels/v_groups.py). A group of 2
 query heads fills 2 of a dot's 16 rows, so most of each tile's softmax work (scale, max, exp2,
 sum, the accumulator's rescale: per row and token) is spent on padding, and a float8 tile,
