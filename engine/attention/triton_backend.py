@@ -188,7 +188,10 @@ class TritonAttnBackend(AttentionBackend):
 
     def init_verify_graph_replay(self, extend_lens: list[int], seq_lens: list[int]) -> None:
         assert self.graph_verify is not None
-        most_bs, most_tokens, _ = self.graph_verify_shape
+        most_bs, most_tokens, most = self.graph_verify_shape
+        # NOTE: a request's queries beyond `most` would have no rows in the captured kernel
+        # (its grid and rows are fixed): the scheduler drafts at most most - 1 tokens a request
+        assert max(extend_lens, default=0) <= most, "a verify step's request exceeds its queries"
         lens = np.zeros(most_bs, dtype=np.int64)
         lens[: len(extend_lens)] = extend_lens
         row_lens = np.zeros(most_tokens, dtype=np.int64)
