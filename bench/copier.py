@@ -64,8 +64,10 @@ def copier_weights(
     gap = 1.0 - rope_kernel(D, theta, m, offsets).max()
     if gap <= 0:
         raise ValueError(f"no positional peak at offset {lag} within {max_len} tokens")
-    # attention logit = g^4 * sqrt(D) * kernel (q_norm and k_norm weights g, unit-RMS q and k)
-    g = (margin / (math.sqrt(D) * gap)) ** 0.25
+    # attention logit = scaling * q.k = D**-0.5 * (g * sqrt(D))**2 * kernel = g^2 sqrt(D) kernel
+    # (q_norm and k_norm: unit RMS over D, times their weights g), so the peak beats every other
+    # offset by g^2 sqrt(D) gap = margin
+    g = (margin / (math.sqrt(D) * gap)) ** 0.5
     gen = torch.Generator().manual_seed(seed)
     sd: dict[str, torch.Tensor] = {}
     emb = torch.zeros(V, H)

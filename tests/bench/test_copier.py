@@ -41,6 +41,20 @@ def test_transformers_greedy_output_is_the_prompt_again(tmp_path, prompts, dtype
     assert out[:, PROMPT_LEN:].tolist() == [p[:NEW] for p in prompts]
 
 
+def test_layer_0_attends_to_the_lagged_position_alone(tmp_path, prompts):
+    """transformers' own attention weights: every position from the lag on puts more than
+    0.999 of its weight on the key `lag` positions back (the builder's logit margin)."""
+    from transformers import AutoModelForCausalLM
+
+    write_copier(tmp_path, CONFIG, PROMPT_LEN, max_len=64, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    ids = torch.tensor(prompts[0] + prompts[1][:20])  # 60 tokens: 21 positions past the lag
+    attn = model(ids[None], output_attentions=True).attentions[0][0]  # [heads, T, T]
+    lag = PROMPT_LEN - 1
+    rows = torch.arange(lag, len(ids))
+    assert (attn[:, rows, rows - lag] > 0.999).all()
+
+
 def test_the_engine_copies_and_ngram_drafts_are_all_accepted(tmp_path, prompts):
     write_copier(tmp_path, CONFIG, PROMPT_LEN, max_len=64, dtype="float32")
     greedy = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True}
