@@ -22,6 +22,13 @@ DEFAULT_DRAFT_STEPS = 3  # speculative_num_steps of a draft model (STANDALONE), 
 # the LM head's row buckets up to it (engine/runner/model_runner.py).
 MAX_VERIFY_TOKENS = 2048
 
+
+def verify_token_limit(max_prefill_tokens: int) -> int:
+    """The most tokens one verify step computes: MAX_VERIFY_TOKENS, and never more than a
+    prefill step may (`max_prefill_tokens`, whose activations start-up measured)."""
+    return min(MAX_VERIFY_TOKENS, max_prefill_tokens)
+
+
 _POSITIVE = Rule(("a positive integer",), minimum=1)
 # each argument's rule, part of ServerArgs' table (engine/server_args.py: _RULES)
 SPECULATIVE_RULES: dict[str, Rule] = {

@@ -47,7 +47,7 @@ from engine.runner.prefill_graph import PrefillCudaGraphs, prefill_capture_sizes
 from engine.runner.verify_graph import VerifyCudaGraphs
 from engine.sampling.penalties import PenaltyState
 from engine.server_args import ServerArgs
-from engine.speculative_args import MAX_VERIFY_TOKENS
+from engine.speculative_args import MAX_VERIFY_TOKENS, verify_token_limit
 from engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,8 @@ class ModelRunner:
                 self.verify_graphs = VerifyCudaGraphs(
                     self.forward_hidden, self.attn_backend, self.kv_pool, self.req_to_token,
                     config.hidden_size, config.dtype, self.graphs.max_bs,
-                    args.speculative_num_draft_tokens, pool=pool,
+                    args.speculative_num_draft_tokens, verify_token_limit(args.max_prefill_tokens),
+                    pool=pool,
                 )  # fmt: skip
 
     # ------------------------------------------------------------------ weights

@@ -11,12 +11,13 @@ They are keyed by token count, with the prefill graphs' buckets (at most 25% pad
 batch size: a step's tokens are its requests' last tokens and drafts, from one to
 `max_queries` each (speculative_num_draft_tokens), so a graph per batch size would compute
 up to `max_queries` times the tokens. The graph of N tokens holds at most min(max_bs, N)
-requests (each has a token at least).
+requests (each has a token at least); the largest holds the most tokens a verify step computes
+(engine/speculative_args.py: verify_token_limit, 2048).
 
 Static inputs:
 
-    tokens [3, max_bs * max_queries]   input ids, positions, out_cache_loc
-    reqs   [2, max_bs]                 req_pool_indices, seq_lens
+    tokens [3, max_tokens]   input ids, positions, out_cache_loc
+    reqs   [2, max_bs]       req_pool_indices, seq_lens
 
 A replay copies the batch's T tokens and B requests into the front of them. Requests [B, R)
 of the graph's R are padding: the table's padding row and length 0 (attention reads nothing
@@ -54,10 +55,13 @@ class VerifyCudaGraphs(TokenBucketGraphs):
         dtype: torch.dtype,
         max_bs: int,
         max_queries: int,
+        max_tokens: int,
         pool: object = None,
         capture: bool = True,
     ) -> None:
-        max_tokens = max_bs * max_queries
+        """`max_queries`: tokens a request at most (its last and its drafts); `max_tokens`: a
+        step's at most (engine/speculative_args.py: verify_token_limit)."""
+        max_tokens = min(max_tokens, max_bs * max_queries)
         super().__init__(
             forward_hidden, kv_pool, req_to_token, hidden_size, dtype, max_tokens, max_bs
         )

@@ -29,7 +29,7 @@ from engine.sampling.penalties import has_penalties
 from engine.server_args import ServerArgs
 from engine.speculative.ngram import NgramDrafter, drafts_from_sglang
 from engine.speculative.policy import DraftPolicy, DraftState
-from engine.speculative_args import MAX_VERIFY_TOKENS
+from engine.speculative_args import verify_token_limit
 
 
 class Speculation:
@@ -68,7 +68,7 @@ class Speculation:
         )
         always = args.speculative_policy == "always"
         self.policy = DraftPolicy(drafts, always, draft_cost(runner) if standalone else 0.0)
-        self.max_tokens = min(MAX_VERIFY_TOKENS, args.max_prefill_tokens)
+        self.max_tokens = verify_token_limit(args.max_prefill_tokens)
 
     def wants_fresh_tokens(self) -> bool:
         """Whether the next decode step may draft: then the step before it is read first."""
@@ -185,7 +185,7 @@ class Speculation:
         return [chain[:n] for chain, n in zip(chains, ks)]
 
     def _per_request(self, reqs: list[Req]) -> int:
-        """Drafts a request may take within MAX_VERIFY_TOKENS for the batch."""
+        """Drafts a request may take within the batch's verify_token_limit."""
         return max((self.max_tokens - len(reqs)) // max(len(reqs), 1), 0)
 
     def _follow(self, req: Req, state: DraftState, k: int) -> list[int] | None:

@@ -301,7 +301,8 @@ def test_the_triton_backend_verifies_on_its_kernel_eagerly_and_in_graphs(llama_d
     runner = core.scheduler.runner
     graphs = VerifyCudaGraphs(
         runner.forward_hidden, runner.attn_backend, runner.kv_pool, runner.req_to_token,
-        runner.config.hidden_size, torch.float32, max_bs=4, max_queries=5, capture=False,
+        runner.config.hidden_size, torch.float32, max_bs=4, max_queries=5, max_tokens=20,
+        capture=False,
     )  # fmt: skip
     replays = []
     replay = graphs.replay
