@@ -321,9 +321,16 @@ class ModelRunner:
         )
 
     def _verifies_on_graphs(self) -> bool:
-        """Whether verify steps get graphs of their own (engine/runner/verify_graph.py); with
-        LoRA they run eagerly (its block table would need capturing per size too)."""
-        return self.args.speculative and self.attn_backend.has_verify_kernel and self.lora is None
+        """Whether verify steps get graphs of their own (engine/runner/verify_graph.py). With
+        LoRA they run eagerly (its block table would need capturing per size too), and on a
+        vision-language model (an EXTEND step's M-RoPE positions come with its ImageBatch,
+        which no graph captures: as its prefills, engine/runner/image_embedder.py)."""
+        return (
+            self.args.speculative
+            and self.attn_backend.has_verify_kernel
+            and self.lora is None
+            and self.images is None
+        )
 
     def _prefill_graph_tokens(self) -> int:
         """The largest prefill step a graph replays (0: none), never above what a step holds."""
