@@ -48,12 +48,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(check, timeout: float, what: str) -> None:
+def _wait(check, timeout: float, what: str, page=None) -> None:
+    """Poll `check` every half second. With `page`, the pause is the page's own: Playwright's
+    sync API hands the page's events (responses heard) to their handlers only inside its calls,
+    never during a time.sleep."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
             return
-        time.sleep(0.5)
+        if page is not None:
+            page.wait_for_timeout(500)
+        else:
+            time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
@@ -181,7 +187,7 @@ def test_quick_run_of_the_demo_evaluate_deployment_completes(ui, page):
     for attempt in range(3):
         dialog.get_by_role("button", name="Run", exact=True).click()
         try:
-            _wait(lambda a=attempt: created() or refused() > a, 120, "the quick run")
+            _wait(lambda a=attempt: created() or refused() > a, 120, "the quick run", page)
         except AssertionError:
             break
         if created() or not dialog.count():
