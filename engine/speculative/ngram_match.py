@@ -15,12 +15,6 @@ def run_lengths(eq: np.ndarray, width: int, cap: np.ndarray) -> np.ndarray:
     return np.minimum(lengths, cap, out=lengths)
 
 
-def longest_newest(lengths: np.ndarray) -> tuple[int, int]:
-    """(row, length) of the longest, the last row (the newest candidate) among equals."""
-    i = len(lengths) - 1 - int(lengths[::-1].argmax())
-    return i, int(lengths[i])
-
-
 class Batch:
     """Sequences searched together: their tokens end to end, and each one's length and end."""
 
@@ -42,7 +36,7 @@ def longest_newest_each(
     seq: np.ndarray, lengths: np.ndarray, order: np.ndarray
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """Per run of equal `seq` (sorted): (the run's value, (the longest length, and the largest
-    `order` among the longest)): `longest_newest` of each sequence's candidates at once."""
+    `order` among the longest)): each sequence's longest match, the newest among equals, at once."""
     scale = int(order.max()) + 1
     firsts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
     best = np.maximum.reduceat(lengths * scale + order, firsts)
