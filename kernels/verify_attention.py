@@ -64,7 +64,8 @@ def verify_attention(
     ``q_lens[b]`` (it sizes the programs' rows). The other arguments are decode_attention's:
     ``num_kv_splits`` None picks the split count from the batch and the ``max_seq_len`` hint.
     ``row_seq_lens`` int64 [T]: each row's request's length (computed when None). A row of no
-    request (a CUDA graph's padding, with ``row_seq_lens`` 0) is left as ``out`` holds it.
+    request (a CUDA graph's padding, with ``row_seq_lens`` 0) is written as zeros by stage 2,
+    and with one split (no stage 2) left as ``out`` holds it: pass zeros to have zeros.
     """
     T = q.shape[0]
     B = req_pool_indices.shape[0]
