@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
-# Usage there: bash scripts/gpu_session.sh [regress|spec|spec-adaptive|spec-copier|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
+# Usage there: bash scripts/gpu_session.sh [regress|spec|spec-adaptive|spec-copier|spec-copier-tpN|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
 #   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|prefix-steps|trtllm-steps|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -110,6 +110,10 @@ run_step() {
                [ "$GPUS" -ge 2 ] && steps="gpu tp w1 w2 prefix-on prefix-off"
                for step in $steps; do run_step "$step" >/dev/null; done
                summary $steps ;;
+      # the extraction shape with tensor parallelism (every rank verifies the leader's drafts)
+      spec-copier-tp[0-9]*) python3 -m bench.speculative --model-config qwen3-0.6b --copier --batch 16 256 \
+                --input-len 1000 --output-len 200 --modes off ngram --engine-args "{\"tp_size\": ${s#spec-copier-tp}}" \
+                --json "$OUT/$s.json" 2>&1 | grep "^|\|Error" ;;
       w2-tp[0-9]*) bench $W2 --engine-args "{\"tp_size\": ${s#w2-tp}}" ;;
       w1-dp[0-9]*) bench $W1 --engine-args "{\"dp_size\": ${s#w1-dp}}" ;;
       prefix-dp[0-9]*) bench $PREFIX --engine-args "{\"dp_size\": ${s#prefix-dp}}" ;;

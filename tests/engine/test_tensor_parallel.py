@@ -216,3 +216,31 @@ def test_tp2_with_speculation_equals_decoding_without(llama_dir, algorithm):
         state = engine.get_server_info()["internal_states"][0]
     assert [o["output_ids"] for o in outs] == ref
     assert state["verify_steps"] > 0 and state["accepted_draft_tokens"] > 0, state
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_tp2_on_two_gpus_with_speculation_equals_decoding_without(qwen3_dir, algorithm):
+    """The GPU path of the test above: NCCL, the decode and verify CUDA graphs, overlap on, in
+    float32. Both ranks verify the leader's drafts, so tp_size 2 with speculation gives the
+    greedy tokens of tp_size 2 without it, accepts drafts, and frees every rejected slot."""
+    from tests.engine.test_speculative import GREEDY as SPEC_GREEDY
+    from tests.engine.test_speculative import repeating_prompts
+
+    prompts = repeating_prompts(48)
+    args = {"model_path": str(qwen3_dir), "dtype": "float32", "tp_size": 2,
+            "max_total_tokens": 16384, **IDS_ONLY}  # fmt: skip
+    spec = {"speculative_algorithm": algorithm, "speculative_policy": "always"}
+    if algorithm == "STANDALONE":  # the target as its own draft: every draft accepted
+        spec["speculative_draft_model_path"] = str(qwen3_dir)
+    outputs, states = [], []
+    for extra in ({}, spec):
+        with Engine(**args, **extra) as engine:
+            assert engine.get_server_info()["dp_ranks"][0]["devices"] == ["cuda:0", "cuda:1"]
+            outs = engine.generate(input_ids=prompts, sampling_params=SPEC_GREEDY)
+            outputs.append([o["output_ids"] for o in outs])
+            states.append(engine.get_server_info()["internal_states"][0])
+    assert outputs[1] == outputs[0]
+    assert states[1]["verify_steps"] > 0 and states[1]["accepted_draft_tokens"] > 0, states[1]
+    assert states[1]["kv_free_tokens"] == states[0]["kv_free_tokens"]
