@@ -34,7 +34,8 @@ the draft forwards' (`draft_cost` decode steps per drafted token: the draft's we
 target's, a decode step being a read of the weights; `worth_drafting`). Its probe cannot draft
 from stale tokens (its K/V must hold every token before it drafts): a probe arms the next step,
 which is read first and drafts and verifies whatever the rates say (`arm_probe`), so its outcome
-is evidence. With nothing to accept it pays one such step every MAX_PAUSE steps. A draft model
+is evidence. Once judged drafts show that even its longest chains, at the engine's acceptance
+so far, cannot pay, it probes again only every MAX_DRAFT_PAUSE steps (`could_pay`). A draft model
 that could not pay even were every draft accepted (`could_pay`: its forwards and the verify step
 cost more than its longest chain gives) never probes: the target as its own draft, say.
 
@@ -60,6 +61,10 @@ from dataclasses import dataclass
 # (batch at least, gain).
 VERIFY_GAIN = ((1, 0.8), (16, 1.2), (64, 1.5), (256, 1.5))
 MAX_PAUSE = 64  # steps between probes, at most, while drafting does not pay
+# A draft model's probe costs several decode steps (its catch-up forward, its drafts, a verify
+# step read first): once probes have shown drafts that cannot pay, it probes again only after
+# this many steps (a 1/8-layer dummy draft, probing every MAX_PAUSE steps, cost 5% at batch 1)
+MAX_DRAFT_PAUSE = 512
 MAX_WAIT = 31  # steps a request waits after a draft that missed, at most
 # a request's acceptance rate starts at the engine's, weighted as this many drafted tokens
 PRIOR_TOKENS = 4.0
@@ -102,6 +107,7 @@ class DraftPolicy:
         self.active = False
         self._steps = 0
         self._resume_at = 0  # while off: the step of the next probe
+        self._last_probe = 0  # a draft model's: the step that armed it
         self._pause = 1
         # the engine's acceptance so far (counts of drafted and accepted tokens)
         self._drafted = PRIOR_TOKENS
@@ -140,6 +146,7 @@ class DraftPolicy:
     def arm_probe(self) -> None:
         """A draft model's probe: the next step is read first, then drafts and verifies."""
         self.active = self._armed = True
+        self._last_probe = self._steps
 
     def after_probe(self, worth: bool) -> None:
         """A probe's drafts would have been worth a verify step (drafting goes on) or not."""
@@ -205,9 +212,20 @@ class DraftPolicy:
         return drafted > 0 and expected >= gain_for(batch) * batch
 
     def could_pay(self, batch: int) -> bool:
-        """Whether a draft model's longest chains, every draft accepted, would pay at `batch`."""
+        """Whether a draft model's longest chains would pay at `batch` (so a probe is worth it):
+        every draft accepted, while no draft has been judged or MAX_DRAFT_PAUSE steps have
+        passed since the last probe (a job's outputs may have turned predictable); otherwise at
+        the engine's acceptance so far."""
         drafts = self.max_drafts
-        return self.always or drafts >= gain_for(batch) + drafts * self.draft_cost
+        cost = gain_for(batch) + drafts * self.draft_cost
+        if self.always:
+            return True
+        if drafts < cost:
+            return False
+        if self._drafted <= PRIOR_TOKENS or self._steps - self._last_probe >= MAX_DRAFT_PAUSE:
+            return True
+        r = self._accepted / self._drafted
+        return (r * (1 - r**drafts) / (1 - r) if r < 1 else drafts) >= cost
 
     def worth_drafting(self, expected: float, batch: int, drafts: int) -> bool:
         """Whether a draft model's `drafts` drafts per request, expected to give `expected`

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.speculative.policy import MAX_PAUSE, MAX_WAIT, VERIFY_GAIN, DraftPolicy, gain_for
+from engine.speculative.policy import (
+    MAX_DRAFT_PAUSE,
+    MAX_PAUSE,
+    MAX_WAIT,
+    VERIFY_GAIN,
+    DraftPolicy,
+    gain_for,
+)
 
 
 def test_expected_acceptance_is_the_sum_of_the_chain_probabilities():
@@ -113,10 +120,13 @@ def test_a_draft_model_drafts_only_when_acceptance_covers_verify_and_draft_forwa
     assert DraftPolicy(max_drafts=8, draft_cost=0.25).could_pay(1)
 
 
-def test_a_draft_models_probes_verify_and_grow_rarer_when_nothing_is_accepted():
+@pytest.mark.parametrize("accepted", [0, 4])
+def test_a_draft_models_probes_verify_and_stop_when_nothing_is_accepted(accepted):
     """Drafting off, a probe arms the next step (read first), which drafts and verifies
-    whatever the rates say; with nothing accepted the probes come at pauses doubling up to
-    MAX_PAUSE, never reset by the probe's own verify step."""
+    whatever the rates say (speculation.py's order of calls). With nothing accepted, the
+    engine's acceptance cannot pay for the next probe: it comes after MAX_DRAFT_PAUSE steps,
+    once (the pauses between the checks doubling up to MAX_PAUSE, never reset by the probe's
+    own verify step). With every draft accepted, it verifies every step after the probe."""
     policy = DraftPolicy(max_drafts=4, draft_cost=0.5)
     state = policy.new_state()
     verifies = []
@@ -128,10 +138,14 @@ def test_a_draft_models_probes_verify_and_grow_rarer_when_nothing_is_accepted():
             policy.after_plan(worth)
             if worth:
                 verifies.append(step)
-                policy.verified(state, drafted=4, accepted=0)
+                policy.verified(state, drafted=4, accepted=accepted)
                 state.wait = 0
         elif probe:
-            policy.arm_probe()
-    gaps = [b - a for a, b in zip(verifies, verifies[1:])]
-    assert gaps[:5] == sorted(gaps[:5]) and gaps[-1] >= MAX_PAUSE
-    assert len(verifies) < 600 / MAX_PAUSE + 8
+            if policy.could_pay(1):
+                policy.arm_probe()
+            else:
+                policy.after_probe(False)
+    if accepted:
+        assert verifies == list(range(1, 600))
+    else:
+        assert len(verifies) == 2 and MAX_DRAFT_PAUSE <= verifies[1] - verifies[0] < 600
