@@ -14,11 +14,17 @@ down; no norms or RoPE, which cost little) is captured in a CUDA graph three way
 - `halves, one stream`: two halves one after the other (what the smaller products cost);
 - `halves, two streams`: a half on each stream, forked and joined in the graph.
 
+Streams alone leave the hardware to share the SMs, and each kernel asks for all of them. So
+the same chains run again eagerly (a graph does not take work from another CUDA context):
+the whole batch on one stream, and each half on a stream of its own CUDA green context, a
+partition of the SMs (`--partition` SMs each), the second half starting once the first has
+finished its first QKV product, so that one half's attention meets the other's products.
+
 The halves compute the rows the whole batch computes (checked before timing). Prints ms per
 step, µs per layer, and the two floors: bytes (weights once, each request's K/V) over the
 measured copy rate, FLOPs over the measured matmul rate.
 
-    python -m bench.stream_overlap [--batch 320] [--context 1150] [--layers 8]
+    python -m bench.stream_overlap [--batch 320] [--context 1150] [--layers 8] [--partition 64]
 """
 
 from __future__ import annotations
@@ -102,11 +108,17 @@ def make_model(shape: Shape, layers: int, batch: int, context: int, device, dtyp
     return model, table
 
 
-def chain(model: list[Layer], table: torch.Tensor, rows: Rows, shape: Shape) -> torch.Tensor:
-    """The rows through every layer; returns their hidden states."""
+def chain(
+    model: list[Layer], table: torch.Tensor, rows: Rows, shape: Shape, mark=None
+) -> torch.Tensor:
+    """The rows through every layer; returns their hidden states. `mark`: an event recorded
+    after the first layer's QKV product."""
     x, b = rows.x, rows.x.shape[0]
-    for layer in model:
-        q = (x @ layer.qkv)[:, : shape.heads * shape.head_dim].view(b, shape.heads, shape.head_dim)
+    for i, layer in enumerate(model):
+        qkv = x @ layer.qkv
+        if mark is not None and i == 0:
+            mark.record()
+        q = qkv[:, : shape.heads * shape.head_dim].view(b, shape.heads, shape.head_dim)
         attn = decode_attention(
             q, layer.k, layer.v, table, rows.pool, rows.lens, shape.head_dim**-0.5
         )
@@ -149,6 +161,71 @@ def variants(model, table, rows: Rows, shape: Shape, side: torch.cuda.Stream | N
     return found
 
 
+def on_partitions(model, table, rows: Rows, shape: Shape, streams):
+    """A function of no arguments: each half on one of `streams` (green contexts' streams),
+    the second starting once the first has its first QKV product."""
+    a, b = halves(rows)
+
+    def run():
+        main, (first, second) = torch.cuda.current_stream(), streams
+        started = torch.cuda.Event()
+        first.wait_stream(main)
+        with torch.cuda.stream(first):
+            out_a = chain(model, table, a, shape, mark=started)
+        second.wait_event(started)  # (after `first` waited for main: the inputs are ready)
+        with torch.cuda.stream(second):
+            out_b = chain(model, table, b, shape)
+        main.wait_stream(first)
+        main.wait_stream(second)
+        return torch.cat([out_a, out_b])
+
+    return run
+
+
+_GREEN: list = []  # the green contexts: alive while their streams are used
+
+
+def green_streams(sms: int) -> list[torch.cuda.Stream]:
+    """Two streams, each on a CUDA green context of its own `sms` SMs (disjoint; the driver
+    rounds the count up to its granularity), through cuda-bindings' driver API."""
+    from cuda.bindings import driver
+
+    def ok(result):
+        err, *rest = result
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver: {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    torch.cuda.init()
+    device = ok(driver.cuDeviceGet(torch.cuda.current_device()))
+    kind = driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
+    groups, _, _ = ok(
+        driver.cuDevSmResourceSplitByCount(
+            2, ok(driver.cuDeviceGetDevResource(device, kind)), 0, sms
+        )
+    )
+    streams = []
+    for group in groups:
+        desc = ok(driver.cuDevResourceGenerateDesc([group], 1))
+        flags = driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
+        ctx = ok(driver.cuGreenCtxCreate(desc, device, flags))
+        _GREEN.append(ctx)
+        stream = ok(
+            driver.cuGreenCtxStreamCreate(ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0)
+        )
+        streams.append(torch.cuda.get_stream_from_external(int(stream)))
+    return streams
+
+
+def eager_time(fn) -> float:
+    """Seconds per call of `fn` launched eagerly (the median; device events)."""
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m bench.stream_overlap", description=__doc__.split("\n\n")[0]
@@ -156,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=320, help="requests (W2's decode: 256-511)")
     ap.add_argument("--context", type=int, default=1150, help="K/V tokens of each request")
     ap.add_argument("--layers", type=int, default=8, help="layers in the chain (Llama: 32)")
+    ap.add_argument("--partition", type=int, default=64, help="SMs of each half's green context")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m bench.stream_overlap needs a CUDA device")
@@ -184,6 +262,20 @@ def main(argv: list[str] | None = None) -> None:
     base = None
     for name, fn in found.items():
         t = graph_time(fn)
+        base = base or t
+        print(f"| {name} | {t * 1e3:.3f} | {t / a.layers * 1e6:.1f} | {base / t:.2f}x | "
+              f"{floor_bytes / t:.2f} |")  # fmt: skip
+    eager = {"eager: one stream": found["one stream"]}
+    try:
+        parts = on_partitions(model, table, rows, shape, green_streams(a.partition))
+        err = ((parts().float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, f"halves on SM partitions: relative error {err:.3g} against one stream"
+        eager[f"eager: halves on two partitions of {a.partition} SMs"] = parts
+    except (ImportError, RuntimeError, AttributeError, TypeError) as e:
+        print(f"| eager: halves on two SM partitions | unavailable here: {e} | | | |")
+    base = None
+    for name, fn in eager.items():
+        t = eager_time(fn)
         base = base or t
         print(f"| {name} | {t * 1e3:.3f} | {t / a.layers * 1e6:.1f} | {base / t:.2f}x | "
               f"{floor_bytes / t:.2f} |")  # fmt: skip
