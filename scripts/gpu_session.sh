@@ -138,7 +138,7 @@ run_step() {
       # the shared-prefix pair's steps against their floors, kernels of the prefills and 10 decodes
       prefix-steps) python3 -m bench.profile_w1 --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 \
                 --output-len 64 --kernels 0:6,30:40 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -70 ;;
-      w1-steps) python3 -m bench.profile_w1 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -60 ;;
+      w1-steps) python3 -m bench.profile_w1 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tee "$OUT/$s.log" | tail -60 ;;
       # W2's shape (bf16) on 300 requests: its prefill and decode steps against their floors
       # W2's decode layers as two half-batches on two streams: does attention overlap matmuls?
       stream-overlap) python3 -m bench.stream_overlap 2>&1 | grep "^|\|layers\|Error" ;;
