@@ -136,44 +136,30 @@ class NgramDrafter:
 
     def draft(self, tokens: np.ndarray, max_tokens: int | None = None) -> list[int]:
         """Up to `min(num_draft_tokens, max_tokens)` guessed tokens to follow `tokens`, a
-        request's whole sequence (prompt + output so far; int64, a view will do, not written)."""
-        return self.draft_with_source(tokens, max_tokens)[0]
-
-    def draft_with_source(
-        self, tokens: np.ndarray, max_tokens: int | None = None
-    ) -> tuple[list[int], int]:
-        """`draft`, and where a draft from the request's own tokens was copied from (the
-        position after its match: the draft is `follow(tokens, source, k)`); -1 for a draft
-        from the corpus, or none."""
+        request's whole sequence (prompt + output so far; int64, a view will do, not written):
+        `draft_many` of one sequence."""
         k = self.num_draft_tokens if max_tokens is None else max_tokens
-        return self.draft_many([np.asarray(tokens, dtype=np.int64)], [k])[0]
+        return self.draft_many([np.asarray(tokens, dtype=np.int64)], [k])[0][0]
 
     def follow(self, tokens: np.ndarray, source: int, max_tokens: int | None = None) -> list[int]:
-        """The draft copied from `source` on (a position of `tokens`, as `draft_with_source`
-        gives), without a search: for a request whose last draft was all accepted and whose
+        """The draft copied from `source` on (a position of `tokens`, as `draft_many` gives),
+        without a search: for a request whose last draft was all accepted and whose
         source went on as its output did (the scheduler's shortcut, engine/scheduler/
         speculation.py). Up to `min(num_draft_tokens, max_tokens)` tokens."""
         k = self.num_draft_tokens if max_tokens is None else min(self.num_draft_tokens, max_tokens)
         return copy_forward(tokens, source, k) if k > 0 else []
 
-    def draft_batch(
-        self, seqs: Sequence[np.ndarray], max_tokens: Sequence[int] | int | None = None
-    ) -> list[list[int]]:
-        """`draft` for each sequence; `max_tokens` one bound for all or one per sequence."""
-        if max_tokens is None or isinstance(max_tokens, int):
-            bound = self.num_draft_tokens if max_tokens is None else max_tokens
-            max_tokens = [bound] * len(seqs)
-        elif len(max_tokens) != len(seqs):
-            raise ValueError(f"max_tokens: {len(max_tokens)} bounds for {len(seqs)} sequences")
-        seqs = [np.asarray(seq, dtype=np.int64) for seq in seqs]
-        return [draft for draft, _ in self.draft_many(seqs, max_tokens)]
-
     def draft_many(
         self, seqs: Sequence[np.ndarray], max_tokens: Sequence[int]
     ) -> list[tuple[list[int], int]]:
-        """`draft_with_source(seqs[i], max_tokens[i])` for each sequence (int64 arrays), searched
-        as one batch: a few numpy calls over all the sequences' tokens at once, instead of a
-        dozen small ones per sequence (~50 us each at batch 256)."""
+        """For each sequence (a request's whole tokens, int64 arrays), up to `min(num_draft_tokens,
+        max_tokens[i])` guessed tokens to follow it, and where a draft from its own tokens was
+        copied from (the position after its match: the draft is `follow(seqs[i], source, k)`;
+        -1 for a draft from the corpus, or none). Searched as one batch: a few numpy calls over
+        all the sequences' tokens at once, instead of a dozen small ones per sequence (~50 us
+        each at batch 256)."""
+        if len(max_tokens) != len(seqs):
+            raise ValueError(f"max_tokens: {len(max_tokens)} bounds for {len(seqs)} sequences")
         out: list[tuple[list[int], int]] = [([], -1)] * len(seqs)
         ks = np.minimum(np.asarray(max_tokens, dtype=np.int64), self.num_draft_tokens)
         live = np.flatnonzero((ks > 0) & (np.fromiter(map(len, seqs), np.int64, len(seqs)) > 0))

@@ -330,12 +330,12 @@ def test_capacity_zero_keeps_no_corpus():
 def test_batch_drafts_and_bounds():
     drafter = NgramDrafter(1, 2, 4, 0)
     seqs = [arr([1, 2, 3, 4, 5, 1]), arr([9, 8, 9])]
-    assert drafter.draft_batch(seqs) == [[2, 3, 4, 5], [8, 9, 8, 9]]
-    assert drafter.draft_batch(seqs, 2) == [[2, 3], [8, 9]]
-    assert drafter.draft_batch(seqs, [1, 0]) == [[2], []]
-    assert drafter.draft_batch([]) == []
-    with pytest.raises(ValueError):
-        drafter.draft_batch(seqs, [1])
+    assert drafter.draft_many(seqs, [4, 9]) == [([2, 3, 4, 5], 1), ([8, 9, 8, 9], 1)]
+    assert drafter.draft_many(seqs, [2, 2]) == [([2, 3], 1), ([8, 9], 1)]
+    assert drafter.draft_many(seqs, [1, 0]) == [([2], 1), ([], -1)]
+    assert drafter.draft_many([], []) == []
+    with pytest.raises(ValueError, match="max_tokens: 1 bounds for 2 sequences"):
+        drafter.draft_many(seqs, [1])
     assert drafts_from_sglang(8) == 7 and drafts_from_sglang(0) == 0
     for args in [(0, 3, 4, 10), (3, 2, 4, 10), (1, 2, -1, 10), (1, 2, 4, -1)]:
         with pytest.raises(ValueError):
