@@ -248,8 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     found = variants(model, table, rows, shape, torch.cuda.Stream())
     ref = found["one stream"]().float()
     for name, fn in found.items():  # the halves compute the whole batch's rows
-        err = ((fn().float() - ref).norm() / ref.norm()).item()
-        assert err < 2e-2, f"{name}: relative error {err:.3g} against one stream"
+        check(name, fn, ref)
     copy, flops, _ = measure_ceilings(device)
     kv_bytes = a.batch * a.context * shape.kv_heads * shape.head_dim * 2 * 2
     floor_bytes = a.layers * (shape.layer_params * 2 + kv_bytes) / copy
@@ -259,25 +258,30 @@ def main(argv: list[str] | None = None) -> None:
           f"matmul FLOPs {floor_flops * 1e3:.2f} ms ({flops / 1e12:.0f} TFLOP/s)")  # fmt: skip
     print("| variant | ms a step | µs a layer | against one stream | bytes floor / time |")
     print("| --- | --- | --- | --- | --- |")
-    base = None
-    for name, fn in found.items():
-        t = graph_time(fn)
-        base = base or t
-        print(f"| {name} | {t * 1e3:.3f} | {t / a.layers * 1e6:.1f} | {base / t:.2f}x | "
-              f"{floor_bytes / t:.2f} |")  # fmt: skip
+    print_rows(found, graph_time, a.layers, floor_bytes)
     eager = {"eager: one stream": found["one stream"]}
     try:
         parts = on_partitions(model, table, rows, shape, green_streams(a.partition))
-        err = ((parts().float() - ref).norm() / ref.norm()).item()
-        assert err < 2e-2, f"halves on SM partitions: relative error {err:.3g} against one stream"
+        check("halves on SM partitions", parts, ref)
         eager[f"eager: halves on two partitions of {a.partition} SMs"] = parts
     except (ImportError, RuntimeError, AttributeError, TypeError) as e:
         print(f"| eager: halves on two SM partitions | unavailable here: {e} | | | |")
+    print_rows(eager, eager_time, a.layers, floor_bytes)
+
+
+def check(name: str, fn, ref: torch.Tensor) -> None:
+    """`fn` computes the rows of the whole batch on one stream, to bf16's rounding."""
+    err = ((fn().float() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, f"{name}: relative error {err:.3g} against one stream"
+
+
+def print_rows(found: dict, timer, layers: int, floor_bytes: float) -> None:
+    """A table row per variant, timed by `timer`, against the first."""
     base = None
-    for name, fn in eager.items():
-        t = eager_time(fn)
+    for name, fn in found.items():
+        t = timer(fn)
         base = base or t
-        print(f"| {name} | {t * 1e3:.3f} | {t / a.layers * 1e6:.1f} | {base / t:.2f}x | "
+        print(f"| {name} | {t * 1e3:.3f} | {t / layers * 1e6:.1f} | {base / t:.2f}x | "
               f"{floor_bytes / t:.2f} |")  # fmt: skip
 
 
