@@ -10,6 +10,7 @@ needs.
     python -m bench.fp8_decode           # the sweep
     python -m bench.fp8_decode --quick   # current settings only
     python -m bench.fp8_decode --splits  # _GRAPH_SPLIT_TOKENS, each cache
+    python -m bench.fp8_decode --one-split  # the graph launch's split count at large batches
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def case(batch: int, length, hq: int, hkv: int = 8, d: int = 128) -> tuple[dict,
     """(bf16 arguments, float8_e4m3fn arguments over the same values, the same with V grouped,
     tokens in the pool)."""
     gen = torch.Generator().manual_seed(batch * 7 + (length if isinstance(length, int) else 3))
+    lo, hi = (200, 2048) if length == "mix" else length if isinstance(length, tuple) else (0, 0)
     lens = (torch.full((batch,), length) if isinstance(length, int)
-            else torch.randint(200, 2049, (batch,), generator=gen))  # fmt: skip
+            else torch.randint(lo, hi + 1, (batch,), generator=gen))  # fmt: skip
     pages_of = (-(-lens // GROUP)).tolist()
     order = (torch.randperm(sum(pages_of), generator=gen) + 1).tolist()  # page 0: scratch
     width = int(lens.max())
@@ -119,7 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--grid", action="store_true", help="16 split programs or 4 (lengths <= 2048)"
     )
+    parser.add_argument(
+        "--one-split", action="store_true", help="split counts of the graph launch, B >= 256"
+    )
     opts = parser.parse_args(argv)
+    if opts.one_split:
+        return compare_split_counts(opts.hq)
     global SHAPES
     if opts.mix:
         SHAPES = MIXES
@@ -199,6 +206,31 @@ def sweep_split_tokens(hqs: list[int]) -> None:
             for name, which in (("bf16", 0), ("fp8 rows", 1), ("fp8 grouped", 2)):
                 row(f"{tokens:>5} {name}{mark}", [f"{tbps(c[which], c[3]):14.2f}" for c in cases])
         da._GRAPH_SPLIT_TOKENS = current
+        del cases
+        torch.cuda.empty_cache()
+
+
+# decode batches of TensorRT-LLM's 1000/1000 shape mid-run (contexts 1000-2000) and of W1 (200-2048)
+LARGE = [(b, (1000, 2000)) for b in (256, 320, 384, 512, 640, 768, 1024)] + [
+    (b, "mix") for b in (256, 384, 512)
+]
+
+
+def compare_split_counts(hqs: list[int]) -> None:
+    """µs a layer of the graph launch at its split count (graph_kv_splits) against fixed
+    counts, each split at least _GRAPH_SPLIT_TOKENS tokens; one split writes the output itself
+    (no scratch, no stage 2)."""
+    for hq in hqs:
+        print(f"\nHq={hq} Hkv=8 D=128, µs a layer by stage-1 splits (the graph launch's: auto)")
+        heads = [f"B={b},{'x'.join(map(str, n)) if isinstance(n, tuple) else n}" for b, n in LARGE]
+        print("| cache, splits | " + " | ".join(heads) + " |")
+        print("| --- |" + " --- |" * len(LARGE))
+        cases = [case(b, n, hq) for b, n in LARGE]
+        for name, which in (("bf16", 0), ("fp8 grouped", 2)):
+            for splits in (None, 1, 2, 4, 8):
+                extra = {} if splits is None else {"num_kv_splits": splits, "min_split_tokens": 512}
+                cells = [f"{graph_seconds(dict(c[which], **extra)) * 1e6:.1f}" for c in cases]
+                print(f"| {name}, {splits or 'auto'} | " + " | ".join(cells) + " |")
         del cases
         torch.cuda.empty_cache()
 
