@@ -19,7 +19,11 @@ Variants:
   promotion (faster, less exact).
 - `bf16`: the same product in bf16, for scale.
 
-    python -m bench.fp8_gemm [--rows 64 128 ...]
+`--activation` times instead the kernel before the down projection, silu_and_mul_fp8 (silu(gate)
+* up quantized per token), by its block of columns and warps, against the two-kernel way
+(silu_and_mul, then quantize_per_token): µs and TB/s of the bytes it must move.
+
+    python -m bench.fp8_gemm [--rows 64 128 ...] [--activation]
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import argparse
 
 import torch
 
+import kernels.activation as act
 from bench.decode_splits import graph_time
 from bench.floor import measure_ceilings
+from kernels.fp8 import quantize_per_token
 
 # (N, K) of Llama-3.1-8B's qkv, o, gate_up and down projections
 LAYER = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
@@ -116,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m bench.fp8_gemm", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--activation", action="store_true", help="silu_and_mul_fp8 instead")
     args = parser.parse_args(argv)
+    if args.activation:
+        return activation_table(args.rows)
     device = torch.device("cuda")
     bandwidth, _, fp8_flops = measure_ceilings(device)
     weight_bytes = sum(n * k for n, k in LAYER)
@@ -142,6 +151,32 @@ def main(argv: list[str] | None = None) -> None:
         cells = " | ".join(f"{t * 1e6:.0f} ({f / t:.2f})" for t, f in zip(ts, floors))
         print(f"| {name} | {cells} |")
     print(f"| floor | {' | '.join(f'{f * 1e6:.0f}' for f in floors)} |")
+
+
+# silu_and_mul_fp8's (block of columns, warps); the first is the kernel's default
+ACTIVATION_SETTINGS = [(2048, 8), (1024, 4), (2048, 4), (1024, 8), (4096, 8), (4096, 16)]
+
+
+def activation_table(rows_list: list[int], inter: int = 14336) -> None:
+    """µs and TB/s of silu_and_mul_fp8 on [rows, 2 * inter] bf16 (Llama-3.1-8B's MLP)."""
+    default = (act._FP8_BLOCK, act._FP8_WARPS)
+    print(f"silu_and_mul_fp8, I = {inter}: µs (TB/s of its bytes)")
+    print("| kernel | " + " | ".join(f"M={r}" for r in rows_list) + " |")
+    print("| --- |" + " --- |" * len(rows_list))
+    cases = [torch.randn(r, 2 * inter, device="cuda", dtype=torch.bfloat16) for r in rows_list]
+    nbytes = [r * inter * (2 * 2 + 1) + 4 * r for r in rows_list]
+
+    def line(name, fn):
+        ts = [graph_time(lambda x=x: fn(x)) for x in cases]
+        cells = " | ".join(f"{t * 1e6:.1f} ({b / t / 1e12:.2f})" for t, b in zip(ts, nbytes))
+        print(f"| {name} | {cells} |")
+
+    for block, warps in ACTIVATION_SETTINGS:
+        act._FP8_BLOCK, act._FP8_WARPS = block, warps
+        mark = " (the default)" if (block, warps) == default else ""
+        line(f"block {block}, {warps} warps{mark}", act.silu_and_mul_fp8)
+    act._FP8_BLOCK, act._FP8_WARPS = default
+    line("silu_and_mul, then quantize_per_token", lambda x: quantize_per_token(act.silu_and_mul(x)))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ one ulp; in float32 they agree to float32 rounding).
 Grid: (rows, column blocks of the intermediate size I); the rows of x may be strided.
 
 silu_and_mul_fp8 feeds an FP8 matmul (engine/quantization/fp8.py: the MLP's down projection):
-one program holds a whole row (I <= MAX_FP8_INTER), rounds it to x's dtype as the 16-bit kernel
-does, and writes it quantized per token (kernels/fp8.py) with its scale: the bytes of
-quantize_per_token(silu_and_mul(x)) without writing and twice reading the 16-bit row.
+one program a row walks it twice in blocks, first for the row's largest magnitude, then to write
+it quantized per token (kernels/fp8.py) with its scale, each product rounded to x's dtype as the
+16-bit kernel rounds it. That is the bytes of quantize_per_token(silu_and_mul(x)) without
+writing and twice reading the 16-bit row: the second walk reads the row again from L2, where the
+first left it moments before.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, fp8_row
+from kernels.fp8 import FP8, round_to_fp8_grid
 
 # Output allocator (tests swap in a NaN-filled one to catch elements a kernel fails to write).
 _empty = torch.empty
 
-# The widest row silu_and_mul_fp8 holds in one program: 32 elements a thread with 16 warps
-# (Llama-3.1-8B's 14336 fits; the layer gives a wider row the 16-bit kernel and a separate pass).
-MAX_FP8_INTER = 16384
+# silu_and_mul_fp8's block of columns and warps. A program that held a whole row of
+# Llama-3.1-8B's 14336 (16 warps, 32 elements a thread) ran alone on its SM for its registers and
+# read 2.1 TB/s in a 16384-token prefill (H200, 2026-11-29).
+_FP8_BLOCK = 2048
+_FP8_WARPS = 8
 
 
 @triton.jit
@@ -46,6 +50,14 @@ def _silu_and_mul_kernel(
 
 
 @triton.jit
+def _silu_mul_block(x_row, cols, mask, inter):
+    """silu(gate) * up of one block of a row, rounded to x's dtype, as float32."""
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate)) * up).to(x_row.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_fp8_kernel(
     x_ptr,
     out_ptr,
@@ -55,14 +67,23 @@ def _silu_and_mul_fp8_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < inter
-    gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_row_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    out = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    out, scale = fp8_row(out, mask)
+    x_row = x_ptr + row * x_row_stride
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, inter, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < inter
+        amax = tl.maximum(
+            amax, tl.where(mask, tl.abs(_silu_mul_block(x_row, cols, mask, inter)), 0.0)
+        )
+    # NOTE: the scale and rounding are fp8_row's (kernels/fp8.py), over the whole row
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
     tl.store(scale_ptr + row, scale)
-    tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    for start in range(0, inter, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < inter
+        y = tl.clamp(_silu_mul_block(x_row, cols, mask, inter) / scale, -448.0, 448.0)
+        y = round_to_fp8_grid(y, 3, 0.015625)
+        tl.store(out_ptr + row * inter + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -88,19 +109,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., 2I] (I <= MAX_FP8_INTER) -> silu(gate) * up quantized per token: float8_e4m3fn
-    [rows, I] and float32 scales [rows, 1], out ≈ float8 * scale."""
+    """x [..., 2I] -> silu(gate) * up quantized per token: float8_e4m3fn [rows, I] and float32
+    scales [rows, 1], out ≈ float8 * scale."""
     x2, inter = _rows(x)
-    if inter > MAX_FP8_INTER:
-        raise ValueError(f"intermediate size {inter} > {MAX_FP8_INTER}: use silu_and_mul")
     rows = x2.shape[0]
     out = _empty((rows, inter), dtype=FP8, device=x.device)
     scale = _empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows and inter:
-        block = triton.next_power_of_2(inter)
-        num_warps = min(max(block // 512, 4), 16)
+        block = min(triton.next_power_of_2(inter), _FP8_BLOCK)
         _silu_and_mul_fp8_kernel[(rows,)](
-            x2, out, scale, x2.stride(0), inter, BLOCK=block, num_warps=num_warps
+            x2, out, scale, x2.stride(0), inter, BLOCK=block, num_warps=_FP8_WARPS
         )
     return out, scale
 

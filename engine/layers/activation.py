@@ -15,11 +15,11 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor | QuantizedRows:
         """With fp8, the product comes as QuantizedRows for an FP8 linear (on the GPU one
-        kernel, where a row fits one program)."""
+        kernel)."""
         if use_triton(x):
-            from kernels.activation import MAX_FP8_INTER, silu_and_mul, silu_and_mul_fp8
+            from kernels.activation import silu_and_mul, silu_and_mul_fp8
 
-            if fp8 and x.shape[-1] // 2 <= MAX_FP8_INTER:
+            if fp8:
                 return QuantizedRows(*silu_and_mul_fp8(x), x.dtype)
             out = silu_and_mul(x)
         else:
