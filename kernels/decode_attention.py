@@ -127,12 +127,17 @@ _GRAPH_SPLIT_TOKENS = 512
 _GRAPH_PROGRAMS = 8192
 _GRAPH_MIN_SPLITS = 2
 # ...and one split, which stage 1 finishes itself (no scratch, no stage 2: FINAL), once the
-# pairs alone are this many. bench/prefix_decode.py on an H200 (2026-11-28, as above), µs per
-# layer, graph launch -> one split: the pair's decode 203.9 -> 188.0 at B=1000, 113.8 -> 110.5
-# at 512, 69.8 -> 71.6 at 256; plain decode over 100-2048 tokens 1108 -> 1082 at B=1024, 562
-# -> 555 at 512, 289 -> 294 at 256, 156 -> 170 at 128. A long request among thousands then
-# walks its tokens in one program, while the rest of the batch keeps the GPU busy.
-_ONE_SPLIT_PAIRS = 4096
+# (request, kv head) pairs alone are this many: counted in kv heads, not programs, because a
+# float8 program reads two heads. bench/prefix_decode.py on an H200 (2026-11-28, as above), µs
+# per layer, graph launch -> one split: the pair's decode 203.9 -> 188.0 at B=1000, 113.8 ->
+# 110.5 at 512, 69.8 -> 71.6 at 256; plain decode over 100-2048 tokens 1108 -> 1082 at
+# B=1024, 562 -> 555 at 512, 289 -> 294 at 256, 156 -> 170 at 128. bench.fp8_decode
+# --one-split (H200, 2026-11-29, Hq 32 / Hkv 8, contexts 1000-2000 or 200-2048), the same:
+# bf16 505 -> 493 at B=320, 598 -> 577 and 442 -> 431 at 384; float8 289 -> 273 at 320, 341
+# -> 325 and 258 -> 254 at 384, 436 -> 411 at 512, 640 -> 595 at 768, but at 256 242 -> 244
+# and 180 -> 191. A long request among hundreds then walks its tokens in one program, while
+# the rest of the batch keeps the GPU busy.
+_ONE_SPLIT_KV_PAIRS = 2560
 # Stage 1 launch settings (tokens per tile, pipeline depth, warps), measured on an H100 (bf16,
 # D=128, Hkv 8 or 32, CUDA graphs): 64-token tiles and 3 stages were best or within 2% of best
 # from B=1 to B=256, and at B=1, L=32768 took half the time of 32-token tiles and 2 stages.
@@ -791,14 +796,14 @@ def choose_num_kv_splits(
     return max(1, min(MAX_KV_SPLITS, max(by_occupancy, by_balance), by_length))
 
 
-def graph_kv_splits(batch_size: int, head_programs: int) -> int:
+def graph_kv_splits(batch_size: int, kv_heads: int, heads_per_program: int = 1) -> int:
     """Stage 1's split count in the launch a CUDA graph captures (no lengths): 1 from
-    ``_ONE_SPLIT_PAIRS`` (request, head program) pairs, else a power of two that keeps
-    ``batch_size * head_programs * splits`` near ``_GRAPH_PROGRAMS``, within
+    ``_ONE_SPLIT_KV_PAIRS`` (request, kv head) pairs, else a power of two that keeps
+    (request, head program, split) programs near ``_GRAPH_PROGRAMS``, within
     ``[_GRAPH_MIN_SPLITS, MAX_KV_SPLITS]``. Pure host arithmetic."""
-    pairs = max(1, batch_size * head_programs)
-    if pairs >= _ONE_SPLIT_PAIRS:
+    if batch_size * kv_heads >= _ONE_SPLIT_KV_PAIRS:
         return 1
+    pairs = max(1, batch_size * (kv_heads // heads_per_program))
     wanted = triton.next_power_of_2(triton.cdiv(_GRAPH_PROGRAMS, pairs))
     return max(_GRAPH_MIN_SPLITS, min(MAX_KV_SPLITS, wanted))
 
@@ -926,15 +931,17 @@ def _kv_split_plan(
     max_seq_len: int | None,
     min_split_tokens: int | None,
     batch_size: int,
-    head_programs: int,
+    kv_heads: int,
+    heads_per_program: int,
     device: torch.device,
 ) -> tuple[int, int | None]:
     """(split count, min tokens per split) of stage 1 from the caller's arguments;
-    ``head_programs``: stage-1 programs a (request, split) takes (kv heads / packed heads)."""
+    ``heads_per_program``: the kv heads one stage-1 program reads (packed heads)."""
     if num_kv_splits is None and max_seq_len is None:
-        num_kv_splits = graph_kv_splits(batch_size, head_programs)
+        num_kv_splits = graph_kv_splits(batch_size, kv_heads, heads_per_program)
         min_split_tokens = _GRAPH_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens
     elif num_kv_splits is None:
+        head_programs = kv_heads // heads_per_program
         num_kv_splits = choose_num_kv_splits(batch_size, head_programs, max_seq_len, device)
     assert num_kv_splits >= 1
     return num_kv_splits, min_split_tokens
@@ -1111,7 +1118,7 @@ def decode_attention(
         use_dot = True  # measured faster for every G, G == 1 included (module docstring)
     tiles = _tiles(q, Hq // Hkv, use_dot, k_buffer.dtype, v_buffer.dim() == 4)
     num_kv_splits, min_split_tokens = _kv_split_plan(
-        num_kv_splits, max_seq_len, min_split_tokens, B, Hkv // tiles.heads, q.device
+        num_kv_splits, max_seq_len, min_split_tokens, B, Hkv, tiles.heads, q.device
     )
     min_split_len = _min_split_len(min_split_tokens, tiles)
     scales = scales_arg(kv_scales, k_buffer.dtype, q)

@@ -265,7 +265,7 @@ def shared_prefix_decode_attention(
 
     tiles = _tiles(q, G, use_dot=True, kv_dtype=k_buffer.dtype, v_grouped=v_buffer.dim() == 4)
     num_kv_splits, min_split_tokens = _kv_split_plan(
-        num_kv_splits, max_seq_len, min_split_tokens, B, Hkv // tiles.heads, q.device
+        num_kv_splits, max_seq_len, min_split_tokens, B, Hkv, tiles.heads, q.device
     )
     if prefix_splits is None:
         prefix_splits = prefix_split_count(B, item_size, Hkv)

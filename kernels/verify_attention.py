@@ -87,7 +87,7 @@ def verify_attention(
     G = Hq // Hkv
     tiles = _tiles(q, G, True, k_buffer.dtype, v_buffer.dim() == 4, queries=max_queries)
     num_kv_splits, min_split_tokens = _kv_split_plan(
-        num_kv_splits, max_seq_len, None, B, Hkv, q.device
+        num_kv_splits, max_seq_len, None, B, Hkv, 1, q.device
     )
     min_split_len = _min_split_len(min_split_tokens, tiles)
     scales = scales_arg(kv_scales, k_buffer.dtype, q)

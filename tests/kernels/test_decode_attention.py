@@ -135,7 +135,7 @@ def test_graph_launch_of_a_large_batch(monkeypatch, one_split):
     than those splits at _GRAPH_SPLIT_TOKENS each walk longer splits, and stay right; larger
     still, one split a request, which stage 1 writes as the output."""
     monkeypatch.setattr(da, "_GRAPH_PROGRAMS", 8)  # 4 requests x 2 kv heads: the fewest splits
-    monkeypatch.setattr(da, "_ONE_SPLIT_PAIRS", 8 if one_split else 9)
+    monkeypatch.setattr(da, "_ONE_SPLIT_KV_PAIRS", 8 if one_split else 9)
     assert da.graph_kv_splits(4, 2) == (1 if one_split else da._GRAPH_MIN_SPLITS)
     batch = make_batch([1, 700, 1500, 2100], 4, 2, 32, seed=32)
     check(batch, TOL_FP32)
@@ -144,16 +144,17 @@ def test_graph_launch_of_a_large_batch(monkeypatch, one_split):
 def test_graph_kv_splits_by_batch():
     """The graph launch's split count: every split for a small batch, fewer as the (request,
     head program) pairs fill the GPU, never fewer than _GRAPH_MIN_SPLITS until there are
-    _ONE_SPLIT_PAIRS of them, then one."""
+    _ONE_SPLIT_KV_PAIRS (request, kv head) pairs, then one."""
     assert graph_kv_splits(1, 8) == MAX_KV_SPLITS
     assert graph_kv_splits(64, 8) == MAX_KV_SPLITS
     assert graph_kv_splits(128, 8) == 8
     assert graph_kv_splits(256, 8) == 4
-    assert graph_kv_splits(256, 4) == 8  # two kv heads a program: half the pairs
-    assert graph_kv_splits(511, 8) == 4  # 4088 pairs
-    assert graph_kv_splits(512, 8) == 1
-    assert graph_kv_splits(1000, 8) == 1
-    assert graph_kv_splits(1000, 4) == 4
+    assert graph_kv_splits(256, 8, heads_per_program=2) == 8  # half the programs
+    assert graph_kv_splits(319, 8) == 4  # 2552 pairs
+    assert graph_kv_splits(319, 8, heads_per_program=2) == 8
+    assert graph_kv_splits(320, 8) == 1
+    assert graph_kv_splits(320, 8, heads_per_program=2) == 1  # pairs count kv heads
+    assert graph_kv_splits(1000, 4) == 1
     assert graph_kv_splits(100_000, 8) == 1
 
 
