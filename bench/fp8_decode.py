@@ -212,7 +212,7 @@ def sweep_split_tokens(hqs: list[int]) -> None:
 
 # decode batches of TensorRT-LLM's 1000/1000 shape mid-run (contexts 1000-2000) and of W1 (200-2048)
 LARGE = [(b, (1000, 2000)) for b in (256, 320, 384, 512, 640, 768, 1024)] + [
-    (b, "mix") for b in (256, 384, 512)
+    (b, "mix") for b in (128, 192, 256, 320, 384, 512)
 ]
 
 
