@@ -1,0 +1,115 @@
+"""Extend (prefill) attention by tile, on the prefill batches of the workloads: TFLOP/s.
+
+The tile settings of kernels/extend_attention.py (rows a program: queries x packed heads,
+tokens a K/V tile, warps, pipeline stages) were swept on an H100 for one mixed batch. The
+prefills that issue 39's workloads run differ: TensorRT-LLM's shapes prefill 8 prompts of
+2048 tokens, 16 of 1000 or 128 of 128 a step (Llama-3.1-8B's heads, a float8 cache), the
+shared-prefix pair 200 suffixes of 50 tokens over one cached 2000-token prefix (Qwen3-0.6B's
+heads, bf16). This times each batch at each setting (CUDA graphs, the tile table planned
+once, as the backend plans it a batch) and prints TFLOP/s of the causal-visible (query, key)
+pairs' two products; `*` marks the kernel's default.
+
+    python -m bench.extend_tiles
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.decode_splits import graph_time
+from kernels.extend_attention import _default_blocks, extend_attention, extend_pack, extend_tiles
+from kernels.kv_fp8 import quantize
+from kernels.v_groups import GROUP, to_grouped
+
+# name: (requests, cached prefix, new tokens, Hq, Hkv, float8 cache)
+BATCHES = {
+    "2048/128: 8 x 2048": (8, 0, 2048, 32, 8, True),
+    "1000/1000: 16 x 1000": (16, 0, 1000, 32, 8, True),
+    "128/128: 128 x 128": (128, 0, 128, 32, 8, True),
+    "W2: 16 x 1024, bf16": (16, 0, 1024, 32, 8, False),
+    "pair: 200 x 50 over 2000": (200, 2000, 50, 16, 8, False),
+}
+# (rows, BLOCK_N, warps, stages)
+TILES = [
+    (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
+    (128, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 2), (256, 64, 8, 2), (256, 32, 8, 3),
+]  # fmt: skip
+
+
+def batch(requests: int, prefix: int, new: int, hq: int, hkv: int, fp8: bool, d: int = 128):
+    """The extend_attention arguments: the prefix's slots shared by every request (as the radix
+    cache shares them), each request's new tokens in pages of GROUP slots in random order."""
+    assert prefix % GROUP == 0, "the radix cache shares whole pages (and a grouped V needs them)"
+    gen = torch.Generator().manual_seed(requests + new)
+    pages_prefix, pages_new = -(-prefix // GROUP), -(-new // GROUP)
+    order = torch.randperm(pages_prefix + requests * pages_new, generator=gen) + 1  # 0: scratch
+    slots_of = lambda pages: (pages[:, None] * GROUP + torch.arange(GROUP)).flatten()  # noqa: E731
+    table = torch.zeros(requests, prefix + new, dtype=torch.int32)
+    table[:, :prefix] = slots_of(order[:pages_prefix])[:prefix]
+    for b in range(requests):
+        mine = order[pages_prefix + b * pages_new : pages_prefix + (b + 1) * pages_new]
+        table[b, prefix:] = slots_of(mine)[:new]
+    slots = (len(order) + 1) * GROUP
+    k = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    args = dict(
+        q=torch.randn(requests * new, hq, d, device="cuda", dtype=torch.bfloat16),
+        k_buffer=k,
+        v_buffer=v,
+        req_to_token=table.cuda(),
+        req_pool_indices=torch.arange(requests, device="cuda"),
+        seq_lens=torch.full((requests,), prefix + new, device="cuda"),
+        extend_lens=torch.full((requests,), new, dtype=torch.int32, device="cuda"),
+        qo_indptr=torch.arange(requests + 1, device="cuda") * new,
+        scaling=d**-0.5,
+    )
+    if fp8:
+        scales = torch.tensor([0.02, 0.02], device="cuda")  # |randn| < 9 fits 448 * 0.02
+        args.update(
+            k_buffer=quantize(k, scales[0], torch.float8_e4m3fn),
+            v_buffer=to_grouped(quantize(v, scales[1], torch.float8_e4m3fn)),
+            kv_scales=scales,
+        )
+    flops = 4 * requests * (new * prefix + new * (new + 1) // 2) * hq * d
+    return args, flops
+
+
+def tflops(args: dict, flops: int, tile: tuple[int, int, int, int]) -> float:
+    rows, block_n, warps, stages = tile
+    hq, hkv = args["q"].shape[1], args["k_buffer"].shape[1]
+    pack = extend_pack(hq // hkv, rows)
+    block_m = rows // pack
+    lens = args["extend_lens"].tolist()
+    tiles = torch.from_numpy(extend_tiles(lens, args["seq_lens"].tolist(), block_m)).cuda()
+    t = graph_time(
+        lambda: extend_attention(
+            **args, tiles=tiles, block_m=block_m, block_n=block_n, num_warps=warps,
+            num_stages=stages, pack=pack,
+        )
+    )  # fmt: skip
+    return flops / t / 1e12
+
+
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        prog="python -m bench.extend_tiles", description=__doc__.split("\n\n")[0]
+    ).parse_args(argv)
+    default = _default_blocks(128, torch.bfloat16, torch.device("cuda"))
+    print("| rows, BLOCK_N, warps, stages | " + " | ".join(BATCHES) + " |")
+    print("| --- |" + " --- |" * len(BATCHES))
+    cases = [batch(*shape) for shape in BATCHES.values()]
+    for tile in TILES:
+        cells = []
+        for args, flops in cases:
+            try:
+                cells.append(f"{tflops(args, flops, tile):.0f}")
+            except Exception as e:  # a setting past the shared memory or registers
+                cells.append(type(e).__name__)
+        mark = " *" if tile == default else ""
+        print(f"| {', '.join(map(str, tile))}{mark} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
