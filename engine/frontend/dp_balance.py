@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.runtime.messages import TokenizedRequest
 
 BLOCK = 64  # tokens per remembered prefix block
@@ -85,11 +87,13 @@ class LoadBalancer:
             yield rank
 
 
-def block_keys(ids: list[int]) -> list[int]:
-    """A key per whole BLOCK of `ids`, each standing for every token up to its block's end."""
+def block_keys(ids: np.ndarray) -> list[int]:
+    """A key per whole BLOCK of `ids` (a request's int32 array), each standing for every token
+    up to its block's end: a hash of the block's bytes chained to the key before it."""
+    data = np.ascontiguousarray(ids, dtype=np.int32)
     keys, key = [], 0
-    for start in range(0, len(ids) - BLOCK + 1, BLOCK):
-        key = hash((key, tuple(ids[start : start + BLOCK])))
+    for start in range(0, len(data) - BLOCK + 1, BLOCK):
+        key = hash((key, data[start : start + BLOCK].tobytes()))
         keys.append(key)
     return keys
 

@@ -141,7 +141,7 @@ def meta_info(state: ReqState, tokenizer: PreTrainedTokenizerBase | None) -> dic
         decode = tokenizer.decode if state.text_in_logprobs and tokenizer is not None else None
         start = request.input_logprob_start
         meta["input_token_logprobs"] = _triples(
-            state.input_logprobs, request.input_ids[start:], decode
+            state.input_logprobs, request.input_ids[start:].tolist(), decode
         )
         meta["output_token_logprobs"] = _triples(state.output_logprobs, state.output_ids, decode)
         if request.top_logprobs_num > 0:

@@ -38,7 +38,7 @@ def reference_processed(logits, prompt, outputs, sp: SamplingParams) -> torch.Te
         x[t] -= sp.frequency_penalty * outputs.count(t) + sp.presence_penalty
     if sp.repetition_penalty != 1.0:
         hf = RepetitionPenaltyLogitsProcessor(sp.repetition_penalty)
-        x = hf(torch.tensor([prompt + outputs]), x[None])[0]
+        x = hf(torch.tensor([[*prompt, *outputs]]), x[None])[0]
     return x
 
 

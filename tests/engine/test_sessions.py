@@ -201,12 +201,12 @@ def test_session_bookkeeping_against_list_arithmetic():
     sessions = Sessions(kv, clock=lambda: now[0])
     sid = sessions.open(100, timeout=5)
     r1 = sessions.continue_turn(_request("r1", [1, 2, 3], id=sid))
-    assert r1.input_ids == [1, 2, 3]
+    assert r1.input_ids.tolist() == [1, 2, 3]
     with pytest.raises(ValueError, match="turn 'r1' of session .* has not finished"):
         sessions.continue_turn(_request("r2", [4], id=sid, rid="r1"))
     sessions.finished(_Finished(r1, [7, 8]))
     assert kv.held == [(1, 2, 3, 7, 8)]
-    assert sessions.continue_turn(_request("r2", [4], id=sid, rid="r1")).input_ids == [
+    assert sessions.continue_turn(_request("r2", [4], id=sid, rid="r1")).input_ids.tolist() == [
         1,
         2,
         3,
@@ -215,14 +215,14 @@ def test_session_bookkeeping_against_list_arithmetic():
         4,
     ]
     cut = sessions.continue_turn(_request("r3", [5], id=sid, rid="r1", offset=2))
-    assert cut.input_ids == [1, 2, 5]
+    assert cut.input_ids.tolist() == [1, 2, 5]
     dropped = sessions.continue_turn(
         _request("r4", [6], id=sid, rid="r1", drop_previous_output=True)
     )
-    assert dropped.input_ids == [1, 2, 3, 6]
+    assert dropped.input_ids.tolist() == [1, 2, 3, 6]
     # replace under r1: r2, r3, r4 go; r5 continues r1
     r5 = sessions.continue_turn(_request("r5", [9], id=sid, rid="r1", replace=True))
-    assert r5.input_ids == [1, 2, 3, 7, 8, 9]
+    assert r5.input_ids.tolist() == [1, 2, 3, 7, 8, 9]
     assert set(sessions.open_sessions[sid].turns) == {"r1", "r5"}
     assert sorted(sessions.take_replaced()) == ["r2", "r3", "r4"]  # unfinished: to abort
     assert sessions.take_replaced() == []

@@ -176,6 +176,12 @@ def _assert_usable(engine):
         ),
         ({"input_ids": [1, 999999]}, r"token ids outside \[0, "),
         ({"input_ids": [[1, 2], [3, -1, -2]]}, r"token ids outside \[0, \d+\): \[-1, -2\]"),
+        # past int32 and past int64: refused by range, never wrapped into the vocabulary
+        ({"input_ids": [1, 2**32 + 1]}, r"token ids outside \[0, \d+\): \[4294967297\]"),
+        (
+            {"input_ids": [[1], [2**70, 3]]},
+            r"request 1: .*outside \[0, \d+\): \[1180591620717411303424\]",
+        ),
         ({"input_ids": [1, True]}, "input_ids must be a list of int token ids"),
         ({"input_ids": [[1, 2], [3.0]]}, "input_ids must be a list of int token ids"),
         ({"input_ids": []}, "input_ids is an empty list"),
@@ -293,7 +299,7 @@ def test_text_ids_beyond_the_models_vocabulary_are_refused(llama_dir, tmp_path):
     inputs = InputProcessor(args, ModelConfig.from_folder(str(llama_dir)), tokenizer, 4096)
     call = inputs.make_call("the quick brown fox jumps over the lazy dog", None, None, False,
                             None, None, None)  # fmt: skip
-    assert call.requests[0].input_ids == ids
+    assert call.requests[0].input_ids.tolist() == ids
 
 
 def test_a_batchs_sampling_dicts_are_each_checked_once(llama_dir, monkeypatch):
@@ -326,3 +332,24 @@ def test_a_batchs_sampling_dicts_are_each_checked_once(llama_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"request 2: top_p must be in \(0, 1\]"):
         inputs.make_call(None, [[1, 2]] * 3, [shared, shared, {"top_p": 2.0}], False, None,
                          None, None)  # fmt: skip
+
+
+def test_a_prompts_ids_become_the_requests_own_int32_array(llama_dir):
+    """The caller's list is copied once into the array the request keeps and sends: changing
+    the list afterwards changes nothing, and the scheduler unpickles the same array."""
+    import pickle
+
+    import numpy as np
+
+    from engine.frontend.input_processor import InputProcessor
+    from engine.model_config import ModelConfig
+
+    args = ServerArgs.from_kwargs(model_path=str(llama_dir), device="cpu")
+    inputs = InputProcessor(args, ModelConfig.from_folder(str(llama_dir)), None, 4096)
+    prompts = [[5, 6, 7], [8, 9]]
+    call = inputs.make_call(None, prompts, None, False, None, None, None)
+    prompts[0][0] = 99
+    for request, want in zip(call.requests, [[5, 6, 7], [8, 9]]):
+        assert request.input_ids.dtype == np.int32 and request.input_ids.tolist() == want
+        sent = pickle.loads(pickle.dumps(request))
+        assert sent.input_ids.dtype == np.int32 and sent.input_ids.tolist() == want
