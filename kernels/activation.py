@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, round_to_fp8_grid
+from kernels.fp8 import FP8, fp8_scale, on_fp8_grid
 
 # Output allocator (tests swap in a NaN-filled one to catch elements a kernel fails to write).
 _empty = torch.empty
@@ -43,15 +43,14 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_row_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    out = _silu_mul_block(x_ptr + row * x_row_stride, cols, mask, inter)
     tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _silu_mul_block(x_row, cols, mask, inter):
-    """silu(gate) * up of one block of a row, rounded to x's dtype, as float32."""
+    """silu(gate) * up of one block of a row, computed in float32 and rounded once to x's
+    dtype (returned as float32: both kernels store or quantize that value)."""
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
     return (gate / (1.0 + tl.exp(-gate)) * up).to(x_row.dtype.element_ty).to(tl.float32)
@@ -75,14 +74,12 @@ def _silu_and_mul_fp8_kernel(
         amax = tl.maximum(
             amax, tl.where(mask, tl.abs(_silu_mul_block(x_row, cols, mask, inter)), 0.0)
         )
-    # NOTE: the scale and rounding are fp8_row's (kernels/fp8.py), over the whole row
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    scale = fp8_scale(tl.max(amax, axis=0))  # over the whole row, as fp8_row's
     tl.store(scale_ptr + row, scale)
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
-        y = tl.clamp(_silu_mul_block(x_row, cols, mask, inter) / scale, -448.0, 448.0)
-        y = round_to_fp8_grid(y, 3, 0.015625)
+        y = on_fp8_grid(_silu_mul_block(x_row, cols, mask, inter), scale)
         tl.store(out_ptr + row * inter + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -40,13 +40,24 @@ def round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr):
 
 
 @triton.jit
+def fp8_scale(amax):
+    """A row's per-token scale from its largest magnitude: the whole e4m3fn range used."""
+    return tl.maximum(amax / 448.0, 1e-12)
+
+
+@triton.jit
+def on_fp8_grid(y, scale):
+    """float32 y / scale saturated and rounded onto the e4m3fn grid (still float32)."""
+    return round_to_fp8_grid(tl.clamp(y / scale, -448.0, 448.0), 3, 0.015625)
+
+
+@triton.jit
 def fp8_row(y, mask):
     """A whole row y ([BLOCK] float32; elements off `mask` do not count) in float8 with its
     per-token scale: (the values on the float8 grid, still float32; the scale), as
     quantize_per_token computes them. For kernels that hold a row and feed an FP8 matmul."""
-    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
-    scale = tl.maximum(amax / 448.0, 1e-12)
-    return round_to_fp8_grid(tl.clamp(y / scale, -448.0, 448.0), 3, 0.015625), scale
+    scale = fp8_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0))
+    return on_fp8_grid(y, scale), scale
 
 
 @triton.jit
@@ -70,12 +81,12 @@ def _quantize_rows_kernel(
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax) / 448.0, 1e-12)
+        scale = fp8_scale(tl.max(amax))
         tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        y = round_to_fp8_grid(tl.clamp(x / scale, -448.0, 448.0), 3, 0.015625)
+        y = on_fp8_grid(x, scale)
         tl.store(out_ptr + row * K + cols, y.to(out_ptr.dtype.element_ty), mask=cols < K)
 
 
