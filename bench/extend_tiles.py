@@ -45,7 +45,10 @@ def batch(requests: int, prefix: int, new: int, hq: int, hkv: int, fp8: bool, d:
     gen = torch.Generator().manual_seed(requests + new)
     pages_prefix, pages_new = -(-prefix // GROUP), -(-new // GROUP)
     order = torch.randperm(pages_prefix + requests * pages_new, generator=gen) + 1  # 0: scratch
-    slots_of = lambda pages: (pages[:, None] * GROUP + torch.arange(GROUP)).flatten()  # noqa: E731
+
+    def slots_of(pages: torch.Tensor) -> torch.Tensor:
+        return (pages[:, None] * GROUP + torch.arange(GROUP)).flatten()
+
     table = torch.zeros(requests, prefix + new, dtype=torch.int32)
     table[:, :prefix] = slots_of(order[:pages_prefix])[:prefix]
     for b in range(requests):

@@ -101,20 +101,21 @@ VARIANTS = {
 
 
 def check(ps: list[dict]) -> None:
-    """Every FP8 variant's product equals the row-wise one (tensorwise once scaled)."""
+    """Every FP8 variant's product (tensorwise once scaled) against the float32 product of the
+    dequantized operands."""
     for p in ps:
-        ref = rowwise(p).float()
+        ref = (p["x8"].float() * p["sx"]) @ (p["w8"].float() * p["sw"]).t()
         for name, (fn, fast) in VARIANTS.items():
-            if fn is swapped and p["x8"].shape[0] % 16:
+            if fn is bf16 or (fn is swapped and p["x8"].shape[0] % 16):
                 continue
             y = fn(p, fast).float()
             if fn is tensorwise:
                 y = y * p["sx"] * p["sw"].view(1, -1)
-            if fn is bf16:
-                continue
             err = ((y - ref).abs().max() / ref.abs().max()).item()
             if err > 0.02:
-                raise RuntimeError(f"{name}: relative error {err:.3g} against the row-wise product")
+                raise RuntimeError(
+                    f"{name}: relative error {err:.3g} against the dequantized product"
+                )
 
 
 def main(argv: list[str] | None = None) -> None:

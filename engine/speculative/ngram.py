@@ -33,8 +33,9 @@ length at once, a [candidates, max_window] gather-compare. A frequent last token
 token) has thousands of candidates; then the newest `OWN_NEWEST_FIRST` go first, and a match of
 full width among them ends the search (an older one could only tie, and ties go to the newest).
 The scheduler searches its whole batch in one call (`draft_many`: the sequences end to end):
-about 3 ms for 256 sequences of 1,200 tokens on a 2-core CPU. (The per-request index this replaced cost ~115 ms and
-5.7 MB to build for a 3,000-token prompt: seconds per batch job before any token was drafted.)
+about 3 ms for 256 sequences of 1,200 tokens on a 2-core CPU. (The per-request index this
+replaced cost ~115 ms and 5.7 MB to build for a 3,000-token prompt: seconds per batch job
+before any token was drafted.)
 
 The corpus keeps an index, written once per output: `min_window`-gram -> the global positions
 that followed its occurrences, ascending, at most `CORPUS_CANDIDATES` (older ones dropped, so a
