@@ -1,0 +1,119 @@
+"""Prefill attention without a cached prefix, by kernel: TFLOP/s of the causal products.
+
+Fresh prompts (nothing cached) attend over this step's own K/V. The engine's extend kernel
+(kernels/extend_attention.py) reads it through the slot table from the (perhaps float8) pool;
+kernels/prefill_attention.py reads the layer's own k and v rows through TMA descriptors. This
+times both on the same batches (Llama-3.1-8B's heads, D 128, bf16; k and v slices of one qkv
+product as the layers pass them), the latter at several tiles, beside torch's variable-length
+flash attention (`torch.nn.attention.varlen.varlen_attn`) and `scaled_dot_product_attention`'s
+cuDNN and flash backends on the batch padded to one length, each checked against the first
+row. Each call runs in a CUDA graph where it captures.
+
+    python -m bench.prefill_attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.decode_splits import graph_time
+from bench.extend_tiles import batch as paged_batch
+from kernels.extend_attention import extend_attention, extend_tiles
+from kernels.prefill_attention import prefill_attention
+
+# name: (requests, new tokens)
+BATCHES = {"8 x 2048": (8, 2048), "16 x 1000": (16, 1000), "128 x 128": (128, 128)}
+HQ, HKV, D = 32, 8, 128
+# (BLOCK_M, BLOCK_N, warps, stages)
+PREFILL_TILES = [
+    (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 128, 4, 2), (64, 64, 8, 3),
+    (128, 64, 8, 3), (128, 32, 4, 4), (128, 32, 8, 4), (32, 32, 4, 3), (32, 64, 4, 3),
+]  # fmt: skip
+
+
+def timed(fn) -> float:
+    """In a CUDA graph where the call captures (the engine's prefill graphs), else eager."""
+    try:
+        return graph_time(fn)
+    except Exception:  # noqa: BLE001 - a call that cannot be captured runs eagerly
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e-3
+
+
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, n: int):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+    if not gqa:  # older torch: one kv head per query head
+        k, v = (t.repeat_interleave(HQ // HKV, dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, cu, cu, n, n, scale=D**-0.5, **causal, **gqa)
+
+
+def sdpa(backend: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int, n: int):
+    qp, kp, vp = (t.view(b, n, -1, D).transpose(1, 2) for t in (q, k, v))
+    with sdpa_kernel([backend]):
+        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2).reshape(b * n, HQ, D)
+
+
+def variants(b: int, n: int) -> tuple[dict, int]:
+    """Each kernel's call on one batch of `b` fresh prompts of `n` tokens, and its FLOPs; the
+    first is the reference of the others."""
+    args16, flops = paged_batch(b, 0, n, HQ, HKV, False)
+    args8, _ = paged_batch(b, 0, n, HQ, HKV, True)
+    # the same keys in the rows of one qkv product, as the layer's k and v are slices of it
+    table = args16["req_to_token"][:, :n].flatten().long()
+    qkv = torch.cat([args16["q"], args16["k_buffer"][table], args16["v_buffer"][table]], dim=1)
+    q, k, v = qkv.split([HQ, HKV, HKV], dim=1)
+    cu = (torch.arange(b + 1, device="cuda") * n).to(torch.int32)
+    lens = torch.full((b,), n, device="cuda")
+    calls = {
+        "extend_attention, bf16 cache": lambda: extend_attention(**args16),
+        "extend_attention, float8 cache": lambda: extend_attention(**args8),
+        "varlen_attn (flash)": lambda: varlen(q, k, v, cu, n),
+    }
+    for bm, bn, warps, stages in PREFILL_TILES:
+        tiles = torch.from_numpy(extend_tiles([n] * b, [n] * b, bm)).cuda()
+        tile = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        name = f"prefill_attention {bm}x{bn}, {warps} warps, {stages} stages"
+        calls[name] = lambda t=tiles, c=tile: prefill_attention(q, k, v, lens, cu, D**-0.5, t, **c)
+    for label, backend in [
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("flash", SDPBackend.FLASH_ATTENTION),
+    ]:
+        calls[f"sdpa {label}, padded to one length"] = lambda be=backend: sdpa(be, q, k, v, b, n)
+    return calls, flops
+
+
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        prog="python -m bench.prefill_attention", description=__doc__.split("\n\n")[0]
+    ).parse_args(argv)
+    rows: dict[str, list[str]] = {}
+    for b, n in BATCHES.values():
+        calls, flops = variants(b, n)
+        ref = None
+        for label, fn in calls.items():
+            try:
+                out = fn().float()
+                ref = out if ref is None else ref
+                cell = f"{flops / timed(fn) / 1e12:.0f} ({(out - ref).abs().max().item():.1e})"
+            except Exception as e:  # a backend this torch or this shape lacks
+                cell = f"{type(e).__name__}: {str(e)[:60]}"
+            rows.setdefault(label, []).append(cell)
+    print("| kernel: TFLOP/s (max abs diff to the first row's) | " + " | ".join(BATCHES) + " |")
+    print("| --- |" + " --- |" * len(BATCHES))
+    for label, cells in rows.items():
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
