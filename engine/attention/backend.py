@@ -75,8 +75,15 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
-    ) -> torch.Tensor: ...
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """q [T, Hq, D] over the pool; k/v [T, Hkv, D] are this step's new K/V, already stored,
+        which a backend may read as they are for requests with nothing cached."""
 
     @abstractmethod
     def forward_decode(
@@ -95,4 +102,4 @@ class AttentionBackend(ABC):
         batch.kv_pool.store(layer.layer_id, batch.out_cache_loc, k, v)
         if batch.mode is ForwardMode.DECODE:
             return self.forward_decode(q, layer, batch)
-        return self.forward_extend(q, layer, batch)
+        return self.forward_extend(q, k, v, layer, batch)

@@ -151,7 +151,12 @@ class FlashInferAttnBackend(AttentionBackend):
         return self.active_decode.run(q.contiguous(), _paged(batch, layer))
 
     def forward_extend(
-        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
         return self.prefill.run(q.contiguous(), _paged(batch, layer))
 

@@ -38,7 +38,12 @@ class TorchAttnBackend(AttentionBackend):
         return out.squeeze(-2).flatten(1, 2)
 
     def forward_extend(
-        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0

@@ -13,10 +13,15 @@ Under CUDA graphs the grouped kernel is what the graphs capture, reading its wor
 static buffers that every replay fills (all-zero items and lengths when a batch has no
 groups: the prefix stage then does nothing).
 
-Extend (prefill) attention runs over a tile table planned on the host (kernels/extend_attention.py:
-`extend_tiles`), shipped with the batch's extend lengths and query offsets in one copy. Under the
-prefill CUDA graphs (engine/runner/prefill_graph.py) the three live in static buffers sized for
+Extend (prefill) attention runs two kernels over two tile tables planned on the host
+(kernels/extend_attention.py: `extend_tiles`), shipped with the batch's extend lengths and query
+offsets in one copy: a request with nothing cached (prefix 0) attends over this step's own
+contiguous K/V (kernels/prefill_attention.py, TMA), one with a cached prefix over the pool
+(kernels/extend_attention.py); each table holds only its requests' tiles. Under the prefill
+CUDA graphs (engine/runner/prefill_graph.py) the four live in static buffers sized for
 `max_requests` and the most tiles of the graph's token count; each replay refills them.
+NOTE: over a float8 pool, a fresh prompt thus attends over its unquantized K/V (as FlashInfer's
+ragged prefill does in SGLang), and a cached prefix over the float8 one.
 
 A speculative verify step (ForwardBatch.verify: each request's last token and its few drafts)
 has the shape of a decode step, not of a prefill: it runs kernels/verify_attention.py (decode's
@@ -40,6 +45,7 @@ from engine.batch.prefix_groups import MAX_SHARED_PREFIXES, SharedPrefix
 from engine.transfer import to_device
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention, extend_block_m, extend_tiles, tile_capacity
+from kernels.prefill_attention import prefill_attention, prefill_block_m, prefill_supported
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
 from kernels.verify_attention import verify_attention
 
@@ -62,8 +68,16 @@ class TritonAttnBackend(AttentionBackend):
         self.block_m = extend_block_m(
             attn.head_dim, dtype, device, attn.num_heads // attn.num_kv_heads
         )
-        # this extend batch's (extend_lens [B], qo_indptr [B + 1], tiles [N, 2])
-        self.extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # queries per tile of the fresh prompts' kernel; 0: the layer's shape is not one it takes
+        # (every request then goes to extend_attention)
+        self.prefill_block_m = (
+            prefill_block_m(attn.head_dim, dtype, device)
+            if prefill_supported(attn.head_dim, dtype, device)
+            else 0
+        )
+        # this extend batch's (extend_lens [B], qo_indptr [B + 1], tiles over the pool [N, 2],
+        # tiles of fresh prompts [N', 2])
+        self.extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.graph_extend: torch.Tensor | None = None  # the prefill graphs' flat static buffer
         # a verify step's (q_starts [B], q_lens [B], most queries, each row's request length
         # [T] under a graph, else None), or None
@@ -98,10 +112,8 @@ class TritonAttnBackend(AttentionBackend):
                 self.verify = (flat[:bs], flat[most_bs : most_bs + bs], most, row_lens)
             elif batch.seq_lens_cpu is None:  # captured: the graph reads the static buffers
                 assert self.graph_extend is not None
-                capacity = self._graph_tiles(batch.positions.shape[0])
-                self.extend = self._split_extend(
-                    self.graph_extend, self.graph_max_requests, capacity
-                )
+                tiles = self._graph_tiles(batch.positions.shape[0])
+                self.extend = self._split_extend(self.graph_extend, self.graph_max_requests, tiles)
             elif batch.verify:
                 lens = np.asarray(batch.extend_lens_cpu, dtype=np.int64)
                 host = np.concatenate([np.cumsum(lens) - lens, lens])  # q_starts, q_lens
@@ -109,9 +121,9 @@ class TritonAttnBackend(AttentionBackend):
                 self.verify = (flat[: len(lens)], flat[len(lens) :], int(lens.max()), None)
             else:
                 lens = batch.extend_lens_cpu
-                host = self._extend_host(lens, batch.seq_lens_cpu, len(lens), None)
+                host, tiles = self._extend_host(lens, batch.seq_lens_cpu, len(lens), None)
                 flat = to_device(host, torch.int64, batch.seq_lens.device)
-                self.extend = self._split_extend(flat, len(lens), None)
+                self.extend = self._split_extend(flat, len(lens), tiles)
         elif batch.seq_lens_cpu is None:  # captured: the graph reads the static buffers
             if self.graph_prefix is not None:
                 bs = batch.batch_size
@@ -165,16 +177,16 @@ class TritonAttnBackend(AttentionBackend):
 
     def init_prefill_graph_capture(self, max_requests: int, max_tokens: int) -> None:
         self.graph_max_requests = max_requests
-        capacity = self._graph_tiles(max_tokens)
+        tiles = self._graph_tiles(max_tokens)
         self.graph_extend = torch.zeros(
-            2 * max_requests + 1 + 2 * capacity, dtype=torch.int64, device=self.device
+            2 * max_requests + 1 + 2 * sum(tiles), dtype=torch.int64, device=self.device
         )
 
     def init_prefill_graph_replay(
         self, extend_lens: list[int], seq_lens: list[int], padded_tokens: int
     ) -> None:
         assert self.graph_extend is not None
-        host = self._extend_host(
+        host, _ = self._extend_host(
             extend_lens, seq_lens, self.graph_max_requests, self._graph_tiles(padded_tokens)
         )
         flat = to_device(host, torch.int64, self.graph_extend.device)
@@ -200,9 +212,13 @@ class TritonAttnBackend(AttentionBackend):
         host = np.concatenate([np.cumsum(lens) - lens, lens, row_lens])
         self.graph_verify.copy_(to_device(host, torch.int64, self.device))
 
-    def _graph_tiles(self, padded_tokens: int) -> int:
-        """The tile rows of the prefill graph for `padded_tokens`: its grid, fixed at capture."""
-        return tile_capacity(padded_tokens, self.graph_max_requests, self.block_m)
+    def _graph_tiles(self, padded_tokens: int) -> tuple[int, int]:
+        """The rows of the prefill graph's two tile tables for `padded_tokens` (over the pool,
+        fresh prompts): the two kernels' grids, fixed at capture."""
+        fresh = self.prefill_block_m and tile_capacity(
+            padded_tokens, self.graph_max_requests, self.prefill_block_m
+        )
+        return tile_capacity(padded_tokens, self.graph_max_requests, self.block_m), fresh
 
     # ------------------------------------------------------------------ kernels
     def forward_decode(
@@ -224,7 +240,12 @@ class TritonAttnBackend(AttentionBackend):
         )  # fmt: skip
 
     def forward_extend(
-        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
         pool, i = batch.kv_pool, layer.layer_id
         if self.verify is not None:
@@ -238,21 +259,44 @@ class TritonAttnBackend(AttentionBackend):
                 kv_scales=pool.layer_scales[i], row_seq_lens=row_lens,
             )  # fmt: skip
         assert self.extend is not None
-        extend_lens, qo_indptr, tiles = self.extend
-        return extend_attention(
-            q, pool.k_buffers[i], pool.v_buffers[i],
-            batch.req_to_token, batch.req_pool_indices, batch.seq_lens, extend_lens, qo_indptr,
-            layer.scaling, tiles, block_m=self.block_m, kv_scales=pool.layer_scales[i],
-        )  # fmt: skip
+        extend_lens, qo_indptr, tiles, fresh_tiles = self.extend
+        # NOTE: the two tables name disjoint requests, so each row of out is written once
+        out = torch.empty_like(q)
+        if fresh_tiles.shape[0]:
+            prefill_attention(
+                q, k, v, extend_lens, qo_indptr, layer.scaling, fresh_tiles,
+                out=out, block_m=self.prefill_block_m,
+            )  # fmt: skip
+        if tiles.shape[0]:
+            extend_attention(
+                q, pool.k_buffers[i], pool.v_buffers[i],
+                batch.req_to_token, batch.req_pool_indices, batch.seq_lens, extend_lens,
+                qo_indptr, layer.scaling, tiles, out=out, block_m=self.block_m,
+                kv_scales=pool.layer_scales[i],
+            )  # fmt: skip
+        return out
 
     # ------------------------------------------------------------------ helpers
     def _extend_host(
-        self, lens: list[int], seq_lens: list[int], rows: int, capacity: int | None
-    ) -> np.ndarray:
-        """extend_lens [rows] then qo_indptr [rows + 1] then the tile table, flat (one copy).
-        Rows past the batch's requests have no tokens (and no tiles). O(batch + tiles)."""
+        self,
+        lens: list[int],
+        seq_lens: list[int],
+        rows: int,
+        capacity: tuple[int, int] | None,
+    ) -> tuple[np.ndarray, tuple[int, int]]:
+        """extend_lens [rows] then qo_indptr [rows + 1] then the tile tables over the pool and of
+        fresh prompts, flat (one copy), and the tables' rows. Rows past the batch's requests have
+        no tokens (and no tiles). O(batch + tiles)."""
         n = len(lens)
-        tiles = extend_tiles(lens, seq_lens, self.block_m, capacity)
+        ext = np.asarray(lens, dtype=np.int64)
+        total = np.asarray(seq_lens, dtype=np.int64)
+        fresh = (total == ext) if self.prefill_block_m else np.zeros(n, dtype=bool)
+        cached_cap, fresh_cap = (None, None) if capacity is None else capacity
+        tiles = extend_tiles(np.where(fresh, 0, ext), total, self.block_m, cached_cap)
+        fresh_tiles = extend_tiles(
+            np.where(fresh, ext, 0), total, self.prefill_block_m or 1, fresh_cap
+        )
+        tiles = np.concatenate([tiles, fresh_tiles])
         flat = np.empty(2 * rows + 1 + tiles.size, dtype=np.int64)
         flat[:n] = lens
         flat[n:rows] = 0
@@ -260,14 +304,20 @@ class TritonAttnBackend(AttentionBackend):
         np.cumsum(lens, out=flat[rows + 1 : rows + 1 + n])
         flat[rows + 1 + n : 2 * rows + 1] = flat[rows + n]
         flat[2 * rows + 1 :] = tiles.ravel()
-        return flat
+        return flat, (len(tiles) - len(fresh_tiles), len(fresh_tiles))
 
     @staticmethod
     def _split_extend(
-        flat: torch.Tensor, rows: int, capacity: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tiles = flat[2 * rows + 1 :] if capacity is None else flat[2 * rows + 1 :][: 2 * capacity]
-        return flat[:rows], flat[rows : 2 * rows + 1], tiles.view(-1, 2)
+        flat: torch.Tensor, rows: int, tiles: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        cached, fresh = tiles
+        table = flat[2 * rows + 1 :].view(-1, 2)
+        return (
+            flat[:rows],
+            flat[rows : 2 * rows + 1],
+            table[:cached],
+            table[cached : cached + fresh],
+        )
 
     def _prefix_host(self, groups: list[SharedPrefix], bs: int, num_items: int | None) -> list[int]:
         """prefix_lens [bs] then the items [num_items (or as many as needed), 2 + item_size],
