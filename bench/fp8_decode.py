@@ -11,6 +11,7 @@ needs.
     python -m bench.fp8_decode --quick   # current settings only
     python -m bench.fp8_decode --splits  # _GRAPH_SPLIT_TOKENS, each cache
     python -m bench.fp8_decode --one-split  # the graph launch's split count at large batches
+    python -m bench.fp8_decode --large --hq 32  # the sweep at 1000/1000's decode batches
 """
 
 from __future__ import annotations
@@ -124,12 +125,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--one-split", action="store_true", help="split counts of the graph launch, B >= 256"
     )
+    parser.add_argument(
+        "--large", action="store_true", help="the sweep at B 320-768 of 1000-2000 tokens"
+    )
     opts = parser.parse_args(argv)
     if opts.one_split:
         return compare_split_counts(opts.hq)
     global SHAPES
     if opts.mix:
         SHAPES = MIXES
+    if opts.large:  # where 1000/1000's and 500/2000's float8 decode reads at 0.86 of bf16's rate
+        SHAPES = [(b, n) for b, n in LARGE if n != "mix" and 320 <= b <= 768]
     if opts.splits:
         return sweep_split_tokens(opts.hq)
     if opts.grid:
