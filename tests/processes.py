@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -31,6 +32,29 @@ def wait_gone(pids, timeout: float = GONE_WITHIN_S) -> list[int]:
         if not still or time.monotonic() > deadline:
             return still
         time.sleep(0.05)
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it has stopped.
+
+    NOTE: kill() returns when the signal is queued, not when it took effect: a thread inside a
+    system call (a shard's rename, say) finishes that call first. What the test reads after
+    freeze() is what the process had done, and nothing more will follow until it is resumed."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not all(_stopped(task) for task in Path(f"/proc/{pid}/task").iterdir()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} did not stop within {timeout} s of SIGSTOP")
+        time.sleep(0.01)
+
+
+def _stopped(task: Path) -> bool:
+    try:
+        # /proc/PID/task/TID/stat: "tid (comm) state ...", comm may hold spaces and parentheses
+        state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True  # the thread has exited: it does nothing more
+    return state in ("T", "t")
 
 
 def cmdline(pid: int) -> list[str]:

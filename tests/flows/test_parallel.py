@@ -48,7 +48,7 @@ from tests.flows.fixtures import (
     settled_task_runs,
     wait_until,
 )
-from tests.processes import alive, engine_children_of
+from tests.processes import alive, engine_children_of, freeze
 
 ROWS = QUESTION_ROWS
 # what a row is; latency and cached_tokens depend on what else was in the engine at the time
@@ -141,7 +141,7 @@ class KilledRun:
             victim: list[int] = []
             wait_until(lambda: victim.extend(self._victim()) or victim, 240, "a batch mid-way")
             self.part, pid, self.batch = victim
-            os.kill(pid, signal.SIGSTOP)  # freeze it, so the check below cannot race its end
+            freeze(pid)  # so the check below cannot race its end, or a shard's rename
             # NOTE: what the batch has in shards once its part is frozen is what it will have
             self.landed_of_batch = len(self._batches[self.batch] & self._landed())
             assert 0 < self.landed_of_batch < len(self._batches[self.batch]), "not mid-batch"

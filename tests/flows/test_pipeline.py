@@ -38,7 +38,7 @@ from tests.flows.fixtures import (
     settled_task_runs,
     wait_until,
 )
-from tests.processes import alive, engine_children_of
+from tests.processes import alive, engine_children_of, freeze
 
 ROWS = QUESTION_ROWS
 SAMPLED = {"temperature": 1.0, "top_k": 40, "max_new_tokens": 12}
@@ -259,7 +259,7 @@ def test_sigkill_mid_generate_then_rerun_gives_the_uninterrupted_rows(
         # frozen mid-generate, its lock held: the checks below take seconds (a refused lock waits
         # 2 s for its holder), in which the run would go on one row at a time (rows the rerun
         # does 64 at once) and could even end; a frozen process dies by SIGKILL all the same
-        os.kill(proc.pid, signal.SIGSTOP)
+        freeze(proc.pid)
         children = engine_children_of(proc.pid)
         with pytest.raises(ValueError, match=f"another run \\(pid {proc.pid}\\) is writing"):
             CheckpointStore.at(run_folder(out)).lock()  # a second run of this config would stop
