@@ -6,9 +6,10 @@ shared_prefix_attention.py). This times the launch its CUDA graphs replay (no le
 variants of it, each captured in a graph: the split programs per (request, kv head) of the
 suffix (16 down to 2, with stage 2 merging; 1, stage 1 merging the prefix's columns into the
 output itself), prefix splits and item sizes, the suffix alone (plain decode over the suffix
-tokens, the prefix stage's work left out), and the prefix stage alone (items only, empty
-suffixes). Prints µs per layer and the TB/s of the bytes the floor counts (each suffix's K/V,
-the prefix's once); then a plain W1-like batch (100-2048 tokens, no prefix) by split count.
+tokens, the prefix stage's work left out), the prefix stage alone (items only, empty
+suffixes), and the prefix stage on a second CUDA stream beside stage 1. Prints µs per layer
+and the TB/s of the bytes the floor counts (each suffix's K/V, the prefix's once); then a
+plain W1-like batch (100-2048 tokens, no prefix) by split count.
 
     python -m bench.prefix_decode [--batch 1000 512 256] [--hq 16] [--prefix 2000]
     python -m bench.prefix_decode --tiles   # stage 1's (tokens per tile, stages, warps)
@@ -92,6 +93,21 @@ TILES = [(64, 3, 4), (64, 2, 4), (64, 2, 2), (64, 1, 4), (32, 3, 4), (32, 2, 4),
          (32, 1, 2), (16, 2, 1)]  # fmt: skip
 
 
+def with_tile(setting: tuple[int, int, int], fn):
+    """fn() with stage 1's (tokens per tile, stages, warps) set to `setting`."""
+    real = da._tiles
+
+    def tiles(*args, **kwargs):
+        n, st, w = setting
+        return dataclasses.replace(real(*args, **kwargs), BLOCK_N=n, num_stages=st, num_warps=w)
+
+    da._tiles = spa._tiles = tiles
+    try:
+        return fn()
+    finally:
+        da._tiles = spa._tiles = real
+
+
 def sweep_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv: int) -> None:
     """The graph launch with each of TILES for stage 1, on the shared-prefix cases and on
     W1-like plain batches (256 and 1024 requests of 100-2048 tokens: split, and one split)."""
@@ -101,22 +117,17 @@ def sweep_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv:
           + " | ".join(f"shared B={b}" for b in batches)
           + "".join(f" | plain B={b} 100-2048" for b in plains) + " |")  # fmt: skip
     print("|" + " --- |" * (1 + len(batches) + len(plains)))
-    real = da._tiles
     for block_n, stages, warps in TILES:
 
-        def tiles(*args, setting=(block_n, stages, warps), **kwargs):
-            n, st, w = setting
-            return dataclasses.replace(real(*args, **kwargs), BLOCK_N=n, num_stages=st, num_warps=w)
-
-        da._tiles = spa._tiles = tiles
-        try:
+        def cells_of() -> list[str]:
             cells = [f"{graph_us(lambda c=c: shared_prefix_decode_attention(**c)):.1f}"
                      for c in cases]  # fmt: skip
             for mixed, mixed_bytes in plains.values():
                 us = graph_us(lambda m=mixed: decode_attention(**m))
                 cells.append(f"{us:.1f} ({mixed_bytes / us / 1e6:.2f} TB/s)")
-        finally:
-            da._tiles = spa._tiles = real
+            return cells
+
+        cells = with_tile((block_n, stages, warps), cells_of)
         print(f"| {block_n}, {stages}, {warps} | " + " | ".join(cells) + " |")
 
 
@@ -176,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         for b in a.batch
     ]  # items of twice the rows (the kernel takes the item size from their shape)
 
+    side = torch.cuda.Stream()  # the prefix stage's, where a variant forks it off
+
     def case_index(s: dict) -> int:
         return next(i for i, c in enumerate(cases) if c[0] is s)
 
@@ -198,6 +211,19 @@ def main(argv: list[str] | None = None) -> None:
         },
         "1 split, stage 1 writes the output": lambda s, o: shared_prefix_decode_attention(
             **s, num_kv_splits=1
+        ),
+        **{
+            f"prefix stage on a second stream, {n} split(s) + stage 2": lambda s, o, n=n: (
+                shared_prefix_decode_attention(**s, num_kv_splits=n, prefix_stream=side)
+            )
+            for n in (1, 2)
+        },
+        "the same, 1 split, stage 1 in 16-token tiles, 1 warp": lambda s, o: with_tile(
+            (16, 2, 1),
+            lambda: shared_prefix_decode_attention(**s, num_kv_splits=1, prefix_stream=side),
+        ),
+        "1 split, stage 1 in 16-token tiles, 1 warp (one stream)": lambda s, o: with_tile(
+            (16, 2, 1), lambda: shared_prefix_decode_attention(**s, num_kv_splits=1)
         ),
         "suffix alone, graph launch": lambda s, o: decode_attention(**o),
         "suffix alone, 1 split": lambda s, o: decode_attention(**o, num_kv_splits=1),
