@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, fp8_scale, on_fp8_grid
+from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid
 
 # Output allocator (tests swap in a NaN-filled one to catch elements a kernel fails to write).
 _empty = torch.empty
@@ -64,6 +64,7 @@ def _silu_and_mul_fp8_kernel(
     x_row_stride,
     inter,
     BLOCK: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -79,7 +80,7 @@ def _silu_and_mul_fp8_kernel(
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
-        y = on_fp8_grid(_silu_mul_block(x_row, cols, mask, inter), scale)
+        y = on_fp8_grid(_silu_mul_block(x_row, cols, mask, inter), scale, HW_CAST)
         tl.store(out_ptr + row * inter + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -115,7 +116,14 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows and inter:
         block = min(triton.next_power_of_2(inter), _FP8_BLOCK)
         _silu_and_mul_fp8_kernel[(rows,)](
-            x2, out, scale, x2.stride(0), inter, BLOCK=block, num_warps=_FP8_WARPS
+            x2,
+            out,
+            scale,
+            x2.stride(0),
+            inter,
+            BLOCK=block,
+            HW_CAST=fp8_hw_cast(x.device),
+            num_warps=_FP8_WARPS,
         )
     return out, scale
 

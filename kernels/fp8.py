@@ -7,10 +7,13 @@ value), so every row uses the whole float8 range. With a static scale (a checkpo
 
 Grid: (rows,); a program reads its row twice (its max, then the scaled values) in BLOCK columns.
 
-NOTE: values are rounded to the float8 grid in float32 first (round to nearest even, on the
-bits), then cast: Triton's CPU interpreter mis-rounds a cast that carries into the next exponent
-(126.98 became 64 instead of 128 in triton 3.9), while the cast of a value already on the grid
-is exact everywhere. On the GPU the rounding costs a few integer ops in a memory-bound kernel.
+NOTE: under the CPU interpreter values are rounded to the float8 grid in float32 first (round to
+nearest even, on the bits), then cast: the interpreter mis-rounds a cast that carries into the
+next exponent (126.98 became 64 instead of 128 in triton 3.9), while the cast of a value already
+on the grid is exact everywhere. A GPU with float8 conversions (compute capability 8.9+) rounds
+in the cast itself (``cvt.rn.satfinite``, to nearest even, the same bytes): there the kernels
+leave the rounding to it (``HW_CAST``, ``fp8_hw_cast``), which spares every element the integer
+ops (the activation kernel computes each element twice).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_fp8 import has_fp8_cvt
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -45,19 +50,28 @@ def fp8_scale(amax):
     return tl.maximum(amax / 448.0, 1e-12)
 
 
-@triton.jit
-def on_fp8_grid(y, scale):
-    """float32 y / scale saturated and rounded onto the e4m3fn grid (still float32)."""
-    return round_to_fp8_grid(tl.clamp(y / scale, -448.0, 448.0), 3, 0.015625)
+def fp8_hw_cast(device: torch.device) -> bool:
+    """The kernels' HW_CAST on `device`: does its cast to float8 round (module docstring)?"""
+    return device.type == "cuda" and has_fp8_cvt(device.index)
 
 
 @triton.jit
-def fp8_row(y, mask):
+def on_fp8_grid(y, scale, HW_CAST: tl.constexpr):
+    """float32 y / scale saturated, and rounded onto the e4m3fn grid unless the store's cast
+    will round it (HW_CAST): float32 whose cast to float8 is the quantized value."""
+    y = tl.clamp(y / scale, -448.0, 448.0)
+    if HW_CAST:
+        return y
+    return round_to_fp8_grid(y, 3, 0.015625)
+
+
+@triton.jit
+def fp8_row(y, mask, HW_CAST: tl.constexpr):
     """A whole row y ([BLOCK] float32; elements off `mask` do not count) in float8 with its
-    per-token scale: (the values on the float8 grid, still float32; the scale), as
-    quantize_per_token computes them. For kernels that hold a row and feed an FP8 matmul."""
+    per-token scale: (float32 values whose cast is the float8 row, on_fp8_grid's; the scale),
+    as quantize_per_token computes them. For kernels that hold a row and feed an FP8 matmul."""
     scale = fp8_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0))
-    return on_fp8_grid(y, scale), scale
+    return on_fp8_grid(y, scale, HW_CAST), scale
 
 
 @triton.jit
@@ -70,6 +84,7 @@ def _quantize_rows_kernel(
     K,
     STATIC: tl.constexpr,
     BLOCK: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -86,7 +101,7 @@ def _quantize_rows_kernel(
     for start in range(0, K, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        y = on_fp8_grid(x, scale)
+        y = on_fp8_grid(x, scale, HW_CAST)
         tl.store(out_ptr + row * K + cols, y.to(out_ptr.dtype.element_ty), mask=cols < K)
 
 
@@ -102,7 +117,8 @@ def _launch(
         block = min(triton.next_power_of_2(K), 4096)
         _quantize_rows_kernel[(M,)](
             x, out, scale, static_scale if static_scale is not None else scale, x.stride(0), K,
-            STATIC=static_scale is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+            STATIC=static_scale is not None, BLOCK=block, HW_CAST=fp8_hw_cast(x.device),
+            num_warps=8 if block >= 2048 else 4,
         )  # fmt: skip
     if static_scale is not None:
         scale = static_scale.reshape(1, 1).expand(M, 1)

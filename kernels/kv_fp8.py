@@ -39,11 +39,11 @@ def kv_fp8_mode(kv_dtype: torch.dtype, device: torch.device) -> int:
     """The attention kernels' KV_FP8 for a cache of `kv_dtype` on `device`: 0, FP8_CAST, FP8_PTX."""
     if not is_fp8(kv_dtype):
         return 0
-    return FP8_PTX if device.type == "cuda" and _has_fp8_cvt(device.index) else FP8_CAST
+    return FP8_PTX if device.type == "cuda" and has_fp8_cvt(device.index) else FP8_CAST
 
 
 @functools.cache
-def _has_fp8_cvt(index: int | None) -> bool:
+def has_fp8_cvt(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 

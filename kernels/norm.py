@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, fp8_row
+from kernels.fp8 import FP8, fp8_hw_cast, fp8_row
 
 # Output allocator (tests swap in a NaN-filled one to catch elements a kernel fails to write).
 _empty = torch.empty
@@ -44,6 +44,7 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     FP8_OUT: tl.constexpr,
     BLOCK: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -61,7 +62,7 @@ def _rmsnorm_kernel(
     out = w.to(tl.float32) * normed.to(tl.float32)
     if FP8_OUT:
         # the 16-bit row the unfused path would quantize (x's dtype: the caller checks weight's)
-        out, scale = fp8_row(out.to(x_ptr.dtype.element_ty).to(tl.float32), mask)
+        out, scale = fp8_row(out.to(x_ptr.dtype.element_ty).to(tl.float32), mask, HW_CAST)
         tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -131,6 +132,7 @@ def rmsnorm(
             HAS_RESIDUAL=residual is not None,
             FP8_OUT=fp8,
             BLOCK=block,
+            HW_CAST=fp8 and fp8_hw_cast(x.device),
             num_warps=_num_warps(block),
         )
     normed = (out, scale) if fp8 else out
