@@ -14,6 +14,7 @@ plain W1-like batch (100-2048 tokens, no prefix) by split count.
     python -m bench.prefix_decode [--batch 1000 512 256] [--hq 16] [--prefix 2000]
     python -m bench.prefix_decode --tiles   # stage 1's (tokens per tile, stages, warps)
     python -m bench.prefix_decode --prefix-tiles   # the prefix stage's
+    python -m bench.prefix_decode --heads   # stage 1 with several kv heads a program
 """
 
 from __future__ import annotations
@@ -131,6 +132,47 @@ def sweep_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv:
         print(f"| {block_n}, {stages}, {warps} | " + " | ".join(cells) + " |")
 
 
+# packed heads over the 16-bit cache (kernels/decode_attention.py: _ROWS_PACKED_HEADS): heads,
+# then stage 1's (tokens per tile, stages, warps) for each
+ROWS_HEADS = [2, 4, 8]
+ROWS_TILES = [(16, 2, 4), (16, 3, 4), (32, 2, 4), (32, 3, 4), (16, 2, 2), (32, 2, 8), (64, 2, 4)]
+
+
+def sweep_heads(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv: int) -> None:
+    """Stage 1 with several kv heads a program (V in rows stacked), each of ROWS_TILES, on
+    the shared-prefix cases and the W1-like plain batches, against one head a program."""
+    cases = [make_case(b, prefix, lo, hi, hq, hkv)[0] for b in batches]
+    plains = {b: mixed_case(b, 100, 2048, hq, hkv) for b in (256, 1024)}
+    print("| heads, stage 1 tile, stages, warps | "
+          + " | ".join(f"shared B={b}" for b in batches)
+          + "".join(f" | plain B={b} 100-2048" for b in plains) + " |")  # fmt: skip
+    print("|" + " --- |" * (1 + len(batches) + len(plains)))
+
+    def cells_of() -> list[str]:
+        cells = [f"{graph_us(lambda c=c: shared_prefix_decode_attention(**c)):.1f}"
+                 for c in cases]  # fmt: skip
+        for mixed, mixed_bytes in plains.values():
+            us = graph_us(lambda m=mixed: decode_attention(**m))
+            cells.append(f"{us:.1f} ({mixed_bytes / us / 1e6:.2f} TB/s)")
+        return cells
+
+    print("| 1 (the engine's) | " + " | ".join(cells_of()) + " |")
+    real = da._ROWS_PACKED_HEADS
+    for heads in ROWS_HEADS:
+        if (hq // hkv) * heads > 16 or hkv % heads:
+            continue
+        da._ROWS_PACKED_HEADS = heads
+        try:
+            for tile in ROWS_TILES:
+                try:
+                    cells = with_tile(tile, cells_of)
+                except Exception as e:  # a setting past the shared memory or registers
+                    cells = [type(e).__name__] * (len(cases) + len(plains))
+                print(f"| {heads}, {', '.join(map(str, tile))} | " + " | ".join(cells) + " |")
+        finally:
+            da._ROWS_PACKED_HEADS = real
+
+
 # the prefix stage's (tokens per tile, pipeline stages, warps); the first is the default
 PREFIX_TILES = [(64, 3, 4), (64, 2, 4), (64, 4, 4), (64, 3, 8), (32, 3, 4), (32, 4, 4),
                 (128, 2, 4), (128, 2, 8)]  # fmt: skip
@@ -170,12 +212,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--prefix-tiles", action="store_true", help="sweep the prefix stage's tiles instead"
     )
+    ap.add_argument(
+        "--heads", action="store_true", help="sweep stage 1's packed heads (16-bit cache)"
+    )
     a = ap.parse_args(argv)
     lo, hi = (int(x) for x in a.suffix.split(":"))
     if a.tiles:
         return sweep_tiles(a.batch, a.prefix, lo, hi, a.hq, a.hkv)
     if a.prefix_tiles:
         return sweep_prefix_tiles(a.batch, a.prefix, lo, hi, a.hq, a.hkv)
+    if a.heads:
+        return sweep_heads(a.batch, a.prefix, lo, hi, a.hq, a.hkv)
     print(f"Hq {a.hq} / Hkv {a.hkv}, D 128, bf16, prefix {a.prefix}, suffixes {lo}-{hi}; "
           "µs per layer (TB/s of the floor's bytes)")  # fmt: skip
     print("| variant | " + " | ".join(f"B={b}" for b in a.batch) + " |")

@@ -83,7 +83,10 @@ its own head; p is spread block-diagonally over the V tiles side by side in the 
 dots do the same tensor-core work as HEADS programs of padded rows; the per-row work falls by
 HEADS, and the rows need no padding to 16 (``BLOCK_H = next_pow2(G * HEADS)``). An H100 read
 W1-like batches 2-8% faster with two heads than with one (``_PACKED_HEADS``); a packed program
-walks 1/HEADS of the tokens per split (``_min_split_len``: the same bytes).
+walks 1/HEADS of the tokens per split (``_min_split_len``: the same bytes). A 16-bit cache (V
+in rows) can pack heads too (``_ROWS_PACKED_HEADS``, off until measured): its V tile is the
+heads' rows stacked, ``[HEADS * BLOCK_N, BLOCK_D]``, and the block-diagonal p meets it in one
+dot, as with grouped V.
 """
 
 from __future__ import annotations
@@ -172,6 +175,13 @@ _FP8_GROUPED_TILES = ((256, (128, 3, 2)), (1024, (64, 3, 2)), (1 << 62, (32, 3, 
 _PACKED_HEADS = 2
 _PACKED_MAX_ROWS = 8
 _FP8_PACKED_TILE = (64, 3, 2)
+# Packed heads over a 16-bit cache (V in rows: row h * BLOCK_N + n of the stacked V tile is
+# token n's vector of head h), up to 16 rows a program: (heads, (tokens per tile, stages,
+# warps)). Off (1 head) until measured: bench/prefix_decode.py --heads sweeps it where stage
+# 1's programs are short (the pair's 50-114-token suffixes: 8000 programs of a few dependent
+# loads each, two a multiprocessor for their 96 KB of shared memory, at 1000 requests).
+_ROWS_PACKED_HEADS = 1
+_ROWS_PACKED_TILE = (16, 2, 4)
 
 
 @triton.jit
@@ -264,16 +274,37 @@ def _stage1_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
     if HEADS > 1:
-        # vᵀ of the HEADS heads side by side, [BLOCK_D, HEADS * BLOCK_N], and p block-diagonal
-        # over them, [rows, HEADS * BLOCK_N]: a row's own head's tokens, zeros elsewhere
-        vt = load_vt_heads(
-            v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS
-        )
-        if KV_FP8:
-            vt = vt.to(q.dtype)  # as k
+        # p block-diagonal over the HEADS heads, [rows, HEADS * BLOCK_N]: a row's own head's
+        # tokens, zeros elsewhere; against V of the heads stacked, [HEADS * BLOCK_N, BLOCK_D]
         own = tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None]
         pb = tl.reshape(tl.where(own, p[:, None, :], 0.0), [p.shape[0], HEADS * BLOCK_N])
-        pv = tl.dot(pb.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
+        if V_GROUPED:
+            # vᵀ of the heads side by side, [BLOCK_D, HEADS * BLOCK_N]
+            vt = load_vt_heads(
+                v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS
+            )
+            if KV_FP8:
+                vt = vt.to(q.dtype)  # as k
+            pv = tl.dot(pb.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
+        else:
+            # V in rows (a 16-bit cache): row h * BLOCK_N + n is token n0 + n's vector of head h,
+            # each a contiguous row of the pool as K's are
+            stacked_slots = tl.reshape(
+                tl.broadcast_to(slots[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
+            )
+            stacked_mask = tl.reshape(
+                tl.broadcast_to(mask_n[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
+            )
+            stacked_head = tl.arange(0, HEADS * BLOCK_N) // BLOCK_N
+            v = tl.load(
+                v_head
+                + stacked_slots[:, None] * stride_vn
+                + stacked_head[:, None] * stride_vh
+                + offs_d[None, :],
+                mask=stacked_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+                other=0.0,
+            )
+            pv = tl.dot(pb.to(v.dtype), v, input_precision=DOT_PRECISION)
     elif V_GROUPED:
         # vᵀ [BLOCK_D, BLOCK_N], tokens contiguous: into the dot as k is, no transposing copy
         vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -863,6 +894,16 @@ def _tiles(
                 BLOCK_N, num_stages, num_warps = tile
             elif kv_fp8:
                 BLOCK_N, num_stages = _FP8_DOT_BLOCK_N, _FP8_DOT_NUM_STAGES
+            elif (
+                not v_grouped
+                and _ROWS_PACKED_HEADS > 1
+                and queries == 1
+                and (q.shape[1] // group) % _ROWS_PACKED_HEADS == 0
+                and group * _ROWS_PACKED_HEADS <= 16
+                and BLOCK_D == D
+            ):
+                heads = _ROWS_PACKED_HEADS
+                BLOCK_N, num_stages, num_warps = _ROWS_PACKED_TILE
     else:
         BLOCK_H = triton.next_power_of_2(group * queries)
         # The broadcast product is [BLOCK_H, BLOCK_N, BLOCK_D]: keep it at most 8192 floats.

@@ -197,6 +197,38 @@ def test_float16_inputs():
     assert out.dtype == torch.float16
 
 
+@pytest.mark.parametrize(
+    "hq,hkv,heads",
+    [(4, 4, 2), (8, 4, 4), (16, 8, 8), (8, 8, 4)],
+    ids=["G1x2", "G2x4", "G2x8", "G1x4"],
+)
+@pytest.mark.parametrize("num_kv_splits", [3, 1, None], ids=["s3", "s1", "graph"])
+def test_packed_heads_over_a_16_bit_cache(hq, hkv, heads, num_kv_splits, monkeypatch):
+    """Several kv heads a stage-1 program with V in rows (_ROWS_PACKED_HEADS): q block-diagonal
+    over the heads' K side by side, p block-diagonal over their V stacked; each query head
+    still reads only its own kv head. Up to 16 rows; lengths off the 16-token tiles."""
+    monkeypatch.setattr(da, "_ROWS_PACKED_HEADS", heads)
+    q = torch.zeros(1, hq, 32, dtype=torch.float16)
+    tiles = da._tiles(q, hq // hkv, True, torch.float16)
+    assert (tiles.heads, tiles.BLOCK_H, tiles.BLOCK_N) == (heads, 16, da._ROWS_PACKED_TILE[0])
+    batch = make_batch([1, 33, 130, 17], hq, hkv, 32, dtype=torch.float16, seed=57 + heads)
+    check(batch, TOL_16BIT, num_kv_splits=num_kv_splits)
+
+
+def test_heads_pack_over_a_16_bit_cache_only_where_they_fit(monkeypatch):
+    """No packing of heads that do not divide the kv heads or overfill 16 rows, nor for
+    float32 q, a padded head dim or a verify step's several queries."""
+    monkeypatch.setattr(da, "_ROWS_PACKED_HEADS", 4)
+    half = lambda hq, d=32: torch.zeros(1, hq, d, dtype=torch.float16)  # noqa: E731
+    assert da._tiles(half(8), 2, True, torch.float16).heads == 4  # 4 kv heads, 8 rows
+    assert da._tiles(half(6), 2, True, torch.float16).heads == 1  # 3 kv heads
+    assert da._tiles(half(32), 8, True, torch.float16).heads == 1  # 32 rows
+    assert da._tiles(half(8, 24), 2, True, torch.float16).heads == 1  # head dim padded to 32
+    assert da._tiles(half(8), 2, True, torch.float16, queries=2).heads == 1
+    q32 = torch.zeros(1, 8, 32, dtype=torch.float32)
+    assert da._tiles(q32, 2, True, torch.float32).heads == 1
+
+
 def test_reference_matches_per_request_loop():
     """The float64 reference against a per-request loop of the textbook formula."""
     batch = make_batch([1, 9, 30], 6, 2, 16, device="cpu", seed=9)

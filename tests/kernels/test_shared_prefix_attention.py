@@ -267,6 +267,16 @@ def test_16bit_inputs(dtype):
     assert out.dtype == dtype
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 2], ids=["one-split", "two-splits"])
+def test_suffixes_with_packed_heads(num_kv_splits, monkeypatch):
+    """Stage 1 with two kv heads a program over a 16-bit cache (decode_attention's
+    _ROWS_PACKED_HEADS): each suffix from its own start, the prefix's columns merged by stage
+    1 itself (one split) or by stage 2."""
+    monkeypatch.setattr("kernels.decode_attention._ROWS_PACKED_HEADS", 2)
+    batch = make_shared_batch(GROUPS, SOLO, 4, 2, 64, item_size=3, dtype=torch.float16, seed=9)
+    check(batch, TOL_16BIT, num_kv_splits=num_kv_splits, prefix_splits=3)
+
+
 def test_prefix_split_count():
     """Every default split for a small batch, fewer once the items fill the GPU, at least 1."""
     assert prefix_split_count(1, 32, 8) == spa._PREFIX_SPLITS
