@@ -109,41 +109,13 @@ def with_tile(setting: tuple[int, int, int], fn):
         da._tiles = spa._tiles = real
 
 
-def sweep_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv: int) -> None:
-    """The graph launch with each of TILES for stage 1, on the shared-prefix cases and on
-    W1-like plain batches (256 and 1024 requests of 100-2048 tokens: split, and one split)."""
+def stage1_table(batches, prefix, lo, hi, hq, hkv, first_column: str):
+    """The header of a stage-1 sweep's table, and a function giving one row's cells: µs a
+    layer of the graph launch on the shared-prefix cases, then on W1-like plain batches (256
+    and 1024 requests of 100-2048 tokens), with stage 1 as it is set when called."""
     cases = [make_case(b, prefix, lo, hi, hq, hkv)[0] for b in batches]
     plains = {b: mixed_case(b, 100, 2048, hq, hkv) for b in (256, 1024)}
-    print("| stage 1 tile, stages, warps | "
-          + " | ".join(f"shared B={b}" for b in batches)
-          + "".join(f" | plain B={b} 100-2048" for b in plains) + " |")  # fmt: skip
-    print("|" + " --- |" * (1 + len(batches) + len(plains)))
-    for block_n, stages, warps in TILES:
-
-        def cells_of() -> list[str]:
-            cells = [f"{graph_us(lambda c=c: shared_prefix_decode_attention(**c)):.1f}"
-                     for c in cases]  # fmt: skip
-            for mixed, mixed_bytes in plains.values():
-                us = graph_us(lambda m=mixed: decode_attention(**m))
-                cells.append(f"{us:.1f} ({mixed_bytes / us / 1e6:.2f} TB/s)")
-            return cells
-
-        cells = with_tile((block_n, stages, warps), cells_of)
-        print(f"| {block_n}, {stages}, {warps} | " + " | ".join(cells) + " |")
-
-
-# packed heads over the 16-bit cache (kernels/decode_attention.py: _ROWS_PACKED_HEADS): heads,
-# then stage 1's (tokens per tile, stages, warps) for each
-ROWS_HEADS = [2, 4, 8]
-ROWS_TILES = [(16, 2, 4), (16, 3, 4), (32, 2, 4), (32, 3, 4), (16, 2, 2), (32, 2, 8), (64, 2, 4)]
-
-
-def sweep_heads(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv: int) -> None:
-    """Stage 1 with several kv heads a program (V in rows stacked), each of ROWS_TILES, on
-    the shared-prefix cases and the W1-like plain batches, against one head a program."""
-    cases = [make_case(b, prefix, lo, hi, hq, hkv)[0] for b in batches]
-    plains = {b: mixed_case(b, 100, 2048, hq, hkv) for b in (256, 1024)}
-    print("| heads, stage 1 tile, stages, warps | "
+    print(f"| {first_column} | "
           + " | ".join(f"shared B={b}" for b in batches)
           + "".join(f" | plain B={b} 100-2048" for b in plains) + " |")  # fmt: skip
     print("|" + " --- |" * (1 + len(batches) + len(plains)))
@@ -156,6 +128,26 @@ def sweep_heads(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv:
             cells.append(f"{us:.1f} ({mixed_bytes / us / 1e6:.2f} TB/s)")
         return cells
 
+    return cells_of
+
+
+def sweep_tiles(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv: int) -> None:
+    """The graph launch with each of TILES for stage 1 (stage1_table's cases)."""
+    cells_of = stage1_table(batches, prefix, lo, hi, hq, hkv, "stage 1 tile, stages, warps")
+    for tile in TILES:
+        print(f"| {', '.join(map(str, tile))} | " + " | ".join(with_tile(tile, cells_of)) + " |")
+
+
+# packed heads over the 16-bit cache (kernels/decode_attention.py: _ROWS_PACKED_HEADS): heads,
+# then stage 1's (tokens per tile, stages, warps) for each
+ROWS_HEADS = [2, 4, 8]
+ROWS_TILES = [(16, 2, 4), (16, 3, 4), (32, 2, 4), (32, 3, 4), (16, 2, 2), (32, 2, 8), (64, 2, 4)]
+
+
+def sweep_heads(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv: int) -> None:
+    """Stage 1 with several kv heads a program (V in rows stacked), each of ROWS_TILES, against
+    one head a program (stage1_table's cases)."""
+    cells_of = stage1_table(batches, prefix, lo, hi, hq, hkv, "heads, stage 1 tile, stages, warps")
     print("| 1 (the engine's) | " + " | ".join(cells_of()) + " |")
     real = da._ROWS_PACKED_HEADS
     for heads in ROWS_HEADS:
@@ -167,7 +159,7 @@ def sweep_heads(batches: list[int], prefix: int, lo: int, hi: int, hq: int, hkv:
                 try:
                     cells = with_tile(tile, cells_of)
                 except Exception as e:  # a setting past the shared memory or registers
-                    cells = [type(e).__name__] * (len(cases) + len(plains))
+                    cells = [type(e).__name__] * (len(batches) + 2)
                 print(f"| {heads}, {', '.join(map(str, tile))} | " + " | ".join(cells) + " |")
         finally:
             da._ROWS_PACKED_HEADS = real
