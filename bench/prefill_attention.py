@@ -7,7 +7,8 @@ times both on the same batches (Llama-3.1-8B's heads, D 128, bf16; k and v slice
 product as the layers pass them), the latter at several tiles, beside torch's variable-length
 flash attention (`torch.nn.attention.varlen.varlen_attn`) and `scaled_dot_product_attention`'s
 cuDNN and flash backends on the batch padded to one length, each checked against the first
-row. Each call runs in a CUDA graph where it captures.
+row; and prefill_attention with its products on float8 tensor cores (q·k, or q·k and p·v),
+its quantizing pass included. Each call runs in a CUDA graph where it captures.
 
     python -m bench.prefill_attention
 """
@@ -37,6 +38,7 @@ PREFILL_TILES = [
     # Triton's fused-attention tutorial's tiles for D 128 on Hopper: 128-query tiles of 8 warps
     (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3),
 ]  # fmt: skip
+FP8_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2)]
 
 
 def timed(fn) -> float:
@@ -87,6 +89,16 @@ def variants(b: int, n: int) -> tuple[dict, int]:
         tile = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
         name = f"prefill_attention {bm}x{bn}, {warps} warps, {stages} stages"
         calls[name] = lambda t=tiles, c=tile: prefill_attention(q, k, v, lens, cu, D**-0.5, t, **c)
+    # float8 products (fp8="qk" / "qk_pv": the quantizing pass included), at the default tile and
+    # at 128-query tiles (a float8 tile is half the bytes of a 16-bit one)
+    for mode in ("qk", "qk_pv"):
+        for bm, bn, warps, stages in FP8_TILES:
+            tiles = torch.from_numpy(extend_tiles([n] * b, [n] * b, bm)).cuda()
+            tile = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+            name = f"prefill_attention float8 {mode} {bm}x{bn}, {warps} warps, {stages} stages"
+            calls[name] = lambda t=tiles, c=tile, m=mode: prefill_attention(
+                q, k, v, lens, cu, D**-0.5, t, fp8=m, **c
+            )
     for label, backend in [
         ("cudnn", SDPBackend.CUDNN_ATTENTION),
         ("flash", SDPBackend.FLASH_ATTENTION),

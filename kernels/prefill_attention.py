@@ -21,6 +21,18 @@ Numerics as extend_attention's on a cache of q's dtype (float32 in IEEE products
 ``extend_attention_ref`` (float64) is the reference for the tests. On an H200, 8 prompts of
 2048 tokens at Llama-3.1-8B's heads run at about 380 TFLOP/s where extend_attention reads the
 float8 pool at about 210 (bench.prefill_attention).
+
+Float8 products (``fp8="qk"`` or ``"qk_pv"``; for a model whose cache is float8 anyway, as
+TensorRT-LLM's FP8 context attention). Hopper's tensor cores multiply float8 at twice the
+16-bit rate. One pass (``_quantize_qkv_kernel``) writes q in float8 with a scale per (token,
+head), its largest magnitude over 448, and k as the cache holds it, ``k / k_scale``; with
+"qk_pv" also ``v / v_scale``, transposed ([Hkv * D, T]: a float8 product wants both operands
+contiguous along its inner dimension, which for p·v is the tokens). The scores are then
+``(q8·k8) * q_scale[row] * k_scale * scaling``; with "qk_pv" the probabilities enter the
+product as ``p * 448`` in float8 (p <= 1 uses the format's whole range), and the output is
+divided back by 448 and multiplied by v_scale. The softmax stays float32, the output q's
+dtype. What float8 costs in accuracy beside the 16-bit products: tests/kernels (bounds) and
+the fp8-accuracy GPU step (logprobs against transformers).
 """
 
 from __future__ import annotations
@@ -31,14 +43,22 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.extend_attention import _LOG2E, extend_tiles
+from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid
+
+# What `fp8` may be: the products that run on float8 tensor cores (module docstring).
+FP8_MODES = ("qk", "qk_pv")
 
 
 @triton.jit
 def _prefill_tiles(
-    acc, l_i, m_i, q, desc_k, desc_v, row0, col, offs_m, start, end, qk_scale,
+    acc, l_i, m_i, q, desc_k, desc_v, row0, v_row0, col, offs_m, start, end, qk_scale,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    PV_FP8: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax of the query tile over the request's keys [start, end)."""
+    """Online softmax of the query tile over the request's keys [start, end). ``qk_scale``:
+    a number, or a [BLOCK_M, 1] column (float8 q: a scale per row). PV_FP8: ``desc_v`` holds
+    vᵀ in float8 (the request's tokens from column ``v_row0``) and p enters the product as
+    ``p * 448`` in float8."""
     offs_n = tl.arange(0, BLOCK_N)
     for s in range(start, end, BLOCK_N):
         k = desc_k.load([row0 + s, col])
@@ -49,8 +69,13 @@ def _prefill_tiles(
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([row0 + s, col])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        if PV_FP8:
+            vt = desc_v.load([col, v_row0 + s])  # [D, BLOCK_N]: tokens contiguous
+            p8 = on_fp8_grid(p * 448.0, 1.0, HW_CAST).to(vt.dtype)
+            acc = tl.dot(p8, vt.T, acc * alpha[:, None])
+        else:
+            v = desc_v.load([row0 + s, col])
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -58,8 +83,12 @@ def _prefill_tiles(
 @triton.jit
 def _prefill_attention_kernel(
     desc_q, desc_k, desc_v, Out, QoIndptr, ExtendLens, Tiles, qk_scale, stride_ot, stride_oh,
+    QScale,  # float32 [T, Hq] of float8 q (QK_FP8), else unused
+    KVScales,  # float32 (k_scale, v_scale) (QK_FP8), else unused
+    VtIndptr,  # [B + 1] each request's first column of vᵀ (PV_FP8), else unused
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
+    HW_CAST: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
 ):  # fmt: skip
     # the query heads of one kv head are neighbours in launch order: they share its K/V in L2
     h = tl.program_id(0)
@@ -74,25 +103,81 @@ def _prefill_attention_kernel(
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     q = desc_q.load([row0 + m_start, h * HEAD_DIM])
+    v_row0 = row0
+    if PV_FP8:
+        v_row0 = tl.load(VtIndptr + b).to(tl.int32)  # vᵀ's columns: 16-aligned per request
+    if QK_FP8:
+        # (q8 * q_scale) . (k8 * k_scale): a scale per query row, folded into the score scale
+        q_rows = (row0 + offs_m).to(tl.int64)
+        row_scale = tl.load(QScale + q_rows * NUM_Q_HEADS + h, mask=offs_m < n, other=0.0)
+        qk_scale = (row_scale * (qk_scale * tl.load(KVScales)))[:, None]
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # NOTE: m_start is a multiple of BLOCK_M, itself a multiple of BLOCK_N: keys [0, m_start)
     # are whole unmasked tiles, and the diagonal starts on a tile
     acc, l_i, m_i = _prefill_tiles(
-        acc, l_i, m_i, q, desc_k, desc_v, row0, kv_col, offs_m, 0, m_start, qk_scale,
-        BLOCK_N, False, INPUT_PRECISION,
+        acc, l_i, m_i, q, desc_k, desc_v, row0, v_row0, kv_col, offs_m, 0, m_start, qk_scale,
+        BLOCK_N, False, INPUT_PRECISION, PV_FP8, HW_CAST,
     )  # fmt: skip
     end = tl.minimum(m_start + BLOCK_M, n)
     acc, l_i, m_i = _prefill_tiles(
-        acc, l_i, m_i, q, desc_k, desc_v, row0, kv_col, offs_m, m_start, end, qk_scale,
-        BLOCK_N, True, INPUT_PRECISION,
+        acc, l_i, m_i, q, desc_k, desc_v, row0, v_row0, kv_col, offs_m, m_start, end, qk_scale,
+        BLOCK_N, True, INPUT_PRECISION, PV_FP8, HW_CAST,
     )  # fmt: skip
 
     rows = (row0 + offs_m).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
     o_ptrs = Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    if PV_FP8:
+        l_i = l_i * (448.0 / tl.load(KVScales + 1))  # p went in as p * 448, v as v / v_scale
     tl.store(o_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=(offs_m < n)[:, None])
+
+
+@triton.jit
+def _quantize_qkv_kernel(
+    Q, K, V, Q8, QScale, K8, VT8, KVScales, QoIndptr, ExtendLens, Tiles, VtIndptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vt8,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, PV_FP8: tl.constexpr, HW_CAST: tl.constexpr,
+):  # fmt: skip
+    """Program (tile, head) over the attention's own tile table: the tile's rows of a q head
+    in float8 with their scales, or of a kv head's k (and, PV_FP8, vᵀ, at the request's
+    16-aligned columns) in float8 at the layer's scales."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(Tiles + 2 * tile)
+    m_start = tl.load(Tiles + 2 * tile + 1).to(tl.int32)
+    n = tl.load(ExtendLens + b).to(tl.int32)
+    if m_start >= n:
+        return  # a filler tile
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    live = offs_m < n
+    rows = tl.load(QoIndptr + b) + offs_m.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if h < NUM_Q_HEADS:
+        x = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        scale = fp8_scale(tl.max(tl.abs(x), axis=1))
+        q8 = on_fp8_grid(x, scale[:, None], HW_CAST)
+        dst = Q8 + rows[:, None] * (NUM_Q_HEADS * HEAD_DIM) + h * HEAD_DIM + offs_d[None, :]
+        tl.store(dst, q8.to(Q8.dtype.element_ty), mask=live[:, None])
+        tl.store(QScale + rows * NUM_Q_HEADS + h, scale, mask=live)
+    else:
+        kvh = h - NUM_Q_HEADS
+        x = tl.load(K + rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                    mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        k8 = on_fp8_grid(x, tl.load(KVScales), HW_CAST)
+        dst = K8 + rows[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + offs_d[None, :]
+        tl.store(dst, k8.to(K8.dtype.element_ty), mask=live[:, None])
+        if PV_FP8:
+            x = tl.load(V + rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                        mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
+            v8 = on_fp8_grid(x, tl.load(KVScales + 1), HW_CAST)
+            # transposed: row kvh * D + d of VT8 holds dimension d of every token
+            cols = tl.load(VtIndptr + b) + offs_m.to(tl.int64)
+            dst = VT8 + (kvh * HEAD_DIM + offs_d)[None, :].to(tl.int64) * stride_vt8 + cols[:, None]
+            tl.store(dst, v8.to(VT8.dtype.element_ty), mask=live[:, None])
 
 
 def _default_blocks(
@@ -149,6 +234,8 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fp8: str | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's rows of q over its own rows of k and v.
 
@@ -156,7 +243,9 @@ def prefill_attention(
     contiguous); extend_lens [B], qo_indptr [B + 1] on q's device (request b: rows
     qo_indptr[b] : qo_indptr[b + 1]). ``tiles`` [N, 2]: ``extend_tiles(lens, lens, block_m)``
     on q's device (None: planned here, one device sync). ``out`` [T, Hq, D] may be given.
-    Returns out [T, Hq, D] in q.dtype.
+    ``fp8``: None (16-bit products), "qk" or "qk_pv" (those products on float8 tensor cores,
+    module docstring), with ``kv_scales`` the layer's float32 [2] (k_scale, v_scale) on the
+    device (None: both 1). Returns out [T, Hq, D] in q.dtype.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -178,11 +267,69 @@ def prefill_attention(
     assert tiles.dim() == 2 and tiles.shape[1] == 2 and tiles.is_contiguous()
     if tiles.shape[0] == 0:
         return out
+    if fp8 is None:
+        descs = _rows(q, [bm, head_dim]), _rows(k, [bn, head_dim]), _rows(v, [bn, head_dim])
+        q_scale = scales = vt_indptr = out  # (never read)
+    elif fp8 in FP8_MODES:
+        if kv_scales is None:
+            kv_scales = torch.ones(2, dtype=torch.float32, device=q.device)
+        *descs, q_scale, vt_indptr = _fp8_operands(
+            q, k, v, kv_scales, fp8 == "qk_pv", extend_lens, qo_indptr, tiles, bm, bn
+        )
+        scales = kv_scales
+    else:
+        raise ValueError(f"fp8={fp8!r}: one of None, {', '.join(map(repr, FP8_MODES))}")
     _prefill_attention_kernel[(num_q_heads, tiles.shape[0])](
-        _rows(q, [bm, head_dim]), _rows(k, [bn, head_dim]), _rows(v, [bn, head_dim]),
-        out, qo_indptr, extend_lens, tiles, scaling * _LOG2E, out.stride(0), out.stride(1),
+        *descs, out, qo_indptr, extend_lens, tiles, scaling * _LOG2E, out.stride(0),
+        out.stride(1), q_scale, scales, vt_indptr,
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
         # float32 stays float32 (no tf32 on the tensor cores); for 16-bit inputs it is ignored
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or warps, num_stages=num_stages or stages,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        QK_FP8=fp8 is not None, PV_FP8=fp8 == "qk_pv", HW_CAST=fp8_hw_cast(q.device),
+        NUM_Q_HEADS=num_q_heads, num_warps=num_warps or warps, num_stages=num_stages or stages,
     )  # fmt: skip
     return out
+
+
+def _fp8_operands(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_scales: torch.Tensor,
+    pv: bool,
+    extend_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    tiles: torch.Tensor,
+    block_m: int,
+    block_n: int,
+) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor, torch.Tensor, torch.Tensor]:
+    """The float8 operands' descriptors (q, k, and vᵀ with ``pv``, else the 16-bit v), q's
+    float32 scales [T, Hq] and vᵀ's column offsets [B + 1], from one pass over the tiles.
+
+    vᵀ ([Hkv * D, columns]) gives each request its own 16-aligned run of columns: a descriptor
+    box may start only on 16 bytes along its contiguous dimension, which here is the tokens.
+    The columns between runs are zeros (a tile's rectangle may read them; p is 0 there, and
+    0 times an uninitialised float8 NaN would not be)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    num_reqs = extend_lens.shape[0]
+    q8 = torch.empty((num_tokens, num_q_heads * head_dim), dtype=FP8, device=q.device)
+    q_scale = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
+    k8 = torch.empty((num_tokens, num_kv_heads * head_dim), dtype=FP8, device=q.device)
+    vt_indptr = torch.zeros(num_reqs + 1, dtype=torch.int64, device=q.device)
+    if pv:
+        torch.cumsum((extend_lens + 15) // 16 * 16, 0, out=vt_indptr[1:])
+        columns = num_tokens + 15 * num_reqs  # the most the runs can take (no host sync)
+        columns = -(-columns // 16) * 16  # rows of vᵀ start 16-byte aligned
+        vt8 = torch.zeros((num_kv_heads * head_dim, columns), dtype=FP8, device=q.device)
+    else:
+        vt8 = k8  # (never written)
+    _quantize_qkv_kernel[(tiles.shape[0], num_q_heads + num_kv_heads)](
+        q, k, v, q8, q_scale, k8, vt8, kv_scales, qo_indptr, extend_lens, tiles, vt_indptr,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        vt8.stride(0), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, PV_FP8=pv, HW_CAST=fp8_hw_cast(q.device),
+    )  # fmt: skip
+    rows = lambda t, block: TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block)  # noqa: E731
+    desc_v = rows(vt8, [head_dim, block_n]) if pv else _rows(v, [block_n, head_dim])
+    return rows(q8, [block_m, head_dim]), rows(k8, [block_n, head_dim]), desc_v, q_scale, vt_indptr

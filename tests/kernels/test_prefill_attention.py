@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from kernels.extend_attention import extend_attention_ref, extend_tiles, tile_capacity
+from kernels.fp8 import quantize_per_token_ref
+from kernels.kv_fp8 import quantize
 from kernels.prefill_attention import prefill_attention, prefill_block_m, prefill_supported
 from tests.kernels.conftest import DEVICE, rel_err
 
@@ -111,6 +113,69 @@ def test_supported_shapes():
     assert prefill_block_m(128, torch.bfloat16, cuda) % 16 == 0
 
 
+# --- float8 products (fp8="qk" / "qk_pv") ------------------------------------------------------
+
+
+def quantized_inputs(q, k, v, k_scale: float, v_scale: float):
+    """What the float8 kernel multiplies, dequantized: q per (token, head) at its largest
+    magnitude over 448 (kernels/fp8.py's reference), k and v at the layer's scales (as the
+    cache stores them)."""
+    t, hq, d = q.shape
+    q8, q_scale = quantize_per_token_ref(q.reshape(t * hq, d))
+    qq = (q8.double() * q_scale.double()).reshape(t, hq, d).to(q.dtype)
+
+    def at(x, scale):
+        return (quantize(x, scale, torch.float8_e4m3fn).double() * scale).to(x.dtype)
+
+    return qq, at(k, k_scale), at(v, v_scale)
+
+
+# q.k in float8 is exact on the float8 values: against the reference on them, as 16-bit
+# products are on theirs. p in float8 (p * 448 rounded, 2^-4 relative) adds an error of its own.
+FP8_TOL = {"qk": 2e-3, "qk_pv": 3e-2}
+
+
+@pytest.mark.parametrize("mode", ["qk", "qk_pv"])
+@pytest.mark.parametrize(
+    "lens, hq, hkv, d",
+    [
+        ([37, 5, 64, 1, 50], 4, 2, 32),  # runs of vᵀ columns padded to 16; a one-token prompt
+        ([16, 33], 2, 2, 16),
+        ([70], 8, 1, 64),
+    ],
+)
+def test_float8_products_match_the_reference_on_the_float8_values(lens, hq, hkv, d, mode):
+    q, k, v, lens_t, indptr = make_batch(lens, hq, hkv, d, torch.float16, seed=len(lens))
+    scales = torch.tensor([0.5, 2.0], device=q.device)  # k_scale, v_scale
+    out = run(q, k, v, lens_t, indptr, fp8=mode, kv_scales=scales)
+    assert not out.isnan().any()
+    qq, kq, vq = quantized_inputs(q, k, v, 0.5, 2.0)
+    want = reference(qq, kq, vq if mode == "qk_pv" else v, lens_t, indptr, d**-0.5)
+    assert rel_err(out, want) < FP8_TOL[mode]
+    # and within what the float8 inputs themselves cost of the 16-bit answer
+    exact = reference(q, k, v, lens_t, indptr, d**-0.5)
+    assert (
+        rel_err(out, exact)
+        < rel_err(reference(qq, kq, vq, lens_t, indptr, d**-0.5), exact) + FP8_TOL[mode]
+    )
+
+
+def test_float8_products_over_planned_tiles_with_filler_rows():
+    """A graph's table (filler rows past the batch) and the default scales (None: both 1)."""
+    lens = [40, 7, 65]
+    q, k, v, lens_t, indptr = make_batch(lens, 4, 2, 32, torch.float16, seed=4)
+    tiles = torch.from_numpy(extend_tiles(lens, lens, 32, tile_capacity(sum(lens), 5, 32)))
+    out = run(q, k, v, lens_t, indptr, tiles=tiles.to(q.device), block_m=32, fp8="qk_pv")
+    qq, kq, vq = quantized_inputs(q, k, v, 1.0, 1.0)
+    assert rel_err(out, reference(qq, kq, vq, lens_t, indptr, 32**-0.5)) < FP8_TOL["qk_pv"]
+
+
+def test_float8_mode_is_checked():
+    q, k, v, lens_t, indptr = make_batch([5], 2, 1, 16, torch.float16)
+    with pytest.raises(ValueError, match="fp8='e4m3': one of None, 'qk', 'qk_pv'"):
+        run(q, k, v, lens_t, indptr, fp8="e4m3")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("lens", [[2048] * 2, [1000, 1, 17, 513, 128, 300], [128] * 16])
@@ -126,3 +191,15 @@ def test_gpu_head_dims(d, hq, hkv):
     q, k, v, lens_t, indptr = make_batch([300, 77, 1024], hq, hkv, d, torch.bfloat16, "cuda")
     out = run(q, k, v, lens_t, indptr)
     assert rel_err(out, reference(q, k, v, lens_t, indptr, d**-0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["qk", "qk_pv"])
+@pytest.mark.parametrize("lens", [[2048] * 2, [1000, 1, 17, 513, 128, 300]])
+def test_gpu_float8_products(lens, mode):
+    q, k, v, lens_t, indptr = make_batch(lens, 32, 8, 128, torch.bfloat16, device="cuda")
+    scales = torch.tensor([0.05, 0.02], device="cuda")
+    out = run(q, k, v, lens_t, indptr, fp8=mode, kv_scales=scales)
+    qq, kq, vq = quantized_inputs(q, k, v, 0.05, 0.02)
+    want = reference(qq, kq, vq if mode == "qk_pv" else v, lens_t, indptr, 128**-0.5)
+    assert rel_err(out, want) < FP8_TOL[mode] + TOL[torch.bfloat16]
