@@ -94,6 +94,8 @@ class ServerArgs:
     # decode reads a prefix that running requests share (radix cache) once per group, not once
     # per request (triton backend; kernels/shared_prefix_attention.py)
     disable_shared_prefix_attention: bool = False
+    # "qk" / "qk_pv": fresh prompts' q.k (and p.v) on float8 tensor cores (prefill_attention.py)
+    prefill_attention_fp8: str | None = None
     # kernels
     attention_backend: str | None = None  # None: "triton" on CUDA with triton, else "torch"
     cuda_graph_max_bs: int | None = None  # None: DEFAULT_CUDA_GRAPH_MAX_BS, <= max_running_requests
@@ -286,6 +288,11 @@ class ServerArgs:
             object.__setattr__(self, "speculative_num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)
         if self.prefill_cuda_graph_max_tokens is None:
             object.__setattr__(self, "prefill_cuda_graph_max_tokens", self.max_prefill_tokens)
+        if self.prefill_attention_fp8 is not None and not self._float8_on_triton:  # (settled)
+            raise ValueError(
+                "prefill_attention_fp8 needs a float8 kv_cache_dtype on attention_backend 'triton', "
+                f"got {self.kv_cache_dtype!r} on {self.attention_backend!r}"
+            )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -396,6 +403,7 @@ _RULES: dict[str, Rule] = {
     "context_length": _POSITIVE,
     "dtype": one_of(DTYPES),
     "kv_cache_dtype": one_of(("auto", *KV_CACHE_DTYPES)),
+    "prefill_attention_fp8": one_of(("qk", "qk_pv")),
     "quantization": one_of(QUANTIZATIONS),
     "device": Rule(("'cpu'", "'cuda'", "'cuda:N'"), pattern=r"cpu|cuda|cuda:[0-9]+"),
     "mem_fraction_static": Rule(

@@ -45,6 +45,7 @@ from engine.batch.prefix_groups import MAX_SHARED_PREFIXES, SharedPrefix
 from engine.transfer import to_device
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention, extend_block_m, extend_tiles, tile_capacity
+from kernels.fp8 import fp8_hw_cast
 from kernels.prefill_attention import prefill_attention, prefill_block_m, prefill_supported
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
 from kernels.verify_attention import verify_attention
@@ -61,8 +62,17 @@ class TritonAttnBackend(AttentionBackend):
         dtype: torch.dtype,
         device: torch.device,
         shared_prefix: bool = False,
+        prefill_fp8: str | None = None,
     ) -> None:
         self.device = device
+        # fresh prompts' products on float8 tensor cores over a float8 cache (ServerArgs.
+        # prefill_attention_fp8; kernels/prefill_attention.py), or None
+        self.prefill_fp8 = prefill_fp8
+        if prefill_fp8 is not None and device.type == "cuda" and not fp8_hw_cast(device):
+            raise ValueError(
+                f"prefill_attention_fp8={prefill_fp8!r} needs float8 tensor cores (compute "
+                f"capability 8.9 or later), which {torch.cuda.get_device_name(device)} has not."
+            )
         # queries per extend tile, with the kernel's packing of this layer's GQA heads
         # (kernels/extend_attention.py); the plans and the graphs' tile capacity count in them
         self.block_m = extend_block_m(
@@ -263,9 +273,12 @@ class TritonAttnBackend(AttentionBackend):
         # NOTE: the two tables name disjoint requests, so each row of out is written once
         out = torch.empty_like(q)
         if fresh_tiles.shape[0]:
+            # NOTE: float8 products only over a float8 cache (ServerArgs checks), whose
+            # scales they use
             prefill_attention(
                 q, k, v, extend_lens, qo_indptr, layer.scaling, fresh_tiles,
-                out=out, block_m=self.prefill_block_m,
+                out=out, block_m=self.prefill_block_m, fp8=self.prefill_fp8,
+                kv_scales=pool.layer_scales[i] if self.prefill_fp8 else None,
             )  # fmt: skip
         if tiles.shape[0]:
             extend_attention(

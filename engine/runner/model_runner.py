@@ -92,7 +92,12 @@ class ModelRunner:
         # a decode step's columns, read by its graph in place
         self.decode_inputs = DecodeInputs(rows, self.req_to_token.padding_row, device)
         self.attn_backend = create_backend(
-            args.attention_backend, device, attn, config.dtype, args.shared_prefix_attention
+            args.attention_backend,
+            device,
+            attn,
+            config.dtype,
+            args.shared_prefix_attention,
+            args.prefill_attention_fp8,
         )
         use_backend(self.model, self.attn_backend)
         self._logit_buckets = prefill_capture_sizes(args.max_prefill_tokens)

@@ -31,7 +31,14 @@ PRECISIONS = {
     "bf16 + fp8_e4m3 KV": {"kv_cache_dtype": "fp8_e4m3"},
     "bf16 + fp8_e5m2 KV": {"kv_cache_dtype": "fp8_e5m2"},
     "fp8 weights + fp8_e4m3 KV": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
-}
+    # ...and fresh prompts' attention products on float8 tensor cores (prefill_attention_fp8)
+    "fp8 weights + KV, float8 q·k": {
+        "quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "prefill_attention_fp8": "qk",
+    },
+    "fp8 weights + KV, float8 q·k and p·v": {
+        "quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "prefill_attention_fp8": "qk_pv",
+    },
+}  # fmt: skip
 # mean |Δ logprob| against float32 transformers, and the least greedy agreement, allowed: the
 # measured values (H100 and H200, docs/performance.md) with room, so that a broken path (nats off, no
 # agreement) fails while FP8's own rounding passes
@@ -41,12 +48,16 @@ BOUNDS = {
         "bf16 + fp8_e4m3 KV": (0.8, 0.3),
         "bf16 + fp8_e5m2 KV": (1.5, 0.15),
         "fp8 weights + fp8_e4m3 KV": (2.0, 0.1),
+        "fp8 weights + KV, float8 q·k": (2.0, 0.1),
+        "fp8 weights + KV, float8 q·k and p·v": (2.0, 0.1),
     },
     "demo": {
         "bf16": (0.1, 0.8),
         "bf16 + fp8_e4m3 KV": (0.2, 0.7),
         "bf16 + fp8_e5m2 KV": (0.4, 0.5),
         "fp8 weights + fp8_e4m3 KV": (0.5, 0.5),
+        "fp8 weights + KV, float8 q·k": (0.5, 0.5),
+        "fp8 weights + KV, float8 q·k and p·v": (0.5, 0.5),
     },
 }
 N = 16

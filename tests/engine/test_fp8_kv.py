@@ -42,7 +42,9 @@ FLOAT16_TOL = {"torch": 1e-3, "triton": 0.06}
 # The first rows of the sequence whose queries attend over unrounded K/V in
 # `fp8_rounded_attention`: on the triton backend, a prompt with nothing cached attends over its
 # own K/V of the step that prefills it (its first chunk) as they are, not through the pool.
-_FRESH_ROWS = {"rows": 0}
+# With "qk" (prefill_attention_fp8="qk") those rows multiply q and k in float8 instead: q
+# rounded with a scale per (token, head), k at the layer's scale, v as it is.
+_FRESH_ROWS = {"rows": 0, "qk": False}
 
 
 def fp8_rounded_attention(fp8: torch.dtype, scales: dict[int, tuple[float, float]]) -> str:
@@ -69,6 +71,11 @@ def fp8_rounded_attention(fp8: torch.dtype, scales: dict[int, tuple[float, float
         )
         fresh = _FRESH_ROWS["rows"]
         if fresh:  # those queries attend over the unrounded K/V ([B, T, H, D] out)
+            if _FRESH_ROWS["qk"]:  # ...or over float8 q and k ([B, H, T, D] in)
+                row_scale = (query.float().abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+                query = (query.float() / row_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+                query = (query.float() * row_scale).to(value.dtype)
+                key = rounded(key, k_scale)
             plain, _ = eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
             out = torch.cat([plain[:, :fresh], out[:, fresh:]], dim=1)
         return out, weights
@@ -221,3 +228,53 @@ def test_checkpoint_scales_reach_the_cache(llama_dir, monkeypatch, backend):
     tol = FLOAT16_TOL[backend]
     assert max(gaps) <= tol and max(ties) <= tol, (max(gaps), max(ties))
     assert max(plain_gaps) > 4 * tol, max(plain_gaps)
+
+
+def test_fresh_prompts_on_float8_products_equal_transformers_on_rounded_q_and_k(
+    llama_dir, monkeypatch
+):
+    """prefill_attention_fp8="qk" (float16 model, float8_e4m3fn cache, triton under the
+    interpreter, prefill chunks of 16): a prompt's first chunk multiplies q and k in float8 (q
+    rounded per token and head, k at the layer's scale), its later chunks and every decode step
+    read the float8 cache as without it. Teacher-forced against transformers rounding the same."""
+    import engine.attention.triton_backend as triton_backend
+
+    modes = []
+    real = triton_backend.prefill_attention
+
+    def spy(*args, **kwargs):
+        modes.append(kwargs.get("fp8"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "prefill_attention", spy)
+    core = InProcessCore(
+        llama_dir, dtype="float16", attention_backend="triton", kv_cache_dtype="fp8_e4m3",
+        max_total_tokens=1024, chunked_prefill_size=16, prefill_attention_fp8="qk",
+    )  # fmt: skip
+    prompts = random_prompts(512, [1, 23, 40], seed=14, avoid_ids=special_token_ids())
+    reqs = [core.generate([p], GREEDY, return_logprob=True)[0] for p in prompts]
+    assert modes and set(modes) == {"qk"}, modes
+
+    fp8_attn = fp8_rounded_attention(torch.float8_e4m3fn, {})
+    monkeypatch.setitem(_FRESH_ROWS, "qk", True)
+    gaps, ties = [], []
+    for prompt, req in zip(prompts, reqs):
+        monkeypatch.setitem(_FRESH_ROWS, "rows", min(16, len(prompt)))
+        ref = teacher_forced(llama_dir, prompt, req.output_ids, torch.float16, fp8_attn)
+        for token, lp, r in zip(req.output_ids, req.output_logprobs, ref):
+            gaps.append(abs(lp - r[token].item()))
+            ties.append(r.max().item() - r[token].item())
+    tol = FLOAT16_TOL["triton"]
+    assert max(gaps) <= tol and max(ties) <= tol, (max(gaps), max(ties))
+
+
+def test_float8_prefill_products_need_a_float8_cache_on_triton():
+    from engine.server_args import _TABLE, ServerArgs
+    from kernels.prefill_attention import FP8_MODES
+
+    # the setting's values are the kernel's modes
+    assert _TABLE["prefill_attention_fp8"].choices == FP8_MODES
+    with pytest.raises(ValueError, match="prefill_attention_fp8 needs a float8 kv_cache_dtype"):
+        ServerArgs(model_path="m", prefill_attention_fp8="qk", attention_backend="triton")
+    with pytest.raises(ValueError, match="did you mean 'qk_pv'"):
+        ServerArgs(model_path="m", prefill_attention_fp8="qk-pv", kv_cache_dtype="fp8_e4m3")
