@@ -10,6 +10,8 @@ once, as the backend plans it a batch) and prints TFLOP/s of the causal-visible 
 pairs' two products; `*` marks the kernel's default.
 
     python -m bench.extend_tiles
+    python -m bench.extend_tiles --fp8   # the float8 cache's batches by fp8 mode (16-bit, q·k,
+                                         # q·k and p·v), with long cached prefixes as chunks have
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ BATCHES = {
     "W2: 16 x 1024, bf16": (16, 0, 1024, 32, 8, False),
     "pair: 200 x 50 over 2000": (200, 2000, 50, 16, 8, False),
 }
+# --fp8: chunks after a long prompt's first (20000/2000 at chunked_prefill_size 8192, 5000/500
+# at max_prefill_tokens 16384) attend over their earlier chunks in the float8 cache
+FP8_BATCHES = {
+    "2048/128: 8 x 2048": BATCHES["2048/128: 8 x 2048"],
+    "20000/2000 chunk 2: 8192 over 8192": (1, 8192, 8192, 32, 8, True),
+    "20000/2000 chunk 3: 3616 over 16384": (1, 16384, 3616, 32, 8, True),
+    "5000/500: 3608 over 1392": (1, 1392, 3608, 32, 8, True),
+}
+FP8_MODES = (None, "qk", "qk_pv")
 # (rows, BLOCK_N, warps, stages)
 TILES = [
     (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
@@ -79,7 +90,9 @@ def batch(requests: int, prefix: int, new: int, hq: int, hkv: int, fp8: bool, d:
     return args, flops
 
 
-def tflops(args: dict, flops: int, tile: tuple[int, int, int, int]) -> float:
+def tflops(
+    args: dict, flops: int, tile: tuple[int, int, int, int], fp8: str | None = None
+) -> float:
     rows, block_n, warps, stages = tile
     hq, hkv = args["q"].shape[1], args["k_buffer"].shape[1]
     pack = extend_pack(hq // hkv, rows)
@@ -89,29 +102,35 @@ def tflops(args: dict, flops: int, tile: tuple[int, int, int, int]) -> float:
     t = graph_time(
         lambda: extend_attention(
             **args, tiles=tiles, block_m=block_m, block_n=block_n, num_warps=warps,
-            num_stages=stages, pack=pack,
+            num_stages=stages, pack=pack, fp8=fp8,
         )
     )  # fmt: skip
     return flops / t / 1e12
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(
+    ap = argparse.ArgumentParser(
         prog="python -m bench.extend_tiles", description=__doc__.split("\n\n")[0]
-    ).parse_args(argv)
+    )
+    ap.add_argument("--fp8", action="store_true", help="the float8 cache's batches by fp8 mode")
+    opts = ap.parse_args(argv)
     default = _default_blocks(128, torch.bfloat16, torch.device("cuda"))
-    print("| rows, BLOCK_N, warps, stages | " + " | ".join(BATCHES) + " |")
-    print("| --- |" + " --- |" * len(BATCHES))
-    cases = [batch(*shape) for shape in BATCHES.values()]
-    for tile in TILES:
-        cells = []
-        for args, flops in cases:
-            try:
-                cells.append(f"{tflops(args, flops, tile):.0f}")
-            except Exception as e:  # a setting past the shared memory or registers
-                cells.append(type(e).__name__)
-        mark = " *" if tile == default else ""
-        print(f"| {', '.join(map(str, tile))}{mark} | " + " | ".join(cells) + " |")
+    batches = FP8_BATCHES if opts.fp8 else BATCHES
+    modes = FP8_MODES if opts.fp8 else (None,)
+    print("| rows, BLOCK_N, warps, stages | " + " | ".join(batches) + " |")
+    print("| --- |" + " --- |" * len(batches))
+    cases = [batch(*shape) for shape in batches.values()]
+    for tile in TILES[:4] if opts.fp8 else TILES:
+        for mode in modes:
+            cells = []
+            for args, flops in cases:
+                try:
+                    cells.append(f"{tflops(args, flops, tile, mode):.0f}")
+                except Exception as e:  # a setting past the shared memory or registers
+                    cells.append(type(e).__name__)
+            mark = " *" if tile == default else ""
+            label = f"{', '.join(map(str, tile))}{mark}" + (f", fp8 {mode}" if opts.fp8 else "")
+            print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

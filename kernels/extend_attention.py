@@ -29,6 +29,14 @@ so the tensor cores run as for a 16-bit cache; ``k_scale`` joins the score scale
 ``v_scale`` the final normalisation. A cache of q's dtype compiles without any of it
 (``KV_FP8`` is a constexpr).
 
+Float8 products (``fp8``, over a float8_e4m3fn cache): "qk" rounds the query tile to float8 in
+the kernel, a scale per row (query and head: its largest magnitude over 448, folded into the
+row's score scale), and multiplies it by the cache's K tiles as stored, with no conversion;
+"qk_pv" also multiplies ``p * 448`` in float8 by a grouped V tile as stored (vᵀ, tokens
+contiguous: the layout a float8 product wants) and divides the 448 out at the end. Hopper's
+tensor cores multiply float8 at twice the 16-bit rate. kernels/prefill_attention.py does the
+same for fresh prompts.
+
 ``extend_attention_ref`` is the same function in plain float64 PyTorch, independent of the kernel,
 for the tests.
 """
@@ -40,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import fp8_hw_cast, fp8_scale, on_fp8_grid
 from kernels.kv_fp8 import (
     fp16_dot_operand,
     is_fp8,
@@ -81,6 +90,9 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     V_GROUPED: tl.constexpr,
+    QK_FP8: tl.constexpr,
+    PV_FP8: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
     """Online softmax of the query tile over keys [start, end) in BLOCK_N steps.
 
@@ -112,7 +124,7 @@ def _attend_tile(
             else:
                 k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
         if KV_FP8:
-            k = k.to(q.dtype)  # exact; k_scale is in qk_scale
+            k = k.to(q.dtype)  # exact (float8 q: the same float8); k_scale is in qk_scale
 
         qk = tl.dot(q, k, input_precision=INPUT_PRECISION) * qk_scale  # log2 domain
         if MASKED:
@@ -128,19 +140,27 @@ def _attend_tile(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
+        # p and v meet in q's dtype; beside a float8 q (QK_FP8) in float8 too (PV_FP8), or in
+        # float16
         if V_GROUPED:
             # vᵀ [BLOCK_D, BLOCK_N] of a grouped buffer (kernels/v_groups.py; stride_vn is its
             # group stride): every step starts on a group (start is 0 or full_end)
             vt = load_vt_tile(
                 V + v_off, slot_row, start_n, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D
             )
-            v = tl.trans(vt.to(q.dtype))  # as k
+            if PV_FP8:  # float8 v meets p * 448 in float8 (the caller divides the 448 out)
+                v = tl.trans(vt)
+            elif QK_FP8:
+                v = tl.trans(vt.to(tl.float16))
+            else:
+                v = tl.trans(vt.to(q.dtype))  # as k
         elif KV_FP8:
             # float16 pairs, widened before tl.dot's layout change (kernels/kv_fp8.py)
             v = load_fp8_rows_as_fp16(
                 V + v_off, slots, stride_vn, offs_n < end, HEAD_DIM, BLOCK_D, KV_FP8
             )
-            v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
+            if not QK_FP8:
+                v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
         else:
             v_ptrs = V + v_off + slots[:, None] * stride_vn + offs_d[None, :]
             if MASKED:
@@ -155,6 +175,8 @@ def _attend_tile(
                     v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
         # probabilities go to the value dtype for the tensor cores (as the reference's
         # softmax(...).to(q.dtype) @ v); accumulation stays float32
+        if PV_FP8:
+            p = on_fp8_grid(p * 448.0, 1.0, HW_CAST)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -192,6 +214,9 @@ def _extend_attention_kernel(
     KV_FP8: tl.constexpr,
     V_GROUPED: tl.constexpr,
     PACK: tl.constexpr,
+    QK_FP8: tl.constexpr,
+    PV_FP8: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
     # the head packs of one tile are neighbours in launch order: packs of one kv head share its
     # K/V in L2
@@ -238,19 +263,31 @@ def _extend_attention_kernel(
     offs_m_abs = prefix_len + offs_m
     if KV_FP8:
         qk_scale = qk_scale * tl.load(KVScales)  # q.(k8 * k_scale) = (q.k8) * k_scale
+    if QK_FP8:
+        # q in the cache's float8 with a scale per row (query and head), folded into the
+        # scores' scale: (q8 * row_scale).(k8 * k_scale)
+        q32 = q.to(tl.float32)
+        row_scale = fp8_scale(tl.max(tl.abs(q32), axis=1))
+        q = on_fp8_grid(q32, row_scale[:, None], HW_CAST).to(K.dtype.element_ty)
+        qk_scale = (qk_scale * row_scale)[:, None]
+    elif KV_FP8:
         q = fp16_dot_operand(q)  # the K/V tiles convert to float16 (kernels/kv_fp8.py)
     acc, l_i, m_i = _attend_tile(
         acc, l_i, m_i, q, K, V, slot_row, kv_h * stride_kh, kv_h * stride_vh, stride_kn, stride_vn,
         offs_m_abs, offs_d, mask_d, 0, full_end, qk_scale,
         BLOCK_N, False, EVEN_D, INPUT_PRECISION, KV_FP8, HEAD_DIM, BLOCK_D, V_GROUPED,
+        QK_FP8, PV_FP8, HW_CAST,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tile(
         acc, l_i, m_i, q, K, V, slot_row, kv_h * stride_kh, kv_h * stride_vh, stride_kn, stride_vn,
         offs_m_abs, offs_d, mask_d, full_end, kv_end, qk_scale,
         BLOCK_N, True, EVEN_D, INPUT_PRECISION, KV_FP8, HEAD_DIM, BLOCK_D, V_GROUPED,
+        QK_FP8, PV_FP8, HW_CAST,
     )  # fmt: skip
 
-    if KV_FP8:
+    if PV_FP8:
+        out = acc * (tl.load(KVScales + 1) / (l_i * 448.0))[:, None]  # sum (448 p) (v8 * v_scale)
+    elif KV_FP8:
         out = acc * (tl.load(KVScales + 1) / l_i)[:, None]  # sum p (v8 * v_scale)
     else:
         out = acc / l_i[:, None]
@@ -357,6 +394,7 @@ def extend_attention(
     num_stages: int | None = None,
     kv_scales: torch.Tensor | None = None,
     pack: int | None = None,
+    fp8: str | None = None,
 ) -> torch.Tensor:
     """Attention of the extend batch's queries over their requests' cached + new keys.
 
@@ -371,6 +409,9 @@ def extend_attention(
     ``out`` [T, Hq, D] may be given to write in place. Returns out [T, Hq, D] in q.dtype.
     The buffers are in q's dtype, or float8 (e4m3fn / e5m2) holding K / k_scale and V / v_scale
     with ``kv_scales`` float32 [2] (k_scale, v_scale) on the device (None: both 1).
+    ``fp8`` over a float8_e4m3fn cache: "qk" multiplies q (in float8, a scale per query row) by
+    the cache's K as it is, "qk_pv" also p * 448 by a grouped V (module docstring); None: both
+    in 16 bits.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -404,6 +445,12 @@ def extend_attention(
     warps, stages = num_warps or warps, num_stages or stages
     # float32 stays float32 (no tf32 on the tensor cores); for 16-bit inputs it is ignored
     input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if fp8 not in (None, "qk", "qk_pv"):
+        raise ValueError(f"fp8={fp8!r}: one of None, 'qk', 'qk_pv'")
+    if fp8 is not None and k_buffer.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8={fp8!r} multiplies a float8_e4m3fn cache, not {k_buffer.dtype}")
+    if fp8 == "qk_pv" and not grouped:
+        raise ValueError("fp8='qk_pv' reads V grouped (kernels/v_groups.py), not in rows")
     if tiles is None:
         planned = extend_tiles(extend_lens.tolist(), seq_lens.tolist(), bm)
         tiles = torch.from_numpy(planned).to(q.device)
@@ -442,6 +489,9 @@ def extend_attention(
         KV_FP8=kv_fp8_mode(k_buffer.dtype, q.device),
         V_GROUPED=grouped,
         PACK=pack,
+        QK_FP8=fp8 is not None,
+        PV_FP8=fp8 == "qk_pv",
+        HW_CAST=fp8_hw_cast(q.device),
         num_warps=warps,
         num_stages=stages,
     )

@@ -2,7 +2,7 @@
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|spec|spec-adaptive|spec-copier|spec-copier-tpN|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
-#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-rest|trtllm-chunks|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-rest|trtllm-chunks|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -163,6 +163,7 @@ run_step() {
       fp8-gemm) python3 -m bench.fp8_gemm 2>&1 | grep "^|\|layer\|Error" ;;
       # extend attention's tiles on the workloads' prefill batches (bench/extend_tiles.py)
       extend-tiles) python3 -m bench.extend_tiles 2>&1 | grep "^|\|Error" ;;
+      extend-fp8) python3 -m bench.extend_tiles --fp8 2>&1 | grep "^|\|Error" ;;
       prefill-attn) python3 -m bench.prefill_attention 2>&1 | grep "^|\|Error" ;;
       prefill) tests tests/kernels/test_prefill_attention.py tests/kernels/test_extend_attention.py -m gpu ;;
       trtllm-two) python3 -m bench --preset trtllm --scale 0.2 --shapes 2048/128 1000/1000 \

@@ -21,7 +21,9 @@ contiguous K/V (kernels/prefill_attention.py, TMA), one with a cached prefix ove
 CUDA graphs (engine/runner/prefill_graph.py) the four live in static buffers sized for
 `max_requests` and the most tiles of the graph's token count; each replay refills them.
 NOTE: over a float8 pool, a fresh prompt thus attends over its unquantized K/V (as FlashInfer's
-ragged prefill does in SGLang), and a cached prefix over the float8 one.
+ragged prefill does in SGLang), and a cached prefix over the float8 one. With
+`prefill_attention_fp8` both kernels multiply on float8 tensor cores instead (q rounded to
+float8 per token and head; `_extend_fp8` says what extend_attention takes of it).
 
 A speculative verify step (ForwardBatch.verify: each request's last token and its few drafts)
 has the shape of a decode step, not of a prefill: it runs kernels/verify_attention.py (decode's
@@ -48,6 +50,7 @@ from kernels.extend_attention import extend_attention, extend_block_m, extend_ti
 from kernels.fp8 import fp8_hw_cast
 from kernels.prefill_attention import prefill_attention, prefill_block_m, prefill_supported
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
+from kernels.v_groups import is_grouped
 from kernels.verify_attention import verify_attention
 
 
@@ -273,21 +276,29 @@ class TritonAttnBackend(AttentionBackend):
         # NOTE: the two tables name disjoint requests, so each row of out is written once
         out = torch.empty_like(q)
         if fresh_tiles.shape[0]:
-            # NOTE: float8 products only over a float8 cache (ServerArgs checks), whose
-            # scales they use
+            # NOTE: float8 products only over a float8 cache (ServerArgs checks), at its scales
             prefill_attention(
                 q, k, v, extend_lens, qo_indptr, layer.scaling, fresh_tiles,
                 out=out, block_m=self.prefill_block_m, fp8=self.prefill_fp8,
                 kv_scales=pool.layer_scales[i] if self.prefill_fp8 else None,
             )  # fmt: skip
         if tiles.shape[0]:
+            k_buffer, v_buffer = pool.k_buffers[i], pool.v_buffers[i]
             extend_attention(
-                q, pool.k_buffers[i], pool.v_buffers[i],
+                q, k_buffer, v_buffer,
                 batch.req_to_token, batch.req_pool_indices, batch.seq_lens, extend_lens,
                 qo_indptr, layer.scaling, tiles, out=out, block_m=self.block_m,
-                kv_scales=pool.layer_scales[i],
+                kv_scales=pool.layer_scales[i], fp8=self._extend_fp8(k_buffer, v_buffer),
             )  # fmt: skip
         return out
+
+    def _extend_fp8(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> str | None:
+        """prefill_fp8 as extend_attention can take it: its float8 products multiply the cache
+        as stored, so an e4m3 one (an e5m2 cache keeps 16-bit products there), and p·v a grouped
+        V (V in rows keeps p·v in 16 bits)."""
+        if self.prefill_fp8 is None or k_buffer.dtype != torch.float8_e4m3fn:
+            return None
+        return self.prefill_fp8 if is_grouped(k_buffer, v_buffer) else "qk"
 
     # ------------------------------------------------------------------ helpers
     def _extend_host(

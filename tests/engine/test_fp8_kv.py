@@ -42,9 +42,10 @@ FLOAT16_TOL = {"torch": 1e-3, "triton": 0.06}
 # The first rows of the sequence whose queries attend over unrounded K/V in
 # `fp8_rounded_attention`: on the triton backend, a prompt with nothing cached attends over its
 # own K/V of the step that prefills it (its first chunk) as they are, not through the pool.
-# With "qk" (prefill_attention_fp8="qk") those rows multiply q and k in float8 instead: q
-# rounded with a scale per (token, head), k at the layer's scale, v as it is.
-_FRESH_ROWS = {"rows": 0, "qk": False}
+# With "qk" (prefill_attention_fp8="qk") every prompt row multiplies q and k in float8 instead,
+# q rounded with a scale per (token, head): the first chunk's rows over k at the layer's scale
+# and v as it is, the later chunks' (the first "prompt" rows) over the float8 cache.
+_FRESH_ROWS = {"rows": 0, "qk": False, "prompt": 0}
 
 
 def fp8_rounded_attention(fp8: torch.dtype, scales: dict[int, tuple[float, float]]) -> str:
@@ -70,12 +71,16 @@ def fp8_rounded_attention(fp8: torch.dtype, scales: dict[int, tuple[float, float
             module, query, rounded(key, k_scale), rounded(value, v_scale), attention_mask, **kwargs
         )
         fresh = _FRESH_ROWS["rows"]
-        if fresh:  # those queries attend over the unrounded K/V ([B, T, H, D] out)
-            if _FRESH_ROWS["qk"]:  # ...or over float8 q and k ([B, H, T, D] in)
-                row_scale = (query.float().abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
-                query = (query.float() / row_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-                query = (query.float() * row_scale).to(value.dtype)
-                key = rounded(key, k_scale)
+        if fresh and _FRESH_ROWS["qk"]:  # the prompt's rows: float8 q ([B, H, T, D] in)
+            row_scale = (query.float().abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+            q8 = (query.float() / row_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            q8 = (q8.float() * row_scale).to(value.dtype)
+            key8, value8 = rounded(key, k_scale), rounded(value, v_scale)
+            first, _ = eager_attention_forward(module, q8, key8, value, attention_mask, **kwargs)
+            later, _ = eager_attention_forward(module, q8, key8, value8, attention_mask, **kwargs)
+            prompt = _FRESH_ROWS["prompt"]
+            out = torch.cat([first[:, :fresh], later[:, fresh:prompt], out[:, prompt:]], dim=1)
+        elif fresh:  # those queries attend over the unrounded K/V ([B, T, H, D] out)
             plain, _ = eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
             out = torch.cat([plain[:, :fresh], out[:, fresh:]], dim=1)
         return out, weights
@@ -234,32 +239,38 @@ def test_fresh_prompts_on_float8_products_equal_transformers_on_rounded_q_and_k(
     llama_dir, monkeypatch
 ):
     """prefill_attention_fp8="qk" (float16 model, float8_e4m3fn cache, triton under the
-    interpreter, prefill chunks of 16): a prompt's first chunk multiplies q and k in float8 (q
-    rounded per token and head, k at the layer's scale), its later chunks and every decode step
-    read the float8 cache as without it. Teacher-forced against transformers rounding the same."""
+    interpreter, prefill chunks of 16): every prompt row multiplies q and k in float8 (q rounded
+    per token and head), the first chunk's over its own k at the layer's scale, the later
+    chunks' over the float8 cache; decode steps read the cache as without it. Teacher-forced
+    against transformers rounding the same."""
     import engine.attention.triton_backend as triton_backend
 
-    modes = []
-    real = triton_backend.prefill_attention
+    modes: dict[str, list] = {"prefill_attention": [], "extend_attention": []}
 
-    def spy(*args, **kwargs):
-        modes.append(kwargs.get("fp8"))
-        return real(*args, **kwargs)
+    def spy(real, seen: list):
+        def call(*args, **kwargs):
+            seen.append(kwargs.get("fp8"))
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(triton_backend, "prefill_attention", spy)
+        return call
+
+    for name, seen in modes.items():
+        monkeypatch.setattr(triton_backend, name, spy(getattr(triton_backend, name), seen))
     core = InProcessCore(
         llama_dir, dtype="float16", attention_backend="triton", kv_cache_dtype="fp8_e4m3",
         max_total_tokens=1024, chunked_prefill_size=16, prefill_attention_fp8="qk",
     )  # fmt: skip
     prompts = random_prompts(512, [1, 23, 40], seed=14, avoid_ids=special_token_ids())
     reqs = [core.generate([p], GREEDY, return_logprob=True)[0] for p in prompts]
-    assert modes and set(modes) == {"qk"}, modes
+    # first chunks on the one kernel, later ones on the other: both multiply in float8
+    assert all(seen and set(seen) == {"qk"} for seen in modes.values()), modes
 
     fp8_attn = fp8_rounded_attention(torch.float8_e4m3fn, {})
     monkeypatch.setitem(_FRESH_ROWS, "qk", True)
     gaps, ties = [], []
     for prompt, req in zip(prompts, reqs):
         monkeypatch.setitem(_FRESH_ROWS, "rows", min(16, len(prompt)))
+        monkeypatch.setitem(_FRESH_ROWS, "prompt", len(prompt))
         ref = teacher_forced(llama_dir, prompt, req.output_ids, torch.float16, fp8_attn)
         for token, lp, r in zip(req.output_ids, req.output_logprobs, ref):
             gaps.append(abs(lp - r[token].item()))

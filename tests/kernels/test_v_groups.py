@@ -16,6 +16,7 @@ import torch
 import kernels.decode_attention as decode_module
 from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.extend_attention import extend_attention, extend_attention_ref
+from kernels.fp8 import quantize_per_token_ref
 from kernels.kv_store import store_kv, store_kv_reference
 from kernels.shared_prefix_attention import shared_prefix_decode_attention
 from kernels.v_groups import GROUP, gather, grouped_shape, is_grouped, scatter, to_grouped
@@ -234,6 +235,42 @@ def test_extend_over_grouped_v(fp8):
     )  # fmt: skip
 
 
+def q_on_fp8_rows(q: torch.Tensor) -> torch.Tensor:
+    """q as extend_attention's float8 products take it: each (token, head) row rounded to
+    float8_e4m3fn at its largest magnitude over 448 (kernels/fp8.py's reference), dequantized."""
+    t, h, d = q.shape
+    q8, scale = quantize_per_token_ref(q.reshape(t * h, d))
+    return (q8.double() * scale.double()).reshape(t, h, d).to(q.dtype)
+
+
+@pytest.mark.parametrize("mode", ["qk", "qk_pv"])
+@pytest.mark.parametrize("pack", [1, 2])
+def test_extend_with_float8_products(mode, pack):
+    """fp8="qk": q in float8 (a scale per query row) times the cache's K as stored; "qk_pv":
+    also p * 448 in float8 times the grouped V. Against the reference on the float8 values
+    (q rounded as the kernel rounds it): exact but for p's rounding. Cached prefixes off the
+    groups, a plain prefill, GQA group 2, one and two heads a program."""
+    batch = make_extend_batch([45, 0, 17], [20, 33, 1], 4, 2, 32, dtype=torch.float16, seed=56)
+    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.3, v_scale=0.07)
+    ref_args = dict(ref_args, q=q_on_fp8_rows(batch["q"]))
+    tol = {"qk": 2e-3, "qk_pv": 3e-2}[mode]
+    check_against_dequantized(
+        extend_attention, extend_attention_ref, regrouped(quantized), ref_args, tol,
+        block_m=16 // pack, block_n=16, pack=pack, fp8=mode,
+    )  # fmt: skip
+
+
+def test_extend_float8_products_need_an_e4m3_cache_and_v_grouped():
+    batch = make_extend_batch([5], [7], 2, 1, 16, dtype=torch.float16, seed=57)
+    e5m2, _ = fp8_batch(batch, E5M2, k_scale=1.0, v_scale=1.0)
+    with pytest.raises(ValueError, match="multiplies a float8_e4m3fn cache"):
+        extend_attention(**regrouped(e5m2), fp8="qk")
+    e4m3, _ = fp8_batch(batch, E4M3, k_scale=1.0, v_scale=1.0)
+    with pytest.raises(ValueError, match="reads V grouped"):
+        extend_attention(**e4m3, fp8="qk_pv")  # V in rows
+    extend_attention(**e4m3, fp8="qk")  # q.k alone takes V in rows
+
+
 def test_the_engine_pages_whole_groups():
     """ServerArgs' default page for a grouped V (it imports no kernels) is the kernels' group."""
     from engine.server_args import GROUPED_V_PAGE
@@ -265,6 +302,20 @@ def test_gpu_extend_bf16_grouped():
     quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.3, v_scale=0.07)
     check_against_dequantized(
         extend_attention, extend_attention_ref, regrouped(quantized), ref_args, TOL_16BIT
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["qk", "qk_pv"])
+def test_gpu_extend_bf16_grouped_float8_products(mode):
+    batch = make_extend_batch(
+        [0, 2048, 700, 5], [1024, 300, 1, 129], 32, 8, 128, dtype=torch.bfloat16, device="cuda"
+    )
+    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.3, v_scale=0.07)
+    ref_args = dict(ref_args, q=q_on_fp8_rows(batch["q"]))
+    tol = {"qk": 2e-3, "qk_pv": 3e-2}[mode] + TOL_16BIT
+    check_against_dequantized(
+        extend_attention, extend_attention_ref, regrouped(quantized), ref_args, tol, fp8=mode
     )
 
 
