@@ -274,21 +274,17 @@ def _stage1_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
     if HEADS > 1:
-        # p block-diagonal over the HEADS heads, [rows, HEADS * BLOCK_N]: a row's own head's
-        # tokens, zeros elsewhere; against V of the heads stacked, [HEADS * BLOCK_N, BLOCK_D]
-        own = tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None]
-        pb = tl.reshape(tl.where(own, p[:, None, :], 0.0), [p.shape[0], HEADS * BLOCK_N])
+        # V of the HEADS heads: vᵀ side by side, [BLOCK_D, HEADS * BLOCK_N] (grouped), or their
+        # rows stacked, [HEADS * BLOCK_N, BLOCK_D] (V in rows: row h * BLOCK_N + n is token
+        # n0 + n's vector of head h, each a contiguous row of the pool as K's are)
         if V_GROUPED:
-            # vᵀ of the heads side by side, [BLOCK_D, HEADS * BLOCK_N]
             vt = load_vt_heads(
                 v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS
             )
             if KV_FP8:
                 vt = vt.to(q.dtype)  # as k
-            pv = tl.dot(pb.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
+            v = tl.trans(vt)
         else:
-            # V in rows (a 16-bit cache): row h * BLOCK_N + n is token n0 + n's vector of head h,
-            # each a contiguous row of the pool as K's are
             stacked_slots = tl.reshape(
                 tl.broadcast_to(slots[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
             )
@@ -304,7 +300,11 @@ def _stage1_tile(
                 mask=stacked_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
                 other=0.0,
             )
-            pv = tl.dot(pb.to(v.dtype), v, input_precision=DOT_PRECISION)
+        # p block-diagonal over the heads, [rows, HEADS * BLOCK_N]: a row's own head's tokens,
+        # zeros elsewhere
+        own = tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None]
+        pb = tl.reshape(tl.where(own, p[:, None, :], 0.0), [p.shape[0], HEADS * BLOCK_N])
+        pv = tl.dot(pb.to(v.dtype), v, input_precision=DOT_PRECISION)
     elif V_GROUPED:
         # vᵀ [BLOCK_D, BLOCK_N], tokens contiguous: into the dot as k is, no transposing copy
         vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
