@@ -61,6 +61,9 @@ from kernels.v_groups import gather, is_grouped, load_vt_tile
 # exp2 is the native instruction on the GPU; fold log2(e) into the score scale once per tile
 # instead of multiplying inside exp().
 _LOG2E = 1.4426950408889634
+# What `fp8` may be (here and in kernels/prefill_attention.py): the products that run on float8
+# tensor cores (module docstring).
+FP8_MODES = ("qk", "qk_pv")
 
 
 @triton.jit
@@ -445,8 +448,8 @@ def extend_attention(
     warps, stages = num_warps or warps, num_stages or stages
     # float32 stays float32 (no tf32 on the tensor cores); for 16-bit inputs it is ignored
     input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if fp8 not in (None, "qk", "qk_pv"):
-        raise ValueError(f"fp8={fp8!r}: one of None, 'qk', 'qk_pv'")
+    if fp8 is not None and fp8 not in FP8_MODES:
+        raise ValueError(f"fp8={fp8!r}: one of None, {', '.join(map(repr, FP8_MODES))}")
     if fp8 is not None and k_buffer.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8={fp8!r} multiplies a float8_e4m3fn cache, not {k_buffer.dtype}")
     if fp8 == "qk_pv" and not grouped:

@@ -42,11 +42,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.extend_attention import _LOG2E, extend_tiles
+from kernels.extend_attention import _LOG2E, FP8_MODES, extend_tiles
 from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid
-
-# What `fp8` may be: the products that run on float8 tensor cores (module docstring).
-FP8_MODES = ("qk", "qk_pv")
 
 
 @triton.jit
