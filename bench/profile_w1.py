@@ -8,11 +8,18 @@ bandwidth. Decode steps are binned by batch size, so a per-step constant cost (l
 small kernels) shows up as the small-batch bins' ratio and attention speed as the large ones'.
 
     python -m bench.profile_w1 [--model-config qwen3-0.6b] [--kernels 0:4,310:330]
+    python -m bench.profile_w1 ... --set kernels.decode_attention._ROWS_PACKED_HEADS=2
+
+`--set MODULE.NAME=VALUE` (any number) sets a module's constant before the scheduler is built:
+an A/B of a kernel or backend setting that is not an engine argument, on whole steps (the
+scheduler runs here, so the change reaches it).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import time
 from collections import defaultdict
@@ -28,6 +35,19 @@ from engine.scheduler.scheduler import Scheduler
 from engine.server_args import KV_CACHE_DTYPES, ServerArgs
 
 
+def set_constant(assignment: str) -> None:
+    """`MODULE.NAME=VALUE`: set an existing constant of an importable module to a literal."""
+    target, sep, text = assignment.partition("=")
+    module_name, _, name = target.rpartition(".")
+    if not sep or not module_name:
+        raise SystemExit(f"--set {assignment!r}: write MODULE.NAME=VALUE")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        raise SystemExit(f"--set {assignment!r}: {module_name} has no {name}")
+    setattr(module, name, ast.literal_eval(text))
+    print(f"set {module_name}.{name} = {getattr(module, name)!r}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.profile_w1")
     ap.add_argument("--model-config", default="qwen3-0.6b")
@@ -38,11 +58,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shared-prefix-len", type=int, default=0,
                     help="tokens of one prefix every prompt starts with (the shared-prefix pair)")  # fmt: skip
     ap.add_argument(
-        "--kernels", default="0:4,310:330", help="windows of step indices to profile, by kernel"
+        "--kernels",
+        default="0:4,310:330",
+        help="windows of step indices to profile, by kernel ('': none)",
     )
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant first (a Python literal), for an A/B")  # fmt: skip
     a = ap.parse_args(argv)
+    for assignment in a.set:
+        set_constant(assignment)
 
     device = torch.device(a.device)
     path = dummy_folder(a.model_config)
@@ -112,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     run([])  # warm-up: Triton compiles every kernel variant the workload needs
     sched.flush_cache()
     steps.clear()
-    windows = [tuple(int(x) for x in w.split(":")) for w in a.kernels.split(",")]
+    # (--kernels "": no kernel tables, the steps' table alone)
+    windows = [tuple(int(x) for x in w.split(":")) for w in a.kernels.split(",") if w]
     wall, profiles = run(windows)
 
     # ------------------------------------------------------------------ per-step table

@@ -2,7 +2,7 @@
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|spec|spec-adaptive|spec-copier|spec-copier-tpN|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
-#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-rest|trtllm-chunks|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-rest|trtllm-chunks|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -145,13 +145,21 @@ run_step() {
                   --output-len "$3" --engine-args '{"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}' \
                   --kernels 0:3,200:210 2>&1 | grep -v "^Loading\|Writing\|WARNING\|UserWarning\|_warn_once" | tail -70; done ;;
       # the shared-prefix pair's decode attention, one layer, by variant (bench/prefix_decode.py)
-      prefix-decode) tests tests/kernels/test_shared_prefix_attention.py tests/kernels/test_decode_attention.py -m gpu
+      prefix-decode) tests tests/kernels/test_shared_prefix_attention.py tests/kernels/test_decode_attention.py \
+                tests/engine/test_shared_prefix_decode.py -m gpu
                 python3 -m bench.prefix_decode 2>&1 | grep "^|\|^Hq" ;;
       prefix-decode-tiles) python3 -m bench.prefix_decode --tiles 2>&1 | grep "^|" ;;
       prefix-stage-tiles) python3 -m bench.prefix_decode --prefix-tiles 2>&1 | grep "^|" ;;
       # stage 1 with several kv heads a program over the bf16 cache: the pair (G 2), then W2's heads
       prefix-decode-heads) python3 -m bench.prefix_decode --heads 2>&1 | grep "^|"
                 python3 -m bench.prefix_decode --heads --hq 32 --batch 1000 2>&1 | grep "^|" ;;
+      # the pair's steps with each decode variant (bench.prefix_decode's), in process: as is, the
+      # prefix stage on its own stream, two and eight kv heads a stage-1 program
+      prefix-variants) for set in "" "--set engine.attention.triton_backend._PREFIX_STREAM=True" \
+                  "--set kernels.decode_attention._ROWS_PACKED_HEADS=2" \
+                  "--set kernels.decode_attention._ROWS_PACKED_HEADS=8"; do echo "== ${set:-as is}"
+                python3 -m bench.profile_w1 --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 \
+                  --output-len 64 --kernels "" $set 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -14; done ;;
       # the shared-prefix pair's steps against their floors, kernels of the prefills and 10 decodes
       prefix-steps) python3 -m bench.profile_w1 --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 \
                 --output-len 64 --kernels 0:6,30:40 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -70 ;;

@@ -53,6 +53,12 @@ from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_deco
 from kernels.v_groups import is_grouped
 from kernels.verify_attention import verify_attention
 
+# Decode with groups forks each layer's prefix stage onto a second stream beside stage 1
+# (shared_prefix_decode_attention's prefix_stream). Off until a GPU times it: bench.prefix_decode
+# for one layer, `bench.profile_w1 --set engine.attention.triton_backend._PREFIX_STREAM=True`
+# for the pair's steps.
+_PREFIX_STREAM = False
+
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
@@ -100,6 +106,11 @@ class TritonAttnBackend(AttentionBackend):
         self.graph_verify_shape = (0, 0, 0)  # (R, N, Q): most requests, tokens, and a request's
         self.graph_max_requests = 0
         self.shared_prefix = shared_prefix
+        self.prefix_stream = (
+            torch.cuda.Stream(device)
+            if shared_prefix and _PREFIX_STREAM and device.type == "cuda"
+            else None
+        )
         self.item_size = prefix_item_size(attn.num_heads // attn.num_kv_heads)
         # this batch's (prefix_lens [B], prefix_items [I, 2 + item_size]), or None: plain decode
         self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -245,7 +256,7 @@ class TritonAttnBackend(AttentionBackend):
             return shared_prefix_decode_attention(
                 q, k, v, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 layer.scaling, prefix_lens, prefix_items, max_seq_len=self.max_seq_len,
-                kv_scales=scales,
+                kv_scales=scales, prefix_stream=self.prefix_stream,
             )  # fmt: skip
         return decode_attention(
             q, k, v, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, layer.scaling,

@@ -55,3 +55,16 @@ def test_every_command_given_names_a_benchmark_and_the_index_lists_it():
         name for name in COMMANDS if name != "throughput" and f"bench.{name}" not in readme
     ]
     assert not unindexed, f"bench/README.md does not index {unindexed}"
+
+
+def test_profile_w1_sets_a_module_constant_and_names_a_wrong_one(monkeypatch):
+    import kernels.decode_attention as decode
+    from bench.profile_w1 import set_constant
+
+    monkeypatch.setattr(decode, "_ROWS_PACKED_HEADS", decode._ROWS_PACKED_HEADS)  # restored after
+    set_constant("kernels.decode_attention._ROWS_PACKED_HEADS=4")
+    assert decode._ROWS_PACKED_HEADS == 4
+    with pytest.raises(SystemExit, match="kernels.decode_attention has no _ROWS_PACKED"):
+        set_constant("kernels.decode_attention._ROWS_PACKED=4")
+    with pytest.raises(SystemExit, match="write MODULE.NAME=VALUE"):
+        set_constant("_ROWS_PACKED_HEADS")

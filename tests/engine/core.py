@@ -16,10 +16,11 @@ from engine.tokenization import load_tokenizer
 
 
 class InProcessCore:
-    """A Scheduler and an InputProcessor on the CPU, stepped by hand."""
+    """A Scheduler and an InputProcessor on the CPU (or the `device` given), stepped by hand."""
 
     def __init__(self, model_dir, **kwargs) -> None:
-        self._build(ServerArgs.from_kwargs(model_path=str(model_dir), device="cpu", **kwargs))
+        kwargs.setdefault("device", "cpu")
+        self._build(ServerArgs.from_kwargs(model_path=str(model_dir), **kwargs))
 
     @classmethod
     def like(cls, engine) -> InProcessCore:
@@ -30,7 +31,7 @@ class InProcessCore:
 
     def _build(self, args: ServerArgs) -> None:
         config = ModelConfig.from_folder(args.model_path, args.dtype, args.context_length)
-        self.scheduler = Scheduler(args, config, torch.device("cpu"))
+        self.scheduler = Scheduler(args, config, torch.device(args.device))
         self.inputs = InputProcessor(
             args, config, load_tokenizer(args), self.scheduler.max_total_tokens
         )

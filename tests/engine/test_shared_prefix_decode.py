@@ -222,3 +222,25 @@ def test_gpu_grouped_decode_equals_cpu_reference(llama_dir, flags):
     assert state["shared_prefix_steps"] > 0, "no decode step read a shared prefix"
     for i, (out, ref) in enumerate(zip(outs, reference)):
         assert out["output_ids"] == ref, f"prompt {i}"
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_decode_with_the_prefix_stage_on_its_own_stream(llama_dir, monkeypatch):
+    """The backend's prefix stream (triton_backend._PREFIX_STREAM): each layer's prefix stage
+    forked beside stage 1 and joined for stage 2, in the decode graphs; greedy tokens equal
+    the CPU reference's. In this process, so the setting reaches the scheduler."""
+    monkeypatch.setattr(triton_backend, "_PREFIX_STREAM", True)
+    avoid = special_token_ids()
+    blocks = random_prompts(512, [300, 400], seed=33, avoid_ids=avoid)
+    items = random_prompts(512, [1 + i % 9 for i in range(80)], seed=34, avoid_ids=avoid)
+    prompts = [blocks[i % 2] + item for i, item in enumerate(items)]
+    params = [
+        {"temperature": 0.0, "max_new_tokens": 2 + i // 2, "ignore_eos": True}
+        for i in range(len(prompts))
+    ]
+    args = {"dtype": "float32", "max_total_tokens": 16384}
+    reference = InProcessCore(llama_dir, **args).run(prompts, params)
+    gpu = InProcessCore(llama_dir, device="cuda", attention_backend="triton", **args)
+    assert gpu.scheduler.runner.attn_backend.prefix_stream is not None
+    assert gpu.run(prompts, params) == reference
+    assert gpu.scheduler.stats.shared_prefix_steps > 0, "no decode step read a shared prefix"

@@ -274,6 +274,20 @@ def test_gpu_realistic_shapes(dtype, num_kv_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "hq,heads,tile", [(16, 2, (16, 2, 4)), (16, 8, (16, 2, 4)), (32, 4, (32, 2, 4))]
+)
+@pytest.mark.parametrize("num_kv_splits", [1, None], ids=["s1", "graph"])
+def test_gpu_packed_heads_over_a_bf16_cache(hq, heads, tile, num_kv_splits, monkeypatch):
+    """_ROWS_PACKED_HEADS compiled: the pair's and W2's heads, model-sized lengths."""
+    monkeypatch.setattr(da, "_ROWS_PACKED_HEADS", heads)
+    monkeypatch.setattr(da, "_ROWS_PACKED_TILE", tile)
+    batch = make_batch(gpu_lens(64, 2048, seed=5), hq, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert da._tiles(batch["q"], hq // 8, True, torch.bfloat16).heads == heads
+    check(batch, TOL_16BIT, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("use_dot", [True, False], ids=["dot", "broadcast"])
 @pytest.mark.parametrize("shape", [(8, 1, 128), (8, 4, 64), (4, 8, 128), (2, 4, 80)])
 def test_gpu_head_shapes(shape, use_dot):
