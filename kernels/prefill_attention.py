@@ -47,6 +47,13 @@ from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid
 
 
 @triton.jit
+def _tile(Tiles, ExtendLens, tile):
+    """Row ``tile`` of the tile table: (request, its tile's first query, its new tokens)."""
+    b = tl.load(Tiles + 2 * tile)
+    return b, tl.load(Tiles + 2 * tile + 1).to(tl.int32), tl.load(ExtendLens + b).to(tl.int32)
+
+
+@triton.jit
 def _prefill_tiles(
     acc, l_i, m_i, q, desc_k, desc_v, row0, v_row0, col, offs_m, start, end, qk_scale,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -89,10 +96,7 @@ def _prefill_attention_kernel(
 ):  # fmt: skip
     # the query heads of one kv head are neighbours in launch order: they share its K/V in L2
     h = tl.program_id(0)
-    tile = tl.program_id(1)
-    b = tl.load(Tiles + 2 * tile)
-    m_start = tl.load(Tiles + 2 * tile + 1).to(tl.int32)
-    n = tl.load(ExtendLens + b).to(tl.int32)
+    b, m_start, n = _tile(Tiles, ExtendLens, tl.program_id(1))
     if m_start >= n:
         return  # a filler tile
     row0 = tl.load(QoIndptr + b).to(tl.int32)
@@ -141,11 +145,8 @@ def _quantize_qkv_kernel(
     """Program (tile, head) over the attention's own tile table: the tile's rows of a q head
     in float8 with their scales, or of a kv head's k (and, PV_FP8, vᵀ, at the request's
     16-aligned columns) in float8 at the layer's scales."""
-    tile = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.load(Tiles + 2 * tile)
-    m_start = tl.load(Tiles + 2 * tile + 1).to(tl.int32)
-    n = tl.load(ExtendLens + b).to(tl.int32)
+    b, m_start, n = _tile(Tiles, ExtendLens, tl.program_id(0))
     if m_start >= n:
         return  # a filler tile
     offs_m = m_start + tl.arange(0, BLOCK_M)

@@ -195,20 +195,27 @@ def test_groups_save_as_many_reads_as_the_best_choice(seed):
             assert node.depth == g.length
 
 
+def two_instructions(seed: int) -> tuple[list[list[int]], list[dict]]:
+    """Two instructions of 300 and 400 tokens, 40 rows each, the rows' greedy lengths ending
+    one step apart (so every decode graph size replays): prompts and their sampling params."""
+    avoid = special_token_ids()
+    blocks = random_prompts(512, [300, 400], seed=seed, avoid_ids=avoid)
+    items = random_prompts(512, [1 + i % 9 for i in range(80)], seed=seed + 1, avoid_ids=avoid)
+    prompts = [blocks[i % 2] + item for i, item in enumerate(items)]
+    params = [
+        {"temperature": 0.0, "max_new_tokens": 2 + i // 2, "ignore_eos": True}
+        for i in range(len(prompts))
+    ]
+    return prompts, params
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", [{}, {"disable_cuda_graph": True}], ids=["graphs", "eager"])
 def test_gpu_grouped_decode_equals_cpu_reference(llama_dir, flags):
     """On the GPU (compiled kernels, the grouped path captured in the decode graphs): two
     instructions of 300 and 400 tokens, 40 rows each, ending one step apart so every graph
     size replays; greedy tokens equal the CPU reference's, which reads each request alone."""
-    avoid = special_token_ids()
-    blocks = random_prompts(512, [300, 400], seed=31, avoid_ids=avoid)
-    items = random_prompts(512, [1 + i % 9 for i in range(80)], seed=32, avoid_ids=avoid)
-    prompts = [blocks[i % 2] + item for i, item in enumerate(items)]
-    params = [
-        {"temperature": 0.0, "max_new_tokens": 2 + i // 2, "ignore_eos": True}
-        for i in range(len(prompts))
-    ]
+    prompts, params = two_instructions(seed=31)
     reference = InProcessCore(llama_dir, dtype="float32", max_total_tokens=16384).run(
         prompts, params
     )
@@ -230,14 +237,7 @@ def test_gpu_grouped_decode_with_the_prefix_stage_on_its_own_stream(llama_dir, m
     forked beside stage 1 and joined for stage 2, in the decode graphs; greedy tokens equal
     the CPU reference's. In this process, so the setting reaches the scheduler."""
     monkeypatch.setattr(triton_backend, "_PREFIX_STREAM", True)
-    avoid = special_token_ids()
-    blocks = random_prompts(512, [300, 400], seed=33, avoid_ids=avoid)
-    items = random_prompts(512, [1 + i % 9 for i in range(80)], seed=34, avoid_ids=avoid)
-    prompts = [blocks[i % 2] + item for i, item in enumerate(items)]
-    params = [
-        {"temperature": 0.0, "max_new_tokens": 2 + i // 2, "ignore_eos": True}
-        for i in range(len(prompts))
-    ]
+    prompts, params = two_instructions(seed=33)
     args = {"dtype": "float32", "max_total_tokens": 16384}
     reference = InProcessCore(llama_dir, **args).run(prompts, params)
     gpu = InProcessCore(llama_dir, device="cuda", attention_backend="triton", **args)
