@@ -64,6 +64,17 @@ _LOG2E = 1.4426950408889634
 # What `fp8` may be (here and in kernels/prefill_attention.py): the products that run on float8
 # tensor cores (module docstring).
 FP8_MODES = ("qk", "qk_pv")
+# NOTE: a float8 tensor-core dot takes K >= 32 on the GPU (the CPU interpreter takes less):
+# head_dim for q.k, the key tile for p.v
+FP8_MIN_K = 32
+
+
+def check_fp8_products(fp8: str | None, head_dim: int) -> None:
+    """Raise ValueError unless ``fp8`` is None or one of FP8_MODES that ``head_dim`` allows."""
+    if fp8 is not None and fp8 not in FP8_MODES:
+        raise ValueError(f"fp8={fp8!r}: one of None, {', '.join(map(repr, FP8_MODES))}")
+    if fp8 is not None and head_dim < FP8_MIN_K:
+        raise ValueError(f"fp8={fp8!r} needs head_dim >= {FP8_MIN_K}, not {head_dim}")
 
 
 @triton.jit
@@ -448,8 +459,9 @@ def extend_attention(
     warps, stages = num_warps or warps, num_stages or stages
     # float32 stays float32 (no tf32 on the tensor cores); for 16-bit inputs it is ignored
     input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if fp8 is not None and fp8 not in FP8_MODES:
-        raise ValueError(f"fp8={fp8!r}: one of None, {', '.join(map(repr, FP8_MODES))}")
+    check_fp8_products(fp8, q.shape[-1])
+    if fp8 == "qk_pv":
+        bn = max(bn, FP8_MIN_K)  # p.v's K is the key tile
     if fp8 is not None and k_buffer.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8={fp8!r} multiplies a float8_e4m3fn cache, not {k_buffer.dtype}")
     if fp8 == "qk_pv" and not grouped:

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.extend_attention import _LOG2E, FP8_MODES, extend_tiles
+from kernels.extend_attention import _LOG2E, FP8_MODES, check_fp8_products, extend_tiles
 from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid
 
 
@@ -259,6 +259,7 @@ def prefill_attention(
     bm, bn, warps, stages = _default_blocks(head_dim, q.dtype, q.device)
     bm, bn = block_m or bm, block_n or bn
     assert bm % bn == 0, "the diagonal starts on a key tile"
+    check_fp8_products(fp8, head_dim)
     if tiles is None:
         lens = extend_lens.tolist()
         tiles = torch.from_numpy(extend_tiles(lens, lens, bm)).to(q.device)
@@ -268,15 +269,13 @@ def prefill_attention(
     if fp8 is None:
         descs = _rows(q, [bm, head_dim]), _rows(k, [bn, head_dim]), _rows(v, [bn, head_dim])
         q_scale = scales = vt_indptr = out  # (never read)
-    elif fp8 in FP8_MODES:
+    else:
         if kv_scales is None:
             kv_scales = torch.ones(2, dtype=torch.float32, device=q.device)
         *descs, q_scale, vt_indptr = _fp8_operands(
             q, k, v, kv_scales, fp8 == "qk_pv", extend_lens, qo_indptr, tiles, bm, bn
         )
         scales = kv_scales
-    else:
-        raise ValueError(f"fp8={fp8!r}: one of None, {', '.join(map(repr, FP8_MODES))}")
     _prefill_attention_kernel[(num_q_heads, tiles.shape[0])](
         *descs, out, qo_indptr, extend_lens, tiles, scaling * _LOG2E, out.stride(0),
         out.stride(1), q_scale, scales, vt_indptr,

@@ -46,7 +46,13 @@ from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.batch.prefix_groups import MAX_SHARED_PREFIXES, SharedPrefix
 from engine.transfer import to_device
 from kernels.decode_attention import decode_attention
-from kernels.extend_attention import extend_attention, extend_block_m, extend_tiles, tile_capacity
+from kernels.extend_attention import (
+    FP8_MIN_K,
+    extend_attention,
+    extend_block_m,
+    extend_tiles,
+    tile_capacity,
+)
 from kernels.fp8 import fp8_hw_cast
 from kernels.prefill_attention import prefill_attention, prefill_block_m, prefill_supported
 from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
@@ -81,6 +87,11 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(
                 f"prefill_attention_fp8={prefill_fp8!r} needs float8 tensor cores (compute "
                 f"capability 8.9 or later), which {torch.cuda.get_device_name(device)} has not."
+            )
+        if prefill_fp8 is not None and attn.head_dim < FP8_MIN_K:
+            raise ValueError(
+                f"prefill_attention_fp8={prefill_fp8!r} needs a head_dim of at least {FP8_MIN_K} "
+                f"(a float8 tensor-core dot's depth); this model's is {attn.head_dim}."
             )
         # queries per extend tile, with the kernel's packing of this layer's GQA heads
         # (kernels/extend_attention.py); the plans and the graphs' tile capacity count in them

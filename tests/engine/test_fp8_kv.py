@@ -19,7 +19,7 @@ import engine.runner.model_runner as model_runner
 from engine import Engine
 from engine.layers.attention import attention_layers
 from tests.engine.core import InProcessCore
-from tests.tiny_models import random_prompts, special_token_ids
+from tests.tiny_models import make_tiny_model, random_prompts, special_token_ids
 
 MAX_NEW = 16
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
@@ -236,14 +236,23 @@ def test_checkpoint_scales_reach_the_cache(llama_dir, monkeypatch, backend):
 
 
 def test_fresh_prompts_on_float8_products_equal_transformers_on_rounded_q_and_k(
-    llama_dir, monkeypatch
+    llama_dir, tmp_path, monkeypatch
 ):
     """prefill_attention_fp8="qk" (float16 model, float8_e4m3fn cache, triton under the
     interpreter, prefill chunks of 16): every prompt row multiplies q and k in float8 (q rounded
     per token and head), the first chunk's over its own k at the layer's scale, the later
     chunks' over the float8 cache; decode steps read the cache as without it. Teacher-forced
-    against transformers rounding the same."""
+    against transformers rounding the same. A float8 dot is at least 32 deep: head_dim 32
+    (llama_dir's 16 is refused, naming the setting)."""
     import engine.attention.triton_backend as triton_backend
+
+    fp8_args = dict(
+        dtype="float16", attention_backend="triton", kv_cache_dtype="fp8_e4m3",
+        max_total_tokens=1024, chunked_prefill_size=16, prefill_attention_fp8="qk",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="prefill_attention_fp8='qk' needs a head_dim of at le"):
+        InProcessCore(llama_dir, **fp8_args)
+    model_dir = make_tiny_model(tmp_path, "llama", head_dim=32, seed=15)
 
     modes: dict[str, list] = {"prefill_attention": [], "extend_attention": []}
 
@@ -256,10 +265,7 @@ def test_fresh_prompts_on_float8_products_equal_transformers_on_rounded_q_and_k(
 
     for name, seen in modes.items():
         monkeypatch.setattr(triton_backend, name, spy(getattr(triton_backend, name), seen))
-    core = InProcessCore(
-        llama_dir, dtype="float16", attention_backend="triton", kv_cache_dtype="fp8_e4m3",
-        max_total_tokens=1024, chunked_prefill_size=16, prefill_attention_fp8="qk",
-    )  # fmt: skip
+    core = InProcessCore(model_dir, **fp8_args)
     prompts = random_prompts(512, [1, 23, 40], seed=14, avoid_ids=special_token_ids())
     reqs = [core.generate([p], GREEDY, return_logprob=True)[0] for p in prompts]
     # first chunks on the one kernel, later ones on the other: both multiply in float8
@@ -271,7 +277,7 @@ def test_fresh_prompts_on_float8_products_equal_transformers_on_rounded_q_and_k(
     for prompt, req in zip(prompts, reqs):
         monkeypatch.setitem(_FRESH_ROWS, "rows", min(16, len(prompt)))
         monkeypatch.setitem(_FRESH_ROWS, "prompt", len(prompt))
-        ref = teacher_forced(llama_dir, prompt, req.output_ids, torch.float16, fp8_attn)
+        ref = teacher_forced(model_dir, prompt, req.output_ids, torch.float16, fp8_attn)
         for token, lp, r in zip(req.output_ids, req.output_logprobs, ref):
             gaps.append(abs(lp - r[token].item()))
             ties.append(r.max().item() - r[token].item())

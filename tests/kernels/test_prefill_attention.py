@@ -140,8 +140,8 @@ FP8_TOL = {"qk": 2e-3, "qk_pv": 3e-2}
     "lens, hq, hkv, d",
     [
         ([37, 5, 64, 1, 50], 4, 2, 32),  # runs of vᵀ columns padded to 16; a one-token prompt
-        ([5, 5, 5, 5, 30], 4, 2, 16),  # the padded runs reach past the tokens' count
-        ([16, 33], 2, 2, 16),
+        ([5, 5, 5, 5, 30], 4, 2, 32),  # the padded runs reach past the tokens' count
+        ([16, 33], 2, 2, 32),
         ([70], 8, 1, 64),
     ],
 )

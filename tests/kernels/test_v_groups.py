@@ -260,8 +260,8 @@ def test_extend_with_float8_products(mode, pack):
     )  # fmt: skip
 
 
-def test_extend_float8_products_need_an_e4m3_cache_and_v_grouped():
-    batch = make_extend_batch([5], [7], 2, 1, 16, dtype=torch.float16, seed=57)
+def test_extend_float8_products_need_an_e4m3_cache_v_grouped_and_head_dim_32():
+    batch = make_extend_batch([5], [7], 2, 1, 32, dtype=torch.float16, seed=57)
     e5m2, _ = fp8_batch(batch, E5M2, k_scale=1.0, v_scale=1.0)
     with pytest.raises(ValueError, match="multiplies a float8_e4m3fn cache"):
         extend_attention(**regrouped(e5m2), fp8="qk")
@@ -269,6 +269,10 @@ def test_extend_float8_products_need_an_e4m3_cache_and_v_grouped():
     with pytest.raises(ValueError, match="reads V grouped"):
         extend_attention(**e4m3, fp8="qk_pv")  # V in rows
     extend_attention(**e4m3, fp8="qk")  # q.k alone takes V in rows
+    # a float8 dot's K is at least 32 on the GPU
+    small, _ = fp8_batch(make_extend_batch([5], [7], 2, 1, 16, seed=57), E4M3, 1.0, 1.0)
+    with pytest.raises(ValueError, match="needs head_dim >= 32, not 16"):
+        extend_attention(**small, fp8="qk")
 
 
 def test_the_engine_pages_whole_groups():
