@@ -9,37 +9,35 @@ device reaches the first only when the previous step is done and the host has qu
 the device time between the previous step's end event and this step's start event is how
 long the device had nothing to do because the host had not yet queued the step.
 
-NOTE: read only when a step is collected (both events have passed by then: no wait); gaps
-are counted within a busy period only, never the time the engine had no requests. Idle time
-inside a step (the device outrunning the host's launches of an eager prefill) is not counted.
+NOTE: a gap is read once both its events have passed, in stream order, at a later collection
+if not at its own: a step that copies nothing back (a long prompt's middle chunk) is
+collected without waiting for its device work. Gaps are counted within a busy period only,
+never the time the engine had no requests. Idle time inside a step (the device outrunning
+the host's launches of an eager prefill) is not counted.
 """
 
 from __future__ import annotations
 
-import torch
+from collections import deque
 
-# Start events are reused in turn (creating one a step cost host time); an event is read when
-# its step is collected, at most two steps after it was recorded. A step's end is its own
-# `ready` event (LaunchedStep), recorded behind its last device work anyway.
-_EVENT_RING = 8
+import torch
 
 
 class DeviceIdleClock:
     def __init__(self, device: torch.device) -> None:
         self.enabled = device.type == "cuda"
         self._prev_end: torch.cuda.Event | None = None
-        self._starts: list[torch.cuda.Event] = []
-        if self.enabled:
-            self._starts = [torch.cuda.Event(enable_timing=True) for _ in range(_EVENT_RING)]
-        self._next = 0
+        # start events read and free again (creating one a step cost host time); a step's end
+        # is its own `ready` event (LaunchedStep), recorded behind its last device work anyway
+        self._free: list[torch.cuda.Event] = []
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
 
     def around_launch(self) -> tuple[torch.cuda.Event | None, torch.cuda.Event | None]:
         """Record the start event of a step about to be queued; returns (the previous step's
         end event, this start event): the gap the step's collection adds."""
         if not self.enabled:
             return None, None
-        start = self._starts[self._next]
-        self._next = (self._next + 1) % _EVENT_RING
+        start = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         start.record()
         return self._prev_end, start
 
@@ -52,14 +50,26 @@ class DeviceIdleClock:
                 end.record()
             self._prev_end = end
 
-    @staticmethod
-    def seconds(gap: tuple[torch.cuda.Event | None, torch.cuda.Event | None]) -> float:
-        """A collected step's gap in seconds (its events have passed); 0 without a reference."""
+    def seconds(self, gap: tuple[torch.cuda.Event | None, torch.cuda.Event | None]) -> float:
+        """Seconds of the gaps collected so far whose events have passed, this one's included
+        if its have (never waits); 0 for a step without a reference."""
         prev_end, start = gap
-        if prev_end is None or start is None:
-            return 0.0
-        return prev_end.elapsed_time(start) / 1000
+        if start is not None:
+            if prev_end is None:
+                self._free.append(start)
+            else:
+                self._pending.append((prev_end, start))
+        total = 0.0
+        while self._pending and all(e.query() for e in self._pending[0]):
+            prev_end, start = self._pending.popleft()
+            total += prev_end.elapsed_time(start) / 1000
+            self._free.append(start)
+        return total
 
-    def idle(self) -> None:
-        """The scheduler ran out of work: the next busy period starts without a reference."""
+    def idle(self) -> float:
+        """The scheduler ran out of work: the next busy period starts without a reference.
+        Returns the seconds of the gaps still unread (the device is done or nearly: a wait)."""
+        if self._pending:
+            self._pending[-1][1].synchronize()
         self._prev_end = None
+        return self.seconds((None, None))

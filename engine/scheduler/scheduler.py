@@ -223,7 +223,7 @@ class Scheduler:
         if batch is None and self._inflight is None and not advanced:
             advanced = self.prefill.refuse_unadmittable()
         if self._inflight is None and not self.has_work():
-            self.idle_clock.idle()
+            self.stats.device_idle_seconds += self.idle_clock.idle()
         self.stats.busy_seconds += time.perf_counter() - t0
         return advanced
 

@@ -13,6 +13,7 @@ import torch
 from engine import Engine
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
+from engine.scheduler.device_idle import DeviceIdleClock
 from engine.scheduler.scheduler import Scheduler
 from engine.server_args import ServerArgs
 from tests.engine.core import InProcessCore
@@ -136,6 +137,24 @@ def test_bert_embeddings_on_the_gpu_match_sentence_transformers(tiny_bert_dir):
     got = torch.tensor([o["embedding"] for o in outs], dtype=torch.float64)
     cos = torch.nn.functional.cosine_similarity(got, ref.double(), dim=-1)
     assert cos.min() >= 0.9999, (cos.argmin().item(), cos.min().item())
+
+
+@pytest.mark.gpu
+def test_device_idle_reads_a_gap_once_its_events_have_passed():
+    """A step that copies nothing back (a long prompt's middle chunk) is collected before its
+    device work has run: its gap is kept and read later (CUDA refuses the time of an event that
+    has not passed), then a host delay between steps is read as device idle time."""
+    clock = DeviceIdleClock(torch.device("cuda"))
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device work: the previous step
+    clock.launched(None)
+    gap = clock.around_launch()  # queued at once behind it
+    assert clock.seconds(gap) == 0.0 and not gap[1].query()  # kept, not read
+    assert 0.0 <= clock.idle() < 0.01  # read once passed: back to back
+    clock.launched(None)
+    time.sleep(0.05)  # the host late with the next step
+    gap = clock.around_launch()
+    torch.cuda.synchronize()
+    assert 0.04 <= clock.seconds(gap) <= 0.2
 
 
 @pytest.mark.gpu
