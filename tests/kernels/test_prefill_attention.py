@@ -166,7 +166,9 @@ def test_float8_products_over_planned_tiles_with_filler_rows():
     lens = [40, 7, 65]
     q, k, v, lens_t, indptr = make_batch(lens, 4, 2, 32, torch.float16, seed=4)
     tiles = torch.from_numpy(extend_tiles(lens, lens, 32, tile_capacity(sum(lens), 5, 32)))
-    out = run(q, k, v, lens_t, indptr, tiles=tiles.to(q.device), block_m=32, fp8="qk_pv")
+    out = run(
+        q, k, v, lens_t, indptr, tiles=tiles.to(q.device), block_m=32, block_n=32, fp8="qk_pv"
+    )
     qq, kq, vq = quantized_inputs(q, k, v, 1.0, 1.0)
     assert rel_err(out, reference(qq, kq, vq, lens_t, indptr, 32**-0.5)) < FP8_TOL["qk_pv"]
 
