@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.extend_attention import _LOG2E, FP8_MODES, check_fp8_products, extend_tiles
+from kernels.extend_attention import _LOG2E, check_fp8_products, extend_tiles
 from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid
 
 

@@ -81,6 +81,8 @@ v_scale into the score scale and the partial output.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -117,6 +119,13 @@ _PREFIX_PROGRAMS = 256
 _PREFIX_BLOCK_N = 64
 _PREFIX_NUM_STAGES = 3
 _PREFIX_NUM_WARPS = 4
+# Stage 1's (tokens per tile, stages, warps) for batches whose suffixes are all short (the
+# caller's ``suffix_tile``; engine/attention/triton_backend.py says when). A short suffix's
+# program is a chain of a few dependent loads: 16-token tiles in 1 warp hold 16 KB of shared
+# memory, not 96, so more run on an SM. The pair on an H200 (2026-11-29, bf16, suffixes
+# 50-114): 165 µs a layer at B=1000 against 187 (bench/prefix_decode.py), a decode step 7.49
+# ms against 8.04 (bench.profile_w1); on W1's plain batches (100-2048 tokens) 8% slower.
+SHORT_SUFFIX_TILE = (16, 2, 1)
 
 
 def prefix_split_count(batch_size: int, item_size: int, num_kv_heads: int) -> int:
@@ -223,6 +232,7 @@ def shared_prefix_decode_attention(
     kv_scales: torch.Tensor | None = None,
     min_split_tokens: int | None = None,
     prefix_stream: torch.cuda.Stream | None = None,
+    suffix_tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """decode_attention with shared prefixes read once per work item; [B, Hq, D] in q.dtype.
 
@@ -254,7 +264,9 @@ def shared_prefix_decode_attention(
     ``prefix_stream`` (a CUDA stream): the prefix stage runs there, beside stage 1 on the
     current stream, and stage 2 merges both once the current stream has waited for it (so
     even one suffix split goes through stage 2). Under graph capture that is a fork and a
-    join in the graph.
+    join in the graph. ``suffix_tile`` (tokens per tile, stages, warps), e.g.
+    SHORT_SUFFIX_TILE: stage 1's launch settings instead of decode_attention's, for a cache of
+    q's dtype in rows (a float8 or grouped cache keeps its own: ValueError).
     """
     q, k_buffer, v_buffer, req_to_token, out = _check_and_prepare(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out
@@ -272,6 +284,12 @@ def shared_prefix_decode_attention(
         return out
 
     tiles = _tiles(q, G, use_dot=True, kv_dtype=k_buffer.dtype, v_grouped=v_buffer.dim() == 4)
+    stage1 = tiles  # the suffixes' (the prefix stage takes its tile from `tiles`, below)
+    if suffix_tile is not None:
+        if tiles.kv_fp8 or tiles.v_grouped or tiles.heads > 1:
+            raise ValueError("suffix_tile: for a cache of q's dtype with V in rows only")
+        n, stages, warps = suffix_tile
+        stage1 = replace(tiles, BLOCK_N=n, num_stages=stages, num_warps=warps)
     num_kv_splits, min_split_tokens = _kv_split_plan(
         num_kv_splits, max_seq_len, min_split_tokens, B, Hkv, tiles.heads, q.device
     )
@@ -283,7 +301,7 @@ def shared_prefix_decode_attention(
     assert prefix_splits >= 1
 
     scales = scales_arg(kv_scales, k_buffer.dtype, q)
-    min_split_len = _min_split_len(min_split_tokens, tiles)
+    min_split_len = _min_split_len(min_split_tokens, stage1)
     BLOCK_M = max(16, triton.next_power_of_2(item_size * G))
     PREFIX_BLOCK_N, prefix_stages = tiles.BLOCK_N, tiles.num_stages
     if q.element_size() <= 2 and tiles.BLOCK_D <= 128:
@@ -300,7 +318,7 @@ def shared_prefix_decode_attention(
     mid_o = torch.empty((B, Hq, num_cols, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B, Hq, num_cols), dtype=torch.float32, device=q.device)
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, prefix_lens)
-    args += (mid_o, mid_lse, scaling, num_kv_splits, min_split_len, tiles, scales)
+    args += (mid_o, mid_lse, scaling, num_kv_splits, min_split_len, stage1, scales)
 
     def prefix_stage() -> None:
         _prefix_stage[(num_items, Hkv, prefix_splits)](
@@ -372,7 +390,7 @@ def shared_prefix_decode_attention(
         seq_lens,
         num_kv_splits,
         min_split_len,
-        tiles,
+        stage1,
         prefix_lens=prefix_lens,
         num_prefix_splits=prefix_splits,
         prefix_min_split_len=prefix_min_split_len,

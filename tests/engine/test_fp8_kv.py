@@ -287,7 +287,7 @@ def test_fresh_prompts_on_float8_products_equal_transformers_on_rounded_q_and_k(
 
 def test_float8_prefill_products_need_a_float8_cache_on_triton():
     from engine.server_args import _TABLE, ServerArgs
-    from kernels.prefill_attention import FP8_MODES
+    from kernels.extend_attention import FP8_MODES
 
     # the setting's values are the kernel's modes
     assert _TABLE["prefill_attention_fp8"].choices == FP8_MODES

@@ -19,6 +19,7 @@ import torch
 import kernels.shared_prefix_attention as spa
 from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.shared_prefix_attention import (
+    SHORT_SUFFIX_TILE,
     prefix_item_size,
     prefix_split_count,
     shared_prefix_decode_attention,
@@ -145,6 +146,7 @@ def check(batch: dict, tol: float, **kwargs) -> torch.Tensor:
     err = rel_err(got, ref)
     assert err < tol, f"relative error vs reference {err:.3g} >= {tol}"
     kwargs.pop("prefix_splits", None)
+    kwargs.pop("suffix_tile", None)
     err = rel_err(got, decode_attention(**plain(batch), **kwargs))
     assert err < tol, f"relative error vs decode_attention {err:.3g} >= {tol}"
     return got
@@ -275,6 +277,29 @@ def test_suffixes_with_packed_heads(num_kv_splits, monkeypatch):
     monkeypatch.setattr("kernels.decode_attention._ROWS_PACKED_HEADS", 2)
     batch = make_shared_batch(GROUPS, SOLO, 4, 2, 64, item_size=3, dtype=torch.float16, seed=9)
     check(batch, TOL_16BIT, num_kv_splits=num_kv_splits, prefix_splits=3)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL_FP32), (torch.float16, TOL_16BIT)])
+@pytest.mark.parametrize("num_kv_splits", [1, 2], ids=["one-split", "two-splits"])
+def test_short_suffix_tile(dtype, tol, num_kv_splits, monkeypatch):
+    """Stage 1 in SHORT_SUFFIX_TILE (16-token tiles, 2 stages, 1 warp) for the suffixes (1-70
+    tokens: whole and partial tiles), the prefix's columns merged by stage 1 (one split) or
+    by stage 2."""
+    launched = []
+    real = spa._launch_stage1
+    monkeypatch.setattr(spa, "_launch_stage1", lambda *a, **k: launched.append(a) or real(*a, **k))
+    batch = make_shared_batch(GROUPS, SOLO, 4, 2, 64, item_size=3, dtype=dtype, seed=12)
+    check(batch, tol, num_kv_splits=num_kv_splits, prefix_splits=3, suffix_tile=SHORT_SUFFIX_TILE)
+    tiles = {a[12] for a in launched}
+    assert {(t.BLOCK_N, t.num_stages, t.num_warps) for t in tiles} == {SHORT_SUFFIX_TILE}
+
+
+def test_short_suffix_tile_is_for_rows_of_qs_dtype():
+    batch = make_shared_batch(GROUPS, SOLO, 4, 2, 64, item_size=3, dtype=torch.float16, seed=13)
+    fp8 = dict(batch, k_buffer=batch["k_buffer"].to(torch.float8_e4m3fn))
+    fp8["v_buffer"] = batch["v_buffer"].to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="suffix_tile: for a cache of q's dtype with V in rows"):
+        shared_prefix_decode_attention(**fp8, suffix_tile=SHORT_SUFFIX_TILE)
 
 
 def test_prefix_split_count():
