@@ -29,6 +29,7 @@ import kernels.extend_attention as extend
 import kernels.fp8 as fp8
 import kernels.norm as norm
 import kernels.prefill_attention as prefill
+from kernels.shared_prefix_attention import SHORT_SUFFIX_TILE
 
 D = 128  # Llama-3.1-8B's and Qwen3's head dim
 F8 = "fp8e4nv"
@@ -125,6 +126,9 @@ LAUNCHES: dict[str, Callable[[], tuple]] = {
         F8, 2, decode._FP8_PACKED_TILE, final=False
     ),
     "decode stage 1, bf16 cache (the engine's)": lambda: decode_launch("bf16", 1, (64, 3, 4)),
+    "decode stage 1, bf16 cache, short suffixes": lambda: decode_launch(
+        "bf16", 1, SHORT_SUFFIX_TILE
+    ),
     **{
         f"decode stage 1, bf16 cache, {h} heads {t}": lambda h=h, t=t: decode_launch("bf16", h, t)
         for h, t in [(2, (16, 2, 4)), (4, (32, 2, 4)), (8, (16, 2, 4))]

@@ -153,15 +153,16 @@ run_step() {
       # stage 1 with several kv heads a program over the bf16 cache: the pair (G 2), then W2's heads
       prefix-decode-heads) python3 -m bench.prefix_decode --heads 2>&1 | grep "^|"
                 python3 -m bench.prefix_decode --heads --hq 32 --batch 1000 2>&1 | grep "^|" ;;
-      # the pair's steps with each decode variant (bench.prefix_decode's), in process: as is, the
-      # prefix stage on its own stream, two and eight kv heads a stage-1 program, 16-token tiles
-      prefix-variants) for set in "" "--set engine.attention.triton_backend._PREFIX_STREAM=True" \
-                  "--set kernels.decode_attention._ROWS_PACKED_HEADS=2" \
-                  "--set kernels.decode_attention._ROWS_PACKED_HEADS=8" \
-                  "--set kernels.decode_attention._DOT_BLOCK_N=16 --set kernels.decode_attention._DOT_NUM_STAGES=2 --set kernels.decode_attention._NUM_WARPS=1"; do
-                echo "== ${set:-as is}"
+      # the pair's steps with each decode variant (bench.prefix_decode's), in process: as is,
+      # graphs of short suffixes in 16-token tiles, two kv heads a stage-1 program; then W1's
+      # steps as is and with the short-suffix graphs (which its plain batches must not replay)
+      prefix-variants) SHORT="--set engine.attention.triton_backend._SHORT_SUFFIX_GRAPHS=True"
+                for set in "" "$SHORT" "--set kernels.decode_attention._ROWS_PACKED_HEADS=2"; do
+                echo "== the pair, ${set:-as is}"
                 python3 -m bench.profile_w1 --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 \
-                  --output-len 64 --kernels "" $set 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -14; done ;;
+                  --output-len 64 --kernels "" $set 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -14; done
+                for set in "" "$SHORT"; do echo "== W1, ${set:-as is}"
+                  python3 -m bench.profile_w1 --kernels "" $set 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -14; done ;;
       # the shared-prefix pair's steps against their floors, kernels of the prefills and 10 decodes
       prefix-steps) python3 -m bench.profile_w1 --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 \
                 --output-len 64 --kernels 0:6,30:40 2>&1 | grep -v "^Loading\|Writing\|WARNING" | tail -70 ;;

@@ -8,11 +8,14 @@ sequence: its cached prefix (already in the pool) and this step's new tokens (ca
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.batch.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from engine.memory.kv_pool import KVPool
 
 
 class AttentionLayer(Protocol):
@@ -38,11 +41,20 @@ class AttentionBackend(ABC):
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
 
-    # NOTE: the decode CUDA graphs (engine/runner/cuda_graph.py) call these two around capture and
-    # replay; a backend whose kernels read only tensors (triton) needs neither.
-    def init_graph_capture(self, bs: int, max_kv_entries: int) -> None:
-        """Before the decode graph of batch size `bs` is captured (outside the capture); its
-        batches read at most `max_kv_entries` K/V entries in all."""
+    # NOTE: the decode CUDA graphs (engine/runner/cuda_graph.py) call these around capture and
+    # replay; a backend whose kernels read only tensors (triton) needs neither init_graph_*.
+    def decode_graph_kinds(self, kv_pool: KVPool) -> int:
+        """How many decode graphs each batch size gets over `kv_pool`: kinds 0 .. n-1, captured
+        with different kernels, of which graph_kind picks one for each batch."""
+        return 1
+
+    def graph_kind(self, batch: ForwardBatch) -> int:
+        """The kind of decode graph that runs `batch` (O(batch) host work)."""
+        return 0
+
+    def init_graph_capture(self, bs: int, max_kv_entries: int, kind: int = 0) -> None:
+        """Before the decode graph of batch size `bs` and kind `kind` is captured (outside the
+        capture); its batches read at most `max_kv_entries` K/V entries in all."""
         return None
 
     def init_graph_replay(self, batch: ForwardBatch, padded: int, static: torch.Tensor) -> None:

@@ -94,7 +94,7 @@ class FlashInferAttnBackend(AttentionBackend):
         return kv_indptr, gather_kv_indices(req_to_token, rows, device_indptr, int(kv_indptr[-1]))
 
     # ------------------------------------------------------------------ CUDA graphs
-    def init_graph_capture(self, bs: int, max_kv_entries: int) -> None:
+    def init_graph_capture(self, bs: int, max_kv_entries: int, kind: int = 0) -> None:
         import flashinfer
 
         if self._graph_indices is None or self._graph_indices.numel() < max_kv_entries:

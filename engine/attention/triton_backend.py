@@ -11,7 +11,9 @@ is read once per work item of up to `item_size` members, each request's own suff
 and the two are merged by log-sum-exp. The result is the same attention as without groups.
 Under CUDA graphs the grouped kernel is what the graphs capture, reading its work items from
 static buffers that every replay fills (all-zero items and lengths when a batch has no
-groups: the prefix stage then does nothing).
+groups: the prefix stage then does nothing). With `_SHORT_SUFFIX_GRAPHS` each size has a
+second graph (decode_graph_kinds, graph_kind) whose stage 1 walks the suffixes in short tiles,
+for batches that are all groups and short suffixes; eager batches choose the tile alike.
 
 Extend (prefill) attention runs two kernels over two tile tables planned on the host
 (kernels/extend_attention.py: `extend_tiles`), shipped with the batch's extend lengths and query
@@ -38,6 +40,8 @@ after their capture. The kernels ignore it for a pool of the model's dtype.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -55,15 +59,32 @@ from kernels.extend_attention import (
 )
 from kernels.fp8 import fp8_hw_cast
 from kernels.prefill_attention import prefill_attention, prefill_block_m, prefill_supported
-from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
+from kernels.shared_prefix_attention import (
+    SHORT_SUFFIX_TILE,
+    prefix_item_size,
+    shared_prefix_decode_attention,
+)
 from kernels.v_groups import is_grouped
 from kernels.verify_attention import verify_attention
+
+if TYPE_CHECKING:
+    from engine.memory.kv_pool import KVPool
 
 # Decode with groups forks each layer's prefix stage onto a second stream beside stage 1
 # (shared_prefix_decode_attention's prefix_stream). Off until a GPU times it: bench.prefix_decode
 # for one layer, `bench.profile_w1 --set engine.attention.triton_backend._PREFIX_STREAM=True`
 # for the pair's steps.
 _PREFIX_STREAM = False
+# Decode graphs of a second kind (decode_graph_kinds) for batches in which every request is in a
+# shared-prefix group with at most _SHORT_SUFFIX_TOKENS tokens of its own: stage 1 in
+# kernels/shared_prefix_attention.py's SHORT_SUFFIX_TILE, which the pair's steps want and W1's
+# plain batches do not (that module's note). Over a cache of the model's dtype only (the tile is
+# measured there). Off until a GPU times it: twice the decode graphs to capture, and
+# `bench.profile_w1 --set engine.attention.triton_backend._SHORT_SUFFIX_GRAPHS=True` on the pair
+# and on W1 says what it gives.
+_SHORT_SUFFIX_GRAPHS = False
+# ...the pair's suffixes are 50-114 tokens (50 of its own, up to 64 generated)
+_SHORT_SUFFIX_TOKENS = 128
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -80,6 +101,7 @@ class TritonAttnBackend(AttentionBackend):
         prefill_fp8: str | None = None,
     ) -> None:
         self.device = device
+        self.dtype = dtype
         # fresh prompts' products on float8 tensor cores over a float8 cache (ServerArgs.
         # prefill_attention_fp8; kernels/prefill_attention.py), or None
         self.prefill_fp8 = prefill_fp8
@@ -126,6 +148,10 @@ class TritonAttnBackend(AttentionBackend):
         # this batch's (prefix_lens [B], prefix_items [I, 2 + item_size]), or None: plain decode
         self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
         self.graph_prefix: tuple[torch.Tensor, torch.Tensor] | None = None  # static, max size
+        # stage 1's tile for this batch's suffixes (shared_prefix_decode_attention), or None;
+        # under capture, the tile of the kind being captured
+        self.suffix_tile: tuple[int, int, int] | None = None
+        self._capture_suffix_tile: tuple[int, int, int] | None = None
 
     def items_capacity(self, bs: int) -> int:
         """Work items a decode batch of `bs` requests can need: each group's members in items
@@ -137,6 +163,7 @@ class TritonAttnBackend(AttentionBackend):
         # sizes its grid from the table's width, so one capture serves every length.
         self.max_seq_len = None if batch.seq_lens_cpu is None else max(batch.seq_lens_cpu)
         self.prefix = None
+        self.suffix_tile = None
         self.verify = None
         if batch.mode is ForwardMode.EXTEND:
             if batch.seq_lens_cpu is None and batch.verify:  # a verify graph's static buffers
@@ -164,6 +191,7 @@ class TritonAttnBackend(AttentionBackend):
                 bs = batch.batch_size
                 lens, items = self.graph_prefix
                 self.prefix = (lens[:bs], items[: self.items_capacity(bs)])
+                self.suffix_tile = self._capture_suffix_tile
         elif batch.shared_prefixes:
             groups = batch.shared_prefixes
             host = self._prefix_host(groups, batch.batch_size, None)
@@ -174,9 +202,37 @@ class TritonAttnBackend(AttentionBackend):
             self.max_seq_len = max(
                 n - prefix_of.get(i, 0) for i, n in enumerate(batch.seq_lens_cpu)
             )
+            if self.graph_kind(batch) == 1:
+                self.suffix_tile = SHORT_SUFFIX_TILE
 
     # ------------------------------------------------------------------ CUDA graphs
-    def init_graph_capture(self, bs: int, max_kv_entries: int) -> None:
+    def decode_graph_kinds(self, kv_pool: KVPool) -> int:
+        """2 with _SHORT_SUFFIX_GRAPHS over a cache of the model's dtype: kind 1 runs stage 1
+        in SHORT_SUFFIX_TILE (graph_kind), kind 0 as decode_attention tiles it."""
+        on = self.shared_prefix and _SHORT_SUFFIX_GRAPHS
+        return 2 if on and self._rows_of_model_dtype(kv_pool) else 1
+
+    def graph_kind(self, batch: ForwardBatch) -> int:
+        """1 when _SHORT_SUFFIX_GRAPHS is on, the cache holds the model's dtype and every
+        request of the decode batch is in a shared-prefix group with at most
+        _SHORT_SUFFIX_TOKENS tokens of its own, else 0. O(batch)."""
+        groups, lens = batch.shared_prefixes, batch.seq_lens_cpu
+        if not (groups and _SHORT_SUFFIX_GRAPHS and lens is not None):
+            return 0
+        if not self._rows_of_model_dtype(batch.kv_pool):
+            return 0
+        if sum(len(g.members) for g in groups) < len(lens):
+            return 0  # a request outside the groups reads its whole sequence as a suffix
+        longest = max(lens[m] - g.length for g in groups for m in g.members)
+        return int(longest <= _SHORT_SUFFIX_TOKENS)
+
+    def _rows_of_model_dtype(self, kv_pool: KVPool) -> bool:
+        """The cache SHORT_SUFFIX_TILE is for: the model's dtype, V in rows."""
+        k, v = kv_pool.k_buffers[0], kv_pool.v_buffers[0]
+        return k.dtype == self.dtype and not is_grouped(k, v)
+
+    def init_graph_capture(self, bs: int, max_kv_entries: int, kind: int = 0) -> None:
+        self._capture_suffix_tile = SHORT_SUFFIX_TILE if kind == 1 else None
         if self.shared_prefix and self.graph_prefix is None:  # sizes come largest first
             device = torch.device("cuda", torch.cuda.current_device())
             flat = torch.zeros(
@@ -267,7 +323,7 @@ class TritonAttnBackend(AttentionBackend):
             return shared_prefix_decode_attention(
                 q, k, v, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 layer.scaling, prefix_lens, prefix_items, max_seq_len=self.max_seq_len,
-                kv_scales=scales, prefix_stream=self.prefix_stream,
+                kv_scales=scales, prefix_stream=self.prefix_stream, suffix_tile=self.suffix_tile,
             )  # fmt: skip
         return decode_attention(
             q, k, v, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, layer.scaling,

@@ -16,6 +16,10 @@ replay's logits are valid until the next replay, so the caller reads them (sampl
 Token ids are gathered inside the graph from ModelRunner.next_token by request row, so no
 host value enters the graph at all.
 
+A backend whose kernels differ by batch asks for several kinds of graph per size
+(AttentionBackend.decode_graph_kinds; the triton backend's stage-1 tile for short suffixes) and
+names the kind each batch replays (graph_kind); the kinds share one memory pool.
+
 What the graphs capture is handed in (the runner's eager forward, its backend, pool and
 table), so this module knows nothing of the model runner.
 """
@@ -94,7 +98,10 @@ class DecodeCudaGraphs:
         self.max_bs = max_bs
         self.device = device = req_to_token.table.device
         self.logits = torch.empty((max_bs, vocab_size), dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # graphs of several kinds per size where the backend's kernels differ by batch (its
+        # graph_kind: the triton backend's short-suffix tile), else one
+        self.kinds = backend.decode_graph_kinds(kv_pool)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._capture_all(pool)
 
     def fits(self, batch: ForwardBatch) -> bool:
@@ -111,7 +118,8 @@ class DecodeCudaGraphs:
         # NOTE: the builder wrote the batch (and its padding) into the graph's own inputs
         assert batch.packed.stride(0) == padded
         self.backend.init_graph_replay(batch, padded, static)
-        self.graphs[padded].replay()
+        kind = self.backend.graph_kind(batch) if self.kinds > 1 else 0
+        self.graphs[padded, kind].replay()
         # NOTE: a view of the shared buffer: valid until the next replay (the scheduler samples
         # from it first; device work runs in launch order)
         return self.logits[:bs]
@@ -121,27 +129,31 @@ class DecodeCudaGraphs:
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         logger.info(
-            "capturing CUDA graphs for decode: %d batch sizes up to %d",
+            "capturing CUDA graphs for decode: %d batch sizes up to %d, %d kind(s)",
             len(self.sizes),
             self.max_bs,
+            self.kinds,
         )
         stream = torch.cuda.Stream(self.device)
         # largest first: later, smaller graphs reuse the memory pool the first one grew
         for i, bs in enumerate(reversed(self.sizes)):
-            self.graphs[bs] = self._capture(bs, pool, stream)
+            for kind in range(self.kinds):
+                self.graphs[bs, kind] = self._capture(bs, kind, pool, stream)
             logger.debug("captured decode graph %d/%d (batch size %d)", i + 1, len(self.sizes), bs)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info(
             "captured %d CUDA graphs in %.1fs (%.0f MiB)",
-            len(self.sizes),
+            len(self.graphs),
             time.perf_counter() - started,
             used / 2**20,
         )
 
-    def _capture(self, bs: int, pool: object, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    def _capture(
+        self, bs: int, kind: int, pool: object, stream: torch.cuda.Stream
+    ) -> torch.cuda.CUDAGraph:
         forward = self._forward_fn(bs)
         # the most K/V entries a decode batch of bs can read: the pool, plus a slot per padded row
-        self.backend.init_graph_capture(bs, self.kv_pool.num_tokens + bs)
+        self.backend.init_graph_capture(bs, self.kv_pool.num_tokens + bs, kind)
         if self.lora_batch is not None:  # the LoRA kernels read a table of this size's length
             self.lora_batch.for_graph(bs, bs)
         return capture_graph(forward, pool, stream, warm_ups=2)

@@ -3,11 +3,15 @@ per request, as the radix cache turned off, and as transformers (CPU: Triton int
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 import engine.attention.triton_backend as triton_backend
 import engine.scheduler.prefix_grouping as prefix_grouping
 from engine.batch.prefix_groups import SharedPrefix
+from kernels.shared_prefix_attention import SHORT_SUFFIX_TILE
 from tests.engine.core import InProcessCore
 from tests.tiny_models import (
     guess_like_sglang,
@@ -93,6 +97,44 @@ def test_grouped_decode_equals_plain_decode_and_transformers(llama_dir, refs, mo
     no_cache = core(llama_dir, disable_radix_cache=True, attention_backend="torch")
     assert run_staggered(no_cache, first, late) == outs
     assert outs == refs
+
+
+def test_short_suffix_graphs_take_the_batches_of_short_suffixes(llama_dir, refs, monkeypatch):
+    """_SHORT_SUFFIX_GRAPHS: a decode batch whose requests are all grouped, each with at most
+    _SHORT_SUFFIX_TOKENS of its own, runs stage 1 in SHORT_SUFFIX_TILE (eagerly here; on a GPU
+    the graphs of kind graph_kind(batch)), and the tokens stay transformers'. A request
+    outside the groups, a longer suffix, a float8 cache or the setting off keep
+    decode_attention's tile."""
+    monkeypatch.setattr(triton_backend, "_SHORT_SUFFIX_GRAPHS", True)
+    first, late = few_shot_prompts()
+    grouped = core(llama_dir)
+    tiles = []
+    kernel = triton_backend.shared_prefix_decode_attention
+    monkeypatch.setattr(
+        triton_backend,
+        "shared_prefix_decode_attention",
+        lambda *a, **kw: tiles.append(kw["suffix_tile"]) or kernel(*a, **kw),
+    )
+    assert run_staggered(grouped, first, late) == refs
+    assert SHORT_SUFFIX_TILE in tiles
+
+    backend, pool = grouped.scheduler.runner.attn_backend, grouped.scheduler.runner.kv_pool
+    assert backend.decode_graph_kinds(pool) == 2
+    groups = [SharedPrefix(100, [0, 2], 1), SharedPrefix(40, [1], 3)]
+
+    def kind(lens, groups=groups, kv_pool=pool):
+        batch = SimpleNamespace(shared_prefixes=groups, seq_lens_cpu=lens, kv_pool=kv_pool)
+        return backend.graph_kind(batch)
+
+    assert kind([228, 168, 101]) == 1  # suffixes of 128, 128 and 1 tokens
+    assert kind([229, 168, 101]) == 0
+    assert kind([228, 168, 101], groups=groups[:1]) == 0  # request 1 reads all 168 as a suffix
+    float8 = SimpleNamespace(k_buffers=[pool.k_buffers[0].to(torch.float8_e4m3fn)])
+    float8.v_buffers = [pool.v_buffers[0].to(torch.float8_e4m3fn)]
+    assert kind([228, 168, 101], kv_pool=float8) == 0
+    assert backend.decode_graph_kinds(float8) == 1
+    monkeypatch.setattr(triton_backend, "_SHORT_SUFFIX_GRAPHS", False)
+    assert kind([228, 168, 101]) == 0 and backend.decode_graph_kinds(pool) == 1
 
 
 def test_grouped_decode_under_retraction(llama_dir, refs, monkeypatch):
@@ -244,3 +286,23 @@ def test_gpu_grouped_decode_with_the_prefix_stage_on_its_own_stream(llama_dir, m
     assert gpu.scheduler.runner.attn_backend.prefix_stream is not None
     assert gpu.run(prompts, params) == reference
     assert gpu.scheduler.stats.shared_prefix_steps > 0, "no decode step read a shared prefix"
+
+
+@pytest.mark.gpu
+def test_gpu_short_suffix_graphs_equal_cpu_reference(llama_dir, monkeypatch):
+    """_SHORT_SUFFIX_GRAPHS on the GPU: both kinds of decode graph captured at every size, the
+    grouped batches (suffixes of up to 50 tokens) replaying kind 1; greedy tokens equal the
+    CPU reference's. In this process, so the setting reaches the scheduler."""
+    monkeypatch.setattr(triton_backend, "_SHORT_SUFFIX_GRAPHS", True)
+    prompts, params = two_instructions(seed=35)
+    args = {"dtype": "float32", "max_total_tokens": 16384}
+    reference = InProcessCore(llama_dir, **args).run(prompts, params)
+    gpu = InProcessCore(llama_dir, device="cuda", attention_backend="triton", **args)
+    graphs = gpu.scheduler.runner.graphs
+    assert graphs is not None and graphs.kinds == 2
+    assert len(graphs.graphs) == 2 * len(graphs.sizes)
+    kinds = []
+    real = graphs.backend.graph_kind
+    monkeypatch.setattr(graphs.backend, "graph_kind", lambda b: kinds.append(real(b)) or kinds[-1])
+    assert gpu.run(prompts, params) == reference
+    assert 1 in kinds, "no batch replayed a short-suffix graph"
