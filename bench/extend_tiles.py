@@ -21,7 +21,13 @@ import argparse
 import torch
 
 from bench.decode_splits import graph_time
-from kernels.extend_attention import _default_blocks, extend_attention, extend_pack, extend_tiles
+from kernels.extend_attention import (
+    FP8_MODES,
+    _default_blocks,
+    extend_attention,
+    extend_pack,
+    extend_tiles,
+)
 from kernels.kv_fp8 import quantize
 from kernels.v_groups import GROUP, to_grouped
 
@@ -41,7 +47,6 @@ FP8_BATCHES = {
     "20000/2000 chunk 3: 3616 over 16384": (1, 16384, 3616, 32, 8, True),
     "5000/500: 3608 over 1392": (1, 1392, 3608, 32, 8, True),
 }
-FP8_MODES = (None, "qk", "qk_pv")
 # (rows, BLOCK_N, warps, stages)
 TILES = [
     (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = ap.parse_args(argv)
     default = _default_blocks(128, torch.bfloat16, torch.device("cuda"))
     batches = FP8_BATCHES if opts.fp8 else BATCHES
-    modes = FP8_MODES if opts.fp8 else (None,)
+    modes = (None, *FP8_MODES) if opts.fp8 else (None,)
     print("| rows, BLOCK_N, warps, stages | " + " | ".join(batches) + " |")
     print("| --- |" + " --- |" * len(batches))
     cases = [batch(*shape) for shape in batches.values()]

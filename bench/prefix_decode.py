@@ -7,9 +7,9 @@ variants of it, each captured in a graph: the split programs per (request, kv he
 suffix (16 down to 2, with stage 2 merging; 1, stage 1 merging the prefix's columns into the
 output itself), prefix splits and item sizes, the suffix alone (plain decode over the suffix
 tokens, the prefix stage's work left out), the prefix stage alone (items only, empty
-suffixes), and the prefix stage on a second CUDA stream beside stage 1. Prints µs per layer
-and the TB/s of the bytes the floor counts (each suffix's K/V, the prefix's once); then a
-plain W1-like batch (100-2048 tokens, no prefix) by split count.
+suffixes), and stage 1 in the short suffixes' tile. Prints µs per layer and the TB/s of the
+bytes the floor counts (each suffix's K/V, the prefix's once); then a plain W1-like batch
+(100-2048 tokens, no prefix) by split count.
 
     python -m bench.prefix_decode [--batch 1000 512 256] [--hq 16] [--prefix 2000]
     python -m bench.prefix_decode --tiles   # stage 1's (tokens per tile, stages, warps)
@@ -29,7 +29,11 @@ import kernels.shared_prefix_attention as spa
 from bench.decode_splits import case as mixed_case
 from bench.decode_splits import graph_time
 from kernels.decode_attention import decode_attention
-from kernels.shared_prefix_attention import prefix_item_size, shared_prefix_decode_attention
+from kernels.shared_prefix_attention import (
+    SHORT_SUFFIX_TILE,
+    prefix_item_size,
+    shared_prefix_decode_attention,
+)
 
 PAGE = 16  # the engine's page size: slots of a request come in runs of 16
 
@@ -226,8 +230,6 @@ def main(argv: list[str] | None = None) -> None:
         for b in a.batch
     ]  # items of twice the rows (the kernel takes the item size from their shape)
 
-    side = torch.cuda.Stream()  # the prefix stage's, where a variant forks it off
-
     def case_index(s: dict) -> int:
         return next(i for i, c in enumerate(cases) if c[0] is s)
 
@@ -251,18 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         "1 split, stage 1 writes the output": lambda s, o: shared_prefix_decode_attention(
             **s, num_kv_splits=1
         ),
-        **{
-            f"prefix stage on a second stream, {n} split(s) + stage 2": lambda s, o, n=n: (
-                shared_prefix_decode_attention(**s, num_kv_splits=n, prefix_stream=side)
-            )
-            for n in (1, 2)
-        },
-        "the same, 1 split, stage 1 in 16-token tiles, 1 warp": lambda s, o: with_tile(
-            (16, 2, 1),
-            lambda: shared_prefix_decode_attention(**s, num_kv_splits=1, prefix_stream=side),
-        ),
-        "1 split, stage 1 in 16-token tiles, 1 warp (one stream)": lambda s, o: with_tile(
-            (16, 2, 1), lambda: shared_prefix_decode_attention(**s, num_kv_splits=1)
+        "stage 1 in the short suffixes' tile (SHORT_SUFFIX_TILE)": lambda s, o: (
+            shared_prefix_decode_attention(**s, suffix_tile=SHORT_SUFFIX_TILE)
         ),
         "suffix alone, graph launch": lambda s, o: decode_attention(**o),
         "suffix alone, 1 split": lambda s, o: decode_attention(**o, num_kv_splits=1),

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.extend_attention import _LOG2E, check_fp8_products, extend_tiles
+from kernels.extend_attention import _LOG2E, FP8_MIN_K, check_fp8_products, extend_tiles
 from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid
 
 
@@ -258,8 +258,10 @@ def prefill_attention(
         return out
     bm, bn, warps, stages = _default_blocks(head_dim, q.dtype, q.device)
     bm, bn = block_m or bm, block_n or bn
-    assert bm % bn == 0, "the diagonal starts on a key tile"
     check_fp8_products(fp8, head_dim)
+    if fp8 == "qk_pv":
+        bn = max(bn, FP8_MIN_K)  # p.v's K is the key tile
+    assert bm % bn == 0, "the diagonal starts on a key tile"
     if tiles is None:
         lens = extend_lens.tolist()
         tiles = torch.from_numpy(extend_tiles(lens, lens, bm)).to(q.device)

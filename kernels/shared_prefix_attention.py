@@ -32,9 +32,6 @@ with extra split columns:
   in one launch, so the prefix's tensor-core work would run beside the suffixes' reads, took
   278 us a layer against 204 for two launches; a one-pass kernel (one program per work item
   and kv head walking the prefix, then each member's suffix) took 245 at best.
-* With ``prefix_stream`` the prefix stage runs on a second CUDA stream beside stage 1 (then
-  stage 2 merges), so the hardware may run the prefix's tensor-core work while the suffixes'
-  reads are in flight; bench/prefix_decode.py times it against the one-stream launch.
 
 Scratch: ``mid_o`` float32 ``[B, Hq, num_kv_splits + prefix_splits, D]``, ``mid_lse`` float32
 ``[B, Hq, num_kv_splits + prefix_splits]`` (with one suffix split, ``prefix_splits`` columns). Nothing marks an empty split: a column is written
@@ -121,10 +118,11 @@ _PREFIX_NUM_STAGES = 3
 _PREFIX_NUM_WARPS = 4
 # Stage 1's (tokens per tile, stages, warps) for batches whose suffixes are all short (the
 # caller's ``suffix_tile``; engine/attention/triton_backend.py says when). A short suffix's
-# program is a chain of a few dependent loads: 16-token tiles in 1 warp hold 16 KB of shared
-# memory, not 96, so more run on an SM. The pair on an H200 (2026-11-29, bf16, suffixes
-# 50-114): 165 µs a layer at B=1000 against 187 (bench/prefix_decode.py), a decode step 7.49
-# ms against 8.04 (bench.profile_w1); on W1's plain batches (100-2048 tokens) 8% slower.
+# program is a chain of a few dependent loads: 16-token tiles in 1 warp take 8 KB of shared
+# memory against the default's 22 KB (scripts/compile_sm90.py), so more run on an SM. The pair
+# on an H200 (2026-11-29, bf16, suffixes 50-114): 165 µs a layer at B=1000 against 187
+# (bench/prefix_decode.py), a decode step 7.49 ms against 8.04 (bench.profile_w1); on W1's
+# plain batches (100-2048 tokens) 8% slower.
 SHORT_SUFFIX_TILE = (16, 2, 1)
 
 
@@ -231,7 +229,6 @@ def shared_prefix_decode_attention(
     prefix_splits: int | None = None,
     kv_scales: torch.Tensor | None = None,
     min_split_tokens: int | None = None,
-    prefix_stream: torch.cuda.Stream | None = None,
     suffix_tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """decode_attention with shared prefixes read once per work item; [B, Hq, D] in q.dtype.
@@ -261,12 +258,9 @@ def shared_prefix_decode_attention(
     None is ``_PREFIX_SPLITS`` slices of at least ``_PREFIX_MIN_SPLIT_TOKENS`` tokens, a
     number is exactly that many (tile-aligned, no floor). ``kv_scales``: a float8 cache's
     float32 [2] (k_scale, v_scale), as in decode_attention; both stages fold them in alike.
-    ``prefix_stream`` (a CUDA stream): the prefix stage runs there, beside stage 1 on the
-    current stream, and stage 2 merges both once the current stream has waited for it (so
-    even one suffix split goes through stage 2). Under graph capture that is a fork and a
-    join in the graph. ``suffix_tile`` (tokens per tile, stages, warps), e.g.
-    SHORT_SUFFIX_TILE: stage 1's launch settings instead of decode_attention's, for a cache of
-    q's dtype in rows (a float8 or grouped cache keeps its own: ValueError).
+    ``suffix_tile`` (tokens per tile, stages, warps), e.g. SHORT_SUFFIX_TILE: stage 1's launch
+    settings instead of decode_attention's, for a cache of q's dtype in rows (a float8 or
+    grouped cache keeps its own: ValueError).
     """
     q, k_buffer, v_buffer, req_to_token, out = _check_and_prepare(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out
@@ -311,16 +305,16 @@ def shared_prefix_decode_attention(
 
     # one suffix split: the prefix stage first, then stage 1 merges its columns [0,
     # prefix_splits) into the output (FINAL); else the suffix splits' columns come first
-    side = prefix_stream if num_items > 0 else None
-    final = num_kv_splits == 1 and side is None
+    final = num_kv_splits == 1
     split_base = 0 if final else num_kv_splits
     num_cols = split_base + prefix_splits
     mid_o = torch.empty((B, Hq, num_cols, D), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((B, Hq, num_cols), dtype=torch.float32, device=q.device)
     args = (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, prefix_lens)
     args += (mid_o, mid_lse, scaling, num_kv_splits, min_split_len, stage1, scales)
-
-    def prefix_stage() -> None:
+    if not final:
+        _launch_stage1(*args)
+    if num_items > 0:
         _prefix_stage[(num_items, Hkv, prefix_splits)](
             q,
             k_buffer,
@@ -360,20 +354,6 @@ def shared_prefix_decode_attention(
             num_warps=_PREFIX_NUM_WARPS * (1 if BLOCK_M <= 64 else 2),
             num_stages=prefix_stages,
         )
-
-    if side is not None:
-        # NOTE: the two stages write disjoint scratch columns and read only inputs that the
-        # current stream has made, so once the side stream has waited for it they may overlap
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            prefix_stage()
-        _launch_stage1(*args)
-        torch.cuda.current_stream().wait_stream(side)
-    else:
-        if not final:
-            _launch_stage1(*args)
-        if num_items > 0:
-            prefix_stage()
     if final:
         _launch_stage1(
             *args,

@@ -13,7 +13,7 @@ Under CUDA graphs the grouped kernel is what the graphs capture, reading its wor
 static buffers that every replay fills (all-zero items and lengths when a batch has no
 groups: the prefix stage then does nothing). With `_SHORT_SUFFIX_GRAPHS` each size has a
 second graph (decode_graph_kinds, graph_kind) whose stage 1 walks the suffixes in short tiles,
-for batches that are all groups and short suffixes; eager batches choose the tile alike.
+for batches with groups whose suffixes are all short; eager batches choose the tile alike.
 
 Extend (prefill) attention runs two kernels over two tile tables planned on the host
 (kernels/extend_attention.py: `extend_tiles`), shipped with the batch's extend lengths and query
@@ -70,13 +70,8 @@ from kernels.verify_attention import verify_attention
 if TYPE_CHECKING:
     from engine.memory.kv_pool import KVPool
 
-# Decode with groups forks each layer's prefix stage onto a second stream beside stage 1
-# (shared_prefix_decode_attention's prefix_stream). Off until a GPU times it: bench.prefix_decode
-# for one layer, `bench.profile_w1 --set engine.attention.triton_backend._PREFIX_STREAM=True`
-# for the pair's steps.
-_PREFIX_STREAM = False
-# Decode graphs of a second kind (decode_graph_kinds) for batches in which every request is in a
-# shared-prefix group with at most _SHORT_SUFFIX_TOKENS tokens of its own: stage 1 in
+# Decode graphs of a second kind (decode_graph_kinds) for batches with shared-prefix groups in
+# which no request has more than _SHORT_SUFFIX_TOKENS tokens beyond its group's prefix: stage 1 in
 # kernels/shared_prefix_attention.py's SHORT_SUFFIX_TILE, which the pair's steps want and W1's
 # plain batches do not (that module's note). Over a cache of the model's dtype only (the tile is
 # measured there). Off until a GPU times it: twice the decode graphs to capture, and
@@ -139,11 +134,6 @@ class TritonAttnBackend(AttentionBackend):
         self.graph_verify_shape = (0, 0, 0)  # (R, N, Q): most requests, tokens, and a request's
         self.graph_max_requests = 0
         self.shared_prefix = shared_prefix
-        self.prefix_stream = (
-            torch.cuda.Stream(device)
-            if shared_prefix and _PREFIX_STREAM and device.type == "cuda"
-            else None
-        )
         self.item_size = prefix_item_size(attn.num_heads // attn.num_kv_heads)
         # this batch's (prefix_lens [B], prefix_items [I, 2 + item_size]), or None: plain decode
         self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -198,11 +188,8 @@ class TritonAttnBackend(AttentionBackend):
             flat = to_device(host, torch.int64, batch.seq_lens.device)
             self.prefix = self._split(flat, batch.batch_size)
             # the suffixes are what the per-request splits walk
-            prefix_of = {m: g.length for g in groups for m in g.members}
-            self.max_seq_len = max(
-                n - prefix_of.get(i, 0) for i, n in enumerate(batch.seq_lens_cpu)
-            )
-            if self.graph_kind(batch) == 1:
+            self.max_seq_len = _longest_suffix(batch)
+            if self._short_suffixes(batch, self.max_seq_len):
                 self.suffix_tile = SHORT_SUFFIX_TILE
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -213,18 +200,21 @@ class TritonAttnBackend(AttentionBackend):
         return 2 if on and self._rows_of_model_dtype(kv_pool) else 1
 
     def graph_kind(self, batch: ForwardBatch) -> int:
-        """1 when _SHORT_SUFFIX_GRAPHS is on, the cache holds the model's dtype and every
-        request of the decode batch is in a shared-prefix group with at most
-        _SHORT_SUFFIX_TOKENS tokens of its own, else 0. O(batch)."""
-        groups, lens = batch.shared_prefixes, batch.seq_lens_cpu
-        if not (groups and _SHORT_SUFFIX_GRAPHS and lens is not None):
-            return 0
+        """1 for a batch of short suffixes (_short_suffixes), else 0. O(batch)."""
+        return int(self._short_suffixes(batch))
+
+    def _short_suffixes(self, batch: ForwardBatch, longest: int | None = None) -> bool:
+        """With _SHORT_SUFFIX_GRAPHS, over a cache of the model's dtype: does a decode batch
+        with groups read at most _SHORT_SUFFIX_TOKENS of each request's tokens apart from its
+        group's prefix (a request outside the groups: its whole sequence)? `longest`: that
+        count if known (_longest_suffix)."""
+        if not (_SHORT_SUFFIX_GRAPHS and batch.shared_prefixes and batch.seq_lens_cpu):
+            return False
         if not self._rows_of_model_dtype(batch.kv_pool):
-            return 0
-        if sum(len(g.members) for g in groups) < len(lens):
-            return 0  # a request outside the groups reads its whole sequence as a suffix
-        longest = max(lens[m] - g.length for g in groups for m in g.members)
-        return int(longest <= _SHORT_SUFFIX_TOKENS)
+            return False
+        if longest is None:
+            longest = _longest_suffix(batch)
+        return longest <= _SHORT_SUFFIX_TOKENS
 
     def _rows_of_model_dtype(self, kv_pool: KVPool) -> bool:
         """The cache SHORT_SUFFIX_TILE is for: the model's dtype, V in rows."""
@@ -323,7 +313,7 @@ class TritonAttnBackend(AttentionBackend):
             return shared_prefix_decode_attention(
                 q, k, v, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 layer.scaling, prefix_lens, prefix_items, max_seq_len=self.max_seq_len,
-                kv_scales=scales, prefix_stream=self.prefix_stream, suffix_tile=self.suffix_tile,
+                kv_scales=scales, suffix_tile=self.suffix_tile,
             )  # fmt: skip
         return decode_attention(
             q, k, v, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, layer.scaling,
@@ -439,3 +429,10 @@ class TritonAttnBackend(AttentionBackend):
 
     def _split(self, flat: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         return flat[:bs], flat[bs:].view(-1, 2 + self.item_size)
+
+
+def _longest_suffix(batch: ForwardBatch) -> int:
+    """The most tokens a request of the decode batch has beyond its group's shared prefix (a
+    request in no group: its whole length). O(batch)."""
+    prefix_of = {m: g.length for g in batch.shared_prefixes for m in g.members}
+    return max(n - prefix_of.get(i, 0) for i, n in enumerate(batch.seq_lens_cpu))

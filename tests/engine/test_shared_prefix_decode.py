@@ -100,11 +100,11 @@ def test_grouped_decode_equals_plain_decode_and_transformers(llama_dir, refs, mo
 
 
 def test_short_suffix_graphs_take_the_batches_of_short_suffixes(llama_dir, refs, monkeypatch):
-    """_SHORT_SUFFIX_GRAPHS: a decode batch whose requests are all grouped, each with at most
-    _SHORT_SUFFIX_TOKENS of its own, runs stage 1 in SHORT_SUFFIX_TILE (eagerly here; on a GPU
-    the graphs of kind graph_kind(batch)), and the tokens stay transformers'. A request
-    outside the groups, a longer suffix, a float8 cache or the setting off keep
-    decode_attention's tile."""
+    """_SHORT_SUFFIX_GRAPHS: a decode batch with groups in which no request has more than
+    _SHORT_SUFFIX_TOKENS beyond its group's prefix runs stage 1 in SHORT_SUFFIX_TILE (eagerly
+    here; on a GPU the graphs of kind graph_kind(batch)), and the tokens stay transformers'. A
+    longer suffix (a request outside the groups counts whole), a float8 cache or the setting
+    off keep decode_attention's tile."""
     monkeypatch.setattr(triton_backend, "_SHORT_SUFFIX_GRAPHS", True)
     first, _ = few_shot_prompts()
     grouped = core(llama_dir)
@@ -129,6 +129,7 @@ def test_short_suffix_graphs_take_the_batches_of_short_suffixes(llama_dir, refs,
     assert kind([228, 168, 101]) == 1  # suffixes of 128, 128 and 1 tokens
     assert kind([229, 168, 101]) == 0
     assert kind([228, 168, 101], groups=groups[:1]) == 0  # request 1 reads all 168 as a suffix
+    assert kind([228, 128, 101], groups=groups[:1]) == 1  # ...or all of its 128
     float8 = SimpleNamespace(k_buffers=[pool.k_buffers[0].to(torch.float8_e4m3fn)])
     float8.v_buffers = [pool.v_buffers[0].to(torch.float8_e4m3fn)]
     assert kind([228, 168, 101], kv_pool=float8) == 0
@@ -271,21 +272,6 @@ def test_gpu_grouped_decode_equals_cpu_reference(llama_dir, flags):
     assert state["shared_prefix_steps"] > 0, "no decode step read a shared prefix"
     for i, (out, ref) in enumerate(zip(outs, reference)):
         assert out["output_ids"] == ref, f"prompt {i}"
-
-
-@pytest.mark.gpu
-def test_gpu_grouped_decode_with_the_prefix_stage_on_its_own_stream(llama_dir, monkeypatch):
-    """The backend's prefix stream (triton_backend._PREFIX_STREAM): each layer's prefix stage
-    forked beside stage 1 and joined for stage 2, in the decode graphs; greedy tokens equal
-    the CPU reference's. In this process, so the setting reaches the scheduler."""
-    monkeypatch.setattr(triton_backend, "_PREFIX_STREAM", True)
-    prompts, params = two_instructions(seed=33)
-    args = {"dtype": "float32", "max_total_tokens": 16384}
-    reference = InProcessCore(llama_dir, **args).run(prompts, params)
-    gpu = InProcessCore(llama_dir, device="cuda", attention_backend="triton", **args)
-    assert gpu.scheduler.runner.attn_backend.prefix_stream is not None
-    assert gpu.run(prompts, params) == reference
-    assert gpu.scheduler.stats.shared_prefix_steps > 0, "no decode step read a shared prefix"
 
 
 @pytest.mark.gpu

@@ -398,15 +398,14 @@ def test_gpu_cuda_graph_replay_and_bandwidth():
         lambda: shared_prefix_decode_attention(**static, out=out_one, num_kv_splits=1)
     )
     assert rel_err(out_one, decode_attention_ref(**plain(batch))) < TOL_16BIT
-    # ...and the prefix stage on a stream of its own beside stage 1 (a fork and a join)
-    side = torch.cuda.Stream()
-    out_side = torch.empty_like(out)
-    graph_side, _ = _graph(
+    # ...and stage 1 in the short suffixes' tile (the triton backend's second graph kind)
+    out_short = torch.empty_like(out)
+    graph_short, _ = _graph(
         lambda: shared_prefix_decode_attention(
-            **static, out=out_side, num_kv_splits=1, prefix_stream=side
+            **static, out=out_short, suffix_tile=SHORT_SUFFIX_TILE
         )
     )
-    assert rel_err(out_side, decode_attention_ref(**plain(batch))) < TOL_16BIT
+    assert rel_err(out_short, decode_attention_ref(**plain(batch))) < TOL_16BIT
     out_plain = torch.empty_like(out)
     _, t_plain = _graph(lambda: decode_attention(**plain(static), out=out_plain))
 
@@ -436,7 +435,7 @@ def test_gpu_cuda_graph_replay_and_bandwidth():
     ]:
         assert static[name].shape == new[name].shape, name
         static[name].copy_(new[name])
-    for g, o in ((graph, out), (graph_one, out_one), (graph_side, out_side)):
+    for g, o in ((graph, out), (graph_one, out_one), (graph_short, out_short)):
         o.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
