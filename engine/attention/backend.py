@@ -43,9 +43,11 @@ class AttentionBackend(ABC):
 
     # NOTE: the decode CUDA graphs (engine/runner/cuda_graph.py) call these around capture and
     # replay; a backend whose kernels read only tensors (triton) needs neither init_graph_*.
-    def decode_graph_kinds(self, kv_pool: KVPool) -> int:
-        """How many decode graphs each batch size gets over `kv_pool`: kinds 0 .. n-1, captured
-        with different kernels, of which graph_kind picks one for each batch."""
+    def decode_graph_kinds(self, kv_pool: KVPool, bs: int) -> int:
+        """How many decode graphs batch size `bs` gets over `kv_pool`: kinds 0 .. n-1, captured
+        with different kernels, of which graph_kind picks one for each batch.
+        NOTE: graph_kind(batch) < decode_graph_kinds(kv_pool, s) for every size s >= the
+        batch's: a batch replays the graph of its padded size and its kind."""
         return 1
 
     def graph_kind(self, batch: ForwardBatch) -> int:

@@ -11,9 +11,9 @@ is read once per work item of up to `item_size` members, each request's own suff
 and the two are merged by log-sum-exp. The result is the same attention as without groups.
 Under CUDA graphs the grouped kernel is what the graphs capture, reading its work items from
 static buffers that every replay fills (all-zero items and lengths when a batch has no
-groups: the prefix stage then does nothing). With `_SHORT_SUFFIX_GRAPHS` each size has a
+groups: the prefix stage then does nothing). With `_SHORT_SUFFIX_GRAPHS` each large size has a
 second graph (decode_graph_kinds, graph_kind) whose stage 1 walks the suffixes in short tiles,
-for batches with groups whose suffixes are all short; eager batches choose the tile alike.
+for large batches with groups whose suffixes are all short; eager batches choose the tile alike.
 
 Extend (prefill) attention runs two kernels over two tile tables planned on the host
 (kernels/extend_attention.py: `extend_tiles`), shipped with the batch's extend lengths and query
@@ -76,8 +76,12 @@ if TYPE_CHECKING:
 # plain batches do not (that module's note). Over a cache of the model's dtype only (the tile is
 # measured there). On an H200 (`gpu_session.sh prefix-variants`) the pair's decode steps went
 # from 8.08 to 7.51 ms with it and W1's plain steps did not move; the second kind costs start-up
-# its capture (32 more graphs, about 2 s).
+# its capture (about 70 ms a graph).
 _SHORT_SUFFIX_GRAPHS = True
+# ...for batches of at least this many requests: one layer of the pair's decode at 1000 requests
+# took 165.5 µs with the short tile against 186.8, at 512 99.8 against 109.4, at 256 70.6 against
+# 69.4 (`gpu_session.sh prefix-decode`, H200). 7 sizes of 32 then get the second graph.
+_SHORT_SUFFIX_MIN_BATCH = 384
 # ...the pair's suffixes are 50-114 tokens (50 of its own, up to 64 generated)
 _SHORT_SUFFIX_TOKENS = 128
 
@@ -193,10 +197,11 @@ class TritonAttnBackend(AttentionBackend):
                 self.suffix_tile = SHORT_SUFFIX_TILE
 
     # ------------------------------------------------------------------ CUDA graphs
-    def decode_graph_kinds(self, kv_pool: KVPool) -> int:
-        """2 with _SHORT_SUFFIX_GRAPHS over a cache of the model's dtype: kind 1 runs stage 1
-        in SHORT_SUFFIX_TILE (graph_kind), kind 0 as decode_attention tiles it."""
-        on = self.shared_prefix and _SHORT_SUFFIX_GRAPHS
+    def decode_graph_kinds(self, kv_pool: KVPool, bs: int) -> int:
+        """2 with _SHORT_SUFFIX_GRAPHS from _SHORT_SUFFIX_MIN_BATCH requests, over a cache of
+        the model's dtype: kind 1 runs stage 1 in SHORT_SUFFIX_TILE (graph_kind), kind 0 as
+        decode_attention tiles it."""
+        on = self.shared_prefix and _SHORT_SUFFIX_GRAPHS and bs >= _SHORT_SUFFIX_MIN_BATCH
         return 2 if on and self._rows_of_model_dtype(kv_pool) else 1
 
     def graph_kind(self, batch: ForwardBatch) -> int:
@@ -205,10 +210,13 @@ class TritonAttnBackend(AttentionBackend):
 
     def _short_suffixes(self, batch: ForwardBatch, longest: int | None = None) -> bool:
         """With _SHORT_SUFFIX_GRAPHS, over a cache of the model's dtype: does a decode batch
-        with groups read at most _SHORT_SUFFIX_TOKENS of each request's tokens apart from its
-        group's prefix (a request outside the groups: its whole sequence)? `longest`: that
-        count if known (_longest_suffix)."""
-        if not (_SHORT_SUFFIX_GRAPHS and batch.shared_prefixes and batch.seq_lens_cpu):
+        of at least _SHORT_SUFFIX_MIN_BATCH requests with groups read at most
+        _SHORT_SUFFIX_TOKENS of each request's tokens apart from its group's prefix (a request
+        outside the groups: its whole sequence)? `longest`: that count if known
+        (_longest_suffix)."""
+        if not (_SHORT_SUFFIX_GRAPHS and batch.shared_prefixes):
+            return False
+        if batch.seq_lens_cpu is None or len(batch.seq_lens_cpu) < _SHORT_SUFFIX_MIN_BATCH:
             return False
         if not self._rows_of_model_dtype(batch.kv_pool):
             return False

@@ -98,9 +98,8 @@ class DecodeCudaGraphs:
         self.max_bs = max_bs
         self.device = device = req_to_token.table.device
         self.logits = torch.empty((max_bs, vocab_size), dtype=dtype, device=device)
-        # graphs of several kinds per size where the backend's kernels differ by batch (its
-        # graph_kind: the triton backend's short-suffix tile), else one
-        self.kinds = backend.decode_graph_kinds(kv_pool)
+        # keyed (size, kind): several kinds at a size where the backend's kernels differ by batch
+        # (its graph_kind: the triton backend's short-suffix tile), else kind 0 alone
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._capture_all(pool)
 
@@ -118,8 +117,7 @@ class DecodeCudaGraphs:
         # NOTE: the builder wrote the batch (and its padding) into the graph's own inputs
         assert batch.packed.stride(0) == padded
         self.backend.init_graph_replay(batch, padded, static)
-        kind = self.backend.graph_kind(batch) if self.kinds > 1 else 0
-        self.graphs[padded, kind].replay()
+        self.graphs[padded, self.backend.graph_kind(batch)].replay()
         # NOTE: a view of the shared buffer: valid until the next replay (the scheduler samples
         # from it first; device work runs in launch order)
         return self.logits[:bs]
@@ -129,15 +127,14 @@ class DecodeCudaGraphs:
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         logger.info(
-            "capturing CUDA graphs for decode: %d batch sizes up to %d, %d kind(s)",
+            "capturing CUDA graphs for decode: %d batch sizes up to %d",
             len(self.sizes),
             self.max_bs,
-            self.kinds,
         )
         stream = torch.cuda.Stream(self.device)
         # largest first: later, smaller graphs reuse the memory pool the first one grew
         for i, bs in enumerate(reversed(self.sizes)):
-            for kind in range(self.kinds):
+            for kind in range(self.backend.decode_graph_kinds(self.kv_pool, bs)):
                 self.graphs[bs, kind] = self._capture(bs, kind, pool, stream)
             logger.debug("captured decode graph %d/%d (batch size %d)", i + 1, len(self.sizes), bs)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]

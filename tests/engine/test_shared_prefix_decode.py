@@ -11,6 +11,7 @@ import torch
 import engine.attention.triton_backend as triton_backend
 import engine.scheduler.prefix_grouping as prefix_grouping
 from engine.batch.prefix_groups import SharedPrefix
+from engine.runner.cuda_graph import capture_sizes
 from kernels.shared_prefix_attention import SHORT_SUFFIX_TILE
 from tests.engine.core import InProcessCore
 from tests.tiny_models import (
@@ -103,9 +104,11 @@ def test_short_suffix_graphs_take_the_batches_of_short_suffixes(llama_dir, refs,
     """_SHORT_SUFFIX_GRAPHS: a decode batch with groups in which no request has more than
     _SHORT_SUFFIX_TOKENS beyond its group's prefix runs stage 1 in SHORT_SUFFIX_TILE (eagerly
     here; on a GPU the graphs of kind graph_kind(batch)), and the tokens stay transformers'. A
-    longer suffix (a request outside the groups counts whole), a float8 cache or the setting
-    off keep decode_attention's tile."""
+    longer suffix (a request outside the groups counts whole), a batch under
+    _SHORT_SUFFIX_MIN_BATCH, a float8 cache or the setting off keep decode_attention's tile; a
+    graph of kind 1 exists at every size a kind-1 batch pads to."""
     monkeypatch.setattr(triton_backend, "_SHORT_SUFFIX_GRAPHS", True)
+    monkeypatch.setattr(triton_backend, "_SHORT_SUFFIX_MIN_BATCH", 1)
     first, _ = few_shot_prompts()
     grouped = core(llama_dir)
     tiles = []
@@ -119,7 +122,7 @@ def test_short_suffix_graphs_take_the_batches_of_short_suffixes(llama_dir, refs,
     assert SHORT_SUFFIX_TILE in tiles
 
     backend, pool = grouped.scheduler.runner.attn_backend, grouped.scheduler.runner.kv_pool
-    assert backend.decode_graph_kinds(pool) == 2
+    assert backend.decode_graph_kinds(pool, 1) == 2
     groups = [SharedPrefix(100, [0, 2], 1), SharedPrefix(40, [1], 3)]
 
     def kind(lens, groups=groups, kv_pool=pool):
@@ -133,9 +136,18 @@ def test_short_suffix_graphs_take_the_batches_of_short_suffixes(llama_dir, refs,
     float8 = SimpleNamespace(k_buffers=[pool.k_buffers[0].to(torch.float8_e4m3fn)])
     float8.v_buffers = [pool.v_buffers[0].to(torch.float8_e4m3fn)]
     assert kind([228, 168, 101], kv_pool=float8) == 0
-    assert backend.decode_graph_kinds(float8) == 1
+    assert backend.decode_graph_kinds(float8, 1) == 1
+
+    monkeypatch.setattr(triton_backend, "_SHORT_SUFFIX_MIN_BATCH", 384)
+    wide = [SharedPrefix(100, list(range(1024)), 1)]  # suffixes of 128 tokens
+    assert kind([228] * 383, groups=wide) == 0 and kind([228] * 384, groups=wide) == 1
+    sizes = capture_sizes(1024)
+    for bs in range(1, 1025):  # the size a batch replays has its kind's graph (the NOTE)
+        padded = next(s for s in sizes if s >= bs)
+        assert kind([228] * bs, groups=wide) < backend.decode_graph_kinds(pool, padded)
+    assert [backend.decode_graph_kinds(pool, s) for s in (320, 384, 1024)] == [1, 2, 2]
     monkeypatch.setattr(triton_backend, "_SHORT_SUFFIX_GRAPHS", False)
-    assert kind([228, 168, 101]) == 0 and backend.decode_graph_kinds(pool) == 1
+    assert kind([228] * 384, groups=wide) == 0 and backend.decode_graph_kinds(pool, 1024) == 1
 
 
 def test_grouped_decode_under_retraction(llama_dir, refs, monkeypatch):
@@ -276,17 +288,18 @@ def test_gpu_grouped_decode_equals_cpu_reference(llama_dir, flags):
 
 @pytest.mark.gpu
 def test_gpu_short_suffix_graphs_equal_cpu_reference(llama_dir, monkeypatch):
-    """_SHORT_SUFFIX_GRAPHS on the GPU: both kinds of decode graph captured at every size, the
-    grouped batches (suffixes of up to 50 tokens) replaying kind 1; greedy tokens equal the
-    CPU reference's. In this process, so the setting reaches the scheduler."""
+    """_SHORT_SUFFIX_GRAPHS on the GPU: both kinds of decode graph captured at every size (the
+    minimum batch lowered to 1), the grouped batches (suffixes of up to 50 tokens) replaying
+    kind 1; greedy tokens equal the CPU reference's. In this process, so the settings reach
+    the scheduler."""
     monkeypatch.setattr(triton_backend, "_SHORT_SUFFIX_GRAPHS", True)
+    monkeypatch.setattr(triton_backend, "_SHORT_SUFFIX_MIN_BATCH", 1)
     prompts, params = two_instructions(seed=35)
     args = {"dtype": "float32", "max_total_tokens": 16384}
     reference = InProcessCore(llama_dir, **args).run(prompts, params)
     gpu = InProcessCore(llama_dir, device="cuda", attention_backend="triton", **args)
     graphs = gpu.scheduler.runner.graphs
-    assert graphs is not None and graphs.kinds == 2
-    assert len(graphs.graphs) == 2 * len(graphs.sizes)
+    assert graphs is not None and len(graphs.graphs) == 2 * len(graphs.sizes)
     kinds = []
     real = graphs.backend.graph_kind
     monkeypatch.setattr(graphs.backend, "graph_kind", lambda b: kinds.append(real(b)) or kinds[-1])
