@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _CONTROL_TIMEOUT_S = 60.0
-_PEER_DEATH_GRACE_S = 2.0
+_PEER_DEATH_GRACE_S = 5.0
 
 
 class TokenizerManager:
@@ -347,8 +347,10 @@ class TokenizerManager:
         """A peer of `reporter` that died, if one did: then the reporter's error (a collective
         that lost its peer) is only the consequence. NOTE: a killed peer closes its sockets
         before the kernel reports its exit, so the report can come first: wait a moment (up to
-        _PEER_DEATH_GRACE_S: 0.5 s was too short on a loaded 2-core machine, where a killed
-        tensor-parallel rank's exit showed after its leader's and the error named the leader)."""
+        _PEER_DEATH_GRACE_S: 0.5 s and then 2 s were too short on a loaded 2-core machine, where
+        a killed tensor-parallel rank's exit showed after its leader's and the error named the
+        leader; the wait ends as soon as a peer's exit shows, so only a failure of the reporter
+        alone waits it out)."""
         peers = [name for name in group if name != reporter.name]
         deadline = time.monotonic() + (_PEER_DEATH_GRACE_S if peers else 0)
         while True:
