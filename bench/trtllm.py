@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
                 "ratio": tok_s / published[column or "H100"],
                 "fraction of floor": (decode + prefill) / result["wall"],
             })  # fmt: skip
-            print(f"{isl}/{osl}: {n} requests in {result['wall']:.1f} s", flush=True)
+            # each shape's line as it ends: a call stopped by its time limit keeps what ran
+            r = rows[-1]
+            print(f"{isl}/{osl}: {n} requests in {r['wall']:.1f} s, {tok_s:,.0f} out tok/s, "
+                  f"ratio {r['ratio']:.2f}, {r['fraction of floor']:.2f} of the floor", flush=True)  # fmt: skip
     finally:
         engine.shutdown()
 
