@@ -11,7 +11,8 @@ one program a row walks it twice in blocks, first for the row's largest magnitud
 it quantized per token (kernels/fp8.py) with its scale, each product rounded to x's dtype as the
 16-bit kernel rounds it. That is the bytes of quantize_per_token(silu_and_mul(x)) without
 writing and twice reading the 16-bit row: the second walk reads the row again from L2, where the
-first left it moments before.
+first left it moments before. With a static scale (a checkpoint's input_scale) there is no
+largest magnitude to find: one walk, the bytes of quantize_static(silu_and_mul(x), scale).
 """
 
 from __future__ import annotations
@@ -61,22 +62,27 @@ def _silu_and_mul_fp8_kernel(
     x_ptr,
     out_ptr,
     scale_ptr,
+    static_ptr,  # float32 [1] with STATIC, else unused
     x_row_stride,
     inter,
+    STATIC: tl.constexpr,
     BLOCK: tl.constexpr,
     HW_CAST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, inter, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < inter
-        amax = tl.maximum(
-            amax, tl.where(mask, tl.abs(_silu_mul_block(x_row, cols, mask, inter)), 0.0)
-        )
-    scale = fp8_scale(tl.max(amax, axis=0))  # over the whole row, as fp8_row's
-    tl.store(scale_ptr + row, scale)
+    if STATIC:
+        scale = tl.load(static_ptr)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, inter, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < inter
+            amax = tl.maximum(
+                amax, tl.where(mask, tl.abs(_silu_mul_block(x_row, cols, mask, inter)), 0.0)
+            )
+        scale = fp8_scale(tl.max(amax, axis=0))  # over the whole row, as fp8_row's
+        tl.store(scale_ptr + row, scale)
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -106,9 +112,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_fp8(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., 2I] -> silu(gate) * up quantized per token: float8_e4m3fn [rows, I] and float32
-    scales [rows, 1], out ≈ float8 * scale."""
+    scales [rows, 1], out ≈ float8 * scale; with `static_scale` (float32, 1 element) quantized
+    with that one, expanded to [rows, 1]."""
     x2, inter = _rows(x)
     rows = x2.shape[0]
     out = _empty((rows, inter), dtype=FP8, device=x.device)
@@ -119,12 +128,16 @@ def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             x2,
             out,
             scale,
+            static_scale if static_scale is not None else scale,
             x2.stride(0),
             inter,
+            STATIC=static_scale is not None,
             BLOCK=block,
             HW_CAST=fp8_hw_cast(x.device),
             num_warps=_FP8_WARPS,
         )
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1, 1).expand(rows, 1)
     return out, scale
 
 

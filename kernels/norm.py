@@ -13,6 +13,8 @@ With ``fp8=True`` the output is the input of an FP8 matmul (engine/quantization/
 program, which holds the whole row, quantizes it per token as kernels/fp8.py does, and writes
 float8 and one scale per row instead of a 16-bit row that a separate pass would read twice.
 It rounds the row to x's dtype first, so the bytes are those of quantize_per_token(rmsnorm(x)).
+With ``static_scale`` (a checkpoint's input_scale) it divides by that one scale instead: the
+bytes of quantize_static(rmsnorm(x), static_scale), and no scale per row is computed or written.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, fp8_hw_cast, fp8_row
+from kernels.fp8 import FP8, fp8_hw_cast, fp8_row, on_fp8_grid
 
 # Output allocator (tests swap in a NaN-filled one to catch elements a kernel fails to write).
 _empty = torch.empty
@@ -37,12 +39,14 @@ def _rmsnorm_kernel(
     out_ptr,
     res_out_ptr,
     scale_ptr,  # float32 [rows] with FP8_OUT, else unused
+    static_ptr,  # float32 [1] with STATIC, else unused
     x_row_stride,
     res_row_stride,
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     FP8_OUT: tl.constexpr,
+    STATIC: tl.constexpr,
     BLOCK: tl.constexpr,
     HW_CAST: tl.constexpr,
 ):
@@ -62,8 +66,12 @@ def _rmsnorm_kernel(
     out = w.to(tl.float32) * normed.to(tl.float32)
     if FP8_OUT:
         # the 16-bit row the unfused path would quantize (x's dtype: the caller checks weight's)
-        out, scale = fp8_row(out.to(x_ptr.dtype.element_ty).to(tl.float32), mask, HW_CAST)
-        tl.store(scale_ptr + row, scale)
+        out16 = out.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if STATIC:
+            out = on_fp8_grid(out16, tl.load(static_ptr), HW_CAST)
+        else:
+            out, scale = fp8_row(out16, mask, HW_CAST)
+            tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -83,13 +91,17 @@ def rmsnorm(
     eps: float,
     residual: torch.Tensor | None = None,
     fp8: bool = False,
+    static_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple:
     """weight * norm(x) over the last dim; with a residual: (norm(x + residual), x + residual).
 
     x [..., hidden] (any leading dims; rows may be strided), weight [hidden], residual like x.
     Returns fresh tensors; the inputs are not modified. With fp8, norm(...) is a pair: float8_e4m3fn
-    [rows, hidden] and its float32 scales [rows, 1] (per token), x ≈ float8 * scale.
+    [rows, hidden] and its float32 scales [rows, 1] (per token), x ≈ float8 * scale; with fp8 and
+    `static_scale` (float32, 1 element) the scales are that one, expanded to [rows, 1].
     """
+    if static_scale is not None and not fp8:
+        raise ValueError("static_scale is the scale of a float8 output: it needs fp8=True")
     hidden = x.shape[-1]
     if hidden > MAX_HIDDEN:
         raise ValueError(f"hidden size {hidden} > {MAX_HIDDEN} is not supported")
@@ -125,16 +137,20 @@ def rmsnorm(
             out,
             res_out,
             scale,
+            static_scale if static_scale is not None else scale,
             x2.stride(0),
             r2.stride(0),
             hidden,
             eps,
             HAS_RESIDUAL=residual is not None,
             FP8_OUT=fp8,
+            STATIC=static_scale is not None,
             BLOCK=block,
             HW_CAST=fp8 and fp8_hw_cast(x.device),
             num_warps=_num_warps(block),
         )
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1, 1).expand(rows, 1)
     normed = (out, scale) if fp8 else out
     return normed if residual is None else (normed, res_out)
 

@@ -89,18 +89,21 @@ def decode_launch(cache: str, heads: int, tile: tuple[int, int, int], final: boo
 
 
 def fp8_rows_launches() -> dict[str, tuple]:
-    f8_out = dict(out_ptr=f"*{F8}", scale_ptr="*fp32")
+    f8_out = dict(out_ptr=f"*{F8}", scale_ptr="*fp32", static_ptr="*fp32")
+    norm_types = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", res_out_ptr="*bf16",
+                      eps="fp32", **f8_out)  # fmt: skip
     return {
-        "rmsnorm, float8 out": (
-            norm._rmsnorm_kernel,
-            dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", res_out_ptr="*bf16", eps="fp32",
-                 **f8_out),  # fmt: skip
-            dict(HAS_RESIDUAL=True, FP8_OUT=True, BLOCK=4096, HW_CAST=True), 16, 1,
-        ),
-        "silu_and_mul_fp8": (
+        f"rmsnorm, float8 out{', static scale' if static else ''}": (
+            norm._rmsnorm_kernel, norm_types,
+            dict(HAS_RESIDUAL=True, FP8_OUT=True, STATIC=static, BLOCK=4096, HW_CAST=True), 16, 1,
+        ) for static in (False, True)
+    } | {
+        f"silu_and_mul_fp8{', static scale' if static else ''}": (
             activation._silu_and_mul_fp8_kernel, dict(x_ptr="*bf16", **f8_out),
-            dict(BLOCK=activation._FP8_BLOCK, HW_CAST=True), activation._FP8_WARPS, 1,
-        ),
+            dict(STATIC=static, BLOCK=activation._FP8_BLOCK, HW_CAST=True),
+            activation._FP8_WARPS, 1,
+        ) for static in (False, True)
+    } | {
         "quantize_per_token": (
             fp8._quantize_rows_kernel,
             dict(x_ptr="*bf16", static_scale_ptr="*fp32", **f8_out),
