@@ -7,6 +7,9 @@ and the float32 transformers reference of an FP8 model.
   as llm-compressor does: the largest input magnitude over sample prompts / 448) and K/V cache
   scales, and ``config.json`` with the ``quantization_config`` that names the scheme. Beside it
   goes the *dequantized twin*: the same numbers (float8 x scale) as an ordinary folder.
+* :func:`write_fused_twin` writes the dequantized twin of a per-tensor checkpoint as a server
+  that fuses q/k/v and gate/up into one matmul holds it (SGLang and vLLM do, for per-tensor
+  scales): each fused group's float8 weights requantized to the group's largest weight_scale.
 * :func:`fp8_reference_logprobs` runs transformers in float32 on a twin with every Linear's
   input rounded through float8 as the scheme says (per token, or with the static scale): the
   FP8 model's function, computed independently of the engine.
@@ -27,6 +30,13 @@ from safetensors.torch import load_file, save_file
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FUSED = {
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "gate_proj": "gate_up",
+    "up_proj": "gate_up",
+}
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -142,6 +152,30 @@ def write_fp8_checkpoint(
     }
     (fp8_dir / "config.json").write_text(json.dumps(config, indent=2))
     return fp8_dir, twin_dir
+
+
+def write_fused_twin(fp8_dir: Path, twin_dir: Path, out: Path) -> Path:
+    """`twin_dir` with each fused group (q/k/v, gate/up) of the per-tensor FP8 folder `fp8_dir`
+    requantized to the group's largest weight_scale s: a shard of scale t becomes float8(w8 x
+    (t / s)) x s, its values shrunk by t / s (at most 1) and rounded to float8 once more."""
+    state = load_file(Path(fp8_dir) / "model.safetensors")
+    groups: dict[str, list[str]] = {}
+    for name in state:
+        if _is_linear(name) and name.split(".")[-2] in _FUSED:
+            module, projection = name.removesuffix(".weight").rsplit(".", 1)
+            groups.setdefault(f"{module}.{_FUSED[projection]}", []).append(name)
+    twin = load_file(Path(twin_dir) / "model.safetensors")
+    for names in groups.values():
+        scales = [state[n.replace(".weight", ".weight_scale")].float() for n in names]
+        if any(s.numel() != 1 for s in scales):
+            raise ValueError("write_fused_twin is for per-tensor weight scales")
+        top = torch.stack([s.reshape(()) for s in scales]).max()
+        for name, scale in zip(names, scales):
+            ratio = scale.reshape(()) / top
+            twin[name] = (state[name].float() * ratio).to(FP8).float() * top
+    shutil.copytree(twin_dir, out, dirs_exist_ok=True)
+    save_file(twin, Path(out) / "model.safetensors")
+    return Path(out)
 
 
 def input_scales(fp8_dir: Path) -> dict[str, float]:

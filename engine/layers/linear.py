@@ -44,13 +44,18 @@ class LinearBase(nn.Module):
         dtype = FP8 if fp8 is not None else None
         self.weight = self._param(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = self._param(torch.empty(out_features)) if bias else None
-        self.weight_scale = self.input_scale = None
+        self.weight_scale = self.input_scale = self.tensor_scale = None
         if fp8 is not None:
             self.weight_scale = self._param(torch.ones(out_features, dtype=torch.float32))
             # NOTE: quantized at load, the scales come with the weight, not from the checkpoint
             self.weight_scale.from_weight = not fp8.from_checkpoint
             if fp8.static_input:  # the largest of the fused projections' input scales
                 self.input_scale = self._param(torch.zeros(1, dtype=torch.float32))
+                if fp8.weight_per_tensor:
+                    # the layer's one weight scale once loaded (finish_loading): with the static
+                    # input_scale both scales are scalars, and the product runs on cuBLAS's
+                    # tensor-wise kernels, as TensorRT-LLM runs such checkpoints
+                    self.tensor_scale = torch.ones(1, dtype=torch.float32)
 
     def _param(self, data: torch.Tensor) -> nn.Parameter:
         param = nn.Parameter(data, requires_grad=False)
@@ -59,13 +64,32 @@ class LinearBase(nn.Module):
 
     def takes_quantized_rows(self) -> bool:
         """Whether forward may be given QuantizedRows, written by the kernel before it: float8
-        weights with per-token activation scales, and no LoRA (whose update reads x itself)."""
-        return self.weight_scale is not None and self.input_scale is None and self.lora is None
+        weights (activations per token, or with `input_scale` when the checkpoint has one), and
+        no LoRA (whose update reads x itself)."""
+        return self.weight_scale is not None and self.lora is None
 
     def matmul(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
-        return fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
+        scale = self.weight_scale if self.tensor_scale is None else self.tensor_scale
+        return fp8_linear(x, self.weight, scale, bias, self.input_scale)
+
+    @torch.no_grad()
+    def finish_loading(self) -> None:
+        """After every weight is in (a checkpoint, or dummy weights): a layer of per-tensor
+        scales, whose fused projections (q, k, v; gate, up) each came with their own, has its
+        rows requantized to the largest, which becomes `tensor_scale`. A row's values shrink by
+        its scale over the largest (at most 1: nothing saturates) and round once more.
+        NOTE: in place, so CUDA graphs that captured the weights stay valid on a reload."""
+        if self.tensor_scale is None:
+            return
+        rows, weight = self.weight_scale.data, self.weight.data
+        top = rows.max()
+        for start in range(0, weight.shape[0], 4096):  # bounds the float32 copy
+            part, ratio = weight[start : start + 4096], rows[start : start + 4096] / top
+            part.copy_((part.float() * ratio[:, None]).to(FP8))
+        rows.copy_(top.expand_as(rows))
+        self.tensor_scale.copy_(top.reshape(1))
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         y = self.matmul(x, self.bias)
@@ -102,6 +126,13 @@ class LinearBase(nn.Module):
         elif param is self.weight_scale:
             loaded = loaded.reshape(-1)  # ([N, 1] per channel, as compressed-tensors stores it)
         _copy_checked(param, target, loaded, name)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """LinearBase.finish_loading on every linear layer of `model`, once its weights are in."""
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.finish_loading()
 
 
 class ColumnParallelLinear(LinearBase):

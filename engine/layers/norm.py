@@ -16,20 +16,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        fp8: bool = False,
+        static_scale: torch.Tensor | None = None,
     ) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual) for the next block.
-        With fp8, norm(...) comes as QuantizedRows for an FP8 linear (one kernel on the GPU)."""
+        With fp8, norm(...) comes as QuantizedRows for an FP8 linear (one kernel on the GPU),
+        per token or with that linear's `static_scale`."""
         if use_triton(x):
             from kernels.norm import rmsnorm
 
-            out = rmsnorm(x, self.weight, self.eps, residual, fp8=fp8)
+            out = rmsnorm(x, self.weight, self.eps, residual, fp8=fp8, static_scale=static_scale)
 
             def quantized(normed):  # the kernel's (float8, scales)
                 return QuantizedRows(*normed, x.dtype)
         else:
             out = self._forward_torch(x, residual)
-            quantized = QuantizedRows.of
+
+            def quantized(normed):
+                return QuantizedRows.of(normed, static_scale)
+
         if not fp8:
             return out
         return quantized(out) if residual is None else (quantized(out[0]), out[1])

@@ -91,8 +91,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         # with FP8 weights the activation kernel also quantizes for down_proj
-        fp8 = self.down_proj.takes_quantized_rows()
-        return self.down_proj(self.act(self.gate_up_proj(x), fp8=fp8))
+        down = self.down_proj
+        fp8 = down.takes_quantized_rows()
+        return down(self.act(self.gate_up_proj(x), fp8=fp8, static_scale=down.input_scale))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -113,14 +114,15 @@ class LlamaDecoderLayer(nn.Module):
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # with FP8 weights each norm also quantizes for the projection it feeds
-        fp8 = self.self_attn.qkv_proj.takes_quantized_rows()
+        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        fp8, static = qkv.takes_quantized_rows(), qkv.input_scale
         if residual is None:
-            residual, x = x, self.input_layernorm(x, fp8=fp8)
+            residual, x = x, self.input_layernorm(x, fp8=fp8, static_scale=static)
         else:
-            x, residual = self.input_layernorm(x, residual, fp8=fp8)
+            x, residual = self.input_layernorm(x, residual, fp8=fp8, static_scale=static)
         x = self.self_attn(positions, x, batch)
-        fp8 = self.mlp.gate_up_proj.takes_quantized_rows()
-        x, residual = self.post_attention_layernorm(x, residual, fp8=fp8)
+        fp8, static = gate_up.takes_quantized_rows(), gate_up.input_scale
+        x, residual = self.post_attention_layernorm(x, residual, fp8=fp8, static_scale=static)
         return self.mlp(x), residual
 
 

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.layers.linear import finish_loading
 from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.quantization import Fp8Config, building, checkpoint_fp8
@@ -37,6 +38,7 @@ def load_model(
         fill_dummy_weights(model)
     else:
         model.load_weights(iter_safetensors(files))
+    finish_loading(model)
     return model.eval()
 
 
@@ -80,6 +82,7 @@ def reload_weights(
         )
     if load_format == "dummy":
         fill_dummy_weights(model)
+        finish_loading(model)
         return new
     files = safetensors_files(new.path)
     with torch.device("meta"), building(fp8):
@@ -89,6 +92,7 @@ def reload_weights(
     except RuntimeError as e:  # a shape the layer's own check did not name
         raise ValueError(f"the checkpoint in {model_path} does not fit the model: {e}") from None
     model.load_weights(iter_safetensors(files))
+    finish_loading(model)
     return new
 
 

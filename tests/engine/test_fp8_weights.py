@@ -23,7 +23,12 @@ import torch
 from engine import Engine
 from engine.model_config import ModelConfig
 from engine.quantization import resolve_quantization
-from tests.fp8_models import fp8_reference_logprobs, input_scales, write_fp8_checkpoint
+from tests.fp8_models import (
+    fp8_reference_logprobs,
+    input_scales,
+    write_fp8_checkpoint,
+    write_fused_twin,
+)
 from tests.tiny_models import load_hf_model, make_tiny_model, random_prompts, special_token_ids
 
 PROMPTS = random_prompts(400, [19, 33, 7], seed=1, avoid_ids=special_token_ids())
@@ -55,11 +60,14 @@ def per_channel(source, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def per_tensor_static(source, tmp_path_factory):
-    """Weights per tensor, static activation scales calibrated on sample prompts (FP8)."""
-    return write_fp8_checkpoint(
+    """Weights per tensor, static activation scales calibrated on sample prompts (FP8). The
+    twin: as the engine holds it, q/k/v and gate/up each requantized to one scale (the fused
+    matmul's, which with the static input scale runs on tensor-wise scales)."""
+    fp8_dir, twin = write_fp8_checkpoint(
         source, tmp_path_factory.mktemp("fp8_static"), strategy="tensor",
         static_prompts=random_prompts(400, [40, 40], seed=8, avoid_ids=special_token_ids()),
     )  # fmt: skip
+    return fp8_dir, write_fused_twin(fp8_dir, twin, tmp_path_factory.mktemp("fp8_fused_twin"))
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +132,12 @@ def test_quantization_fp8_quantizes_a_16_bit_checkpoint_per_channel(source, per_
     assert info["quantization"] == "fp8"
 
 
-def test_bf16_with_fp8_weights_stays_within_fp8_error_of_the_model(source, per_channel):
+@pytest.mark.parametrize("layout", ["per_channel", "per_tensor_static"])
+def test_bf16_with_fp8_weights_stays_within_fp8_error_of_the_model(source, layout, request):
     """bf16 activations, FP8 weights: within the FP8 error of the unquantized model (measured:
-    activations rounded to float8 move this tiny random model's logprobs by ~0.2 on average)."""
-    fp8_dir, twin = per_channel
+    activations rounded to float8 move this tiny random model's logprobs by ~0.2 on average).
+    On a GPU the per-tensor checkpoint's products take tensor-wise scales (two scalars)."""
+    fp8_dir, twin = request.getfixturevalue(layout)
     with _engine(fp8_dir, dtype="bfloat16") as engine:
         got = _prompt_logprobs(engine)
         tokens = engine.generate(input_ids=PROMPTS, sampling_params=ONE_TOKEN)

@@ -77,50 +77,72 @@ def _close_to_fp8_of(x8: torch.Tensor, scale: torch.Tensor, ref: torch.Tensor) -
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 
 
+def _quantize(x: torch.Tensor, static: torch.Tensor | None):
+    """The separate quantization pass: per token, or with the static scale."""
+    return quantize_per_token(x) if static is None else quantize_static(x, static)
+
+
+# a static scale small enough that the largest norms and products saturate at 448
+STATIC = [None, 0.004]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rmsnorm_fp8_writes_the_quantized_norm(dtype, with_residual):
+@pytest.mark.parametrize("static", STATIC)
+def test_rmsnorm_fp8_writes_the_quantized_norm(dtype, with_residual, static):
     hidden, eps = 300, 1e-6
     x = _rows(hidden, dtype)[[0, 1, 3, 4]]  # (the zero row has no norm to speak of)
     gen = torch.Generator().manual_seed(7)
     weight = (torch.randn(hidden, generator=gen) + 1).to(dtype).to(DEVICE)
     residual = torch.randn(x.shape, generator=gen).to(dtype).to(DEVICE) if with_residual else None
-    fused = rmsnorm(x, weight, eps, residual, fp8=True)
+    static = None if static is None else torch.tensor([static], device=DEVICE)
+    fused = rmsnorm(x, weight, eps, residual, fp8=True, static_scale=static)
     plain = rmsnorm(x, weight, eps, residual)
     (x8, scale), plain_out = (fused[0], plain[0]) if with_residual else (fused, plain)
     if with_residual:
         torch.testing.assert_close(fused[1], plain[1], rtol=0, atol=0)
     assert x8.dtype == torch.float8_e4m3fn and x8.shape == (4, hidden)
     # the same bytes as the 16-bit kernel followed by the separate quantization pass
-    want8, want_scale = quantize_per_token(plain_out)
+    want8, want_scale = _quantize(plain_out, static)
     torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
     torch.testing.assert_close(x8.float(), want8.float(), rtol=0, atol=0)
-    # and, independently, the float64-statistics norm rounded to float8
+    # and, independently, the float64-statistics norm rounded to float8 (saturated at 448)
     ref = rmsnorm_reference(x, weight, eps, residual)
-    _close_to_fp8_of(x8, scale, ref[0] if with_residual else ref)
+    ref = ref[0] if with_residual else ref
+    if static is not None:
+        assert x8.float().abs().max() == 448.0  # some saturate
+        ref = ref.double().clamp(-448 * float(static), 448 * float(static))
+    _close_to_fp8_of(x8, scale, ref)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [5, 1000, 14336, 28672])  # 28672: Llama-3.1-70B's
-def test_silu_and_mul_fp8_writes_the_quantized_product(dtype, inter):
+@pytest.mark.parametrize("static", STATIC)
+def test_silu_and_mul_fp8_writes_the_quantized_product(dtype, inter, static):
     x = _rows(2 * inter, dtype)[[0, 1, 3, 4]].clamp(-200, 200)  # products within float16
     x[0, 0] = -100.0  # a saturated gate
     wide = torch.zeros(4, 2 * inter + 6, dtype=dtype, device=DEVICE)
     wide[:, 3 : 3 + 2 * inter] = x
     x = wide[:, 3 : 3 + 2 * inter]  # strided rows
-    x8, scale = silu_and_mul_fp8(x)
+    static = None if static is None else torch.tensor([static], device=DEVICE)
+    x8, scale = silu_and_mul_fp8(x, static)
     assert x8.dtype == torch.float8_e4m3fn and scale.shape == (4, 1)
-    want8, want_scale = quantize_per_token(silu_and_mul(x))
+    want8, want_scale = _quantize(silu_and_mul(x), static)
     torch.testing.assert_close(scale, want_scale, rtol=0, atol=0)
     torch.testing.assert_close(x8.float(), want8.float(), rtol=0, atol=0)
-    _close_to_fp8_of(x8, scale, silu_and_mul_reference(x))
+    ref = silu_and_mul_reference(x)
+    if static is not None:
+        ref = ref.double().clamp(-448 * float(static), 448 * float(static))
+    _close_to_fp8_of(x8, scale, ref)
 
 
 @pytest.mark.parametrize("fp8_layer", ["norm", "act"])
-def test_layers_hand_the_linear_what_it_would_quantize(fp8_layer):
+@pytest.mark.parametrize("static", [None, 0.02])
+def test_layers_hand_the_linear_what_it_would_quantize(fp8_layer, static):
     """RMSNorm / SiluAndMul with fp8=True give an FP8 linear the same product as their 16-bit
-    output does (the torch path on the CPU, the fused kernels on the GPU)."""
+    output does (the torch path on the CPU, the fused kernels on the GPU), per token or with
+    the linear's static input scale."""
     hidden = 64
     gen = torch.Generator().manual_seed(3)
     linear_weight = torch.randn(48, hidden, generator=gen)
@@ -133,7 +155,30 @@ def test_layers_hand_the_linear_what_it_would_quantize(fp8_layer):
     else:
         layer = SiluAndMul()
         x = torch.randn(7, 2 * hidden, generator=gen).to(DEVICE, dtype)
-    rows = layer(x, fp8=True)
+    static = None if static is None else torch.tensor([static], device=DEVICE)
+    rows = layer(x, fp8=True, static_scale=static)
     assert isinstance(rows, QuantizedRows) and rows.dtype == dtype
-    want = fp8_linear(layer(x), w8, w_scale)
-    torch.testing.assert_close(fp8_linear(rows, w8, w_scale), want, rtol=0, atol=0)
+    want = fp8_linear(layer(x), w8, w_scale, input_scale=static)
+    got = fp8_linear(rows, w8, w_scale, input_scale=static)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 48, 300])
+def test_tensor_wise_product_is_the_dequantized_product(dtype, m):
+    """Both scales scalars (a per-tensor checkpoint with static input scales): the product on
+    cuBLAS's tensor-wise kernels, in x's own dtype, against float64 over the float8 values."""
+    if DEVICE != "cuda" or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores")
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 256, generator=gen).to(DEVICE, dtype)
+    w8, _ = quantize_weight_rows(torch.randn(128, 256, generator=gen))
+    w8, w_scale = w8.to(DEVICE), torch.tensor([0.003], device=DEVICE)
+    static = torch.tensor([0.01], device=DEVICE)
+    y = fp8_linear(x, w8, w_scale, input_scale=static)
+    assert y.dtype == dtype and y.shape == (m, 128)
+    x8, _ = quantize_static_ref(x, static)
+    want = (x8.double() * 0.01) @ (w8.double() * 0.003).t()
+    # fast accumulation and one rounding to x's dtype
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
