@@ -15,12 +15,18 @@ elsewhere), the ratio, and the fraction of the floor (bench/floor.py) gristmill 
 The ten shapes at full counts take about an hour of an H100 (20000/2000 alone a quarter of it);
 `--scale` runs a fraction of each count (a smaller count ends with a longer tail of a few
 requests, so its tok/s is a lower bound of the steady state's) and `--shapes` a subset.
+
+`--fp8-checkpoint per-tensor-static` makes the dummy weights an FP8 checkpoint of the layout
+TensorRT-LLM's Llama-3.1-8B FP8 checkpoints have (ModelOpt's, and llm-compressor's "FP8"): one
+weight scale per tensor and static input scales, in place of quantization="fp8"'s scales per
+channel and per token. Its matmuls then take two scalar scales (cuBLAS's tensor-wise kernels).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -28,6 +34,17 @@ from bench.floor import floor_seconds, make_workload, measure_ceilings
 from bench.throughput import dummy_folder, measure, warm_up
 from engine.model_config import ModelConfig
 from engine.server_args import KV_CACHE_DTYPES
+
+# config.json's quantization_config of --fp8-checkpoint per-tensor-static (compressed-tensors)
+_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+PER_TENSOR_STATIC = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": _FP8, "input_activations": _FP8}
+    },
+    "ignore": ["lm_head"],
+}
 
 # (input length, output length): (requests, H100 output tok/s, H200 output tok/s), Llama-3.1-8B
 # FP8, TP1, as TensorRT-LLM publishes them
@@ -58,6 +75,14 @@ def parse_shape(text: str) -> tuple[int, int]:
     return isl, osl
 
 
+def as_per_tensor_static(folder: str) -> None:
+    """Make the dummy-weight folder's config.json that of a per-tensor, static-input FP8
+    checkpoint (PER_TENSOR_STATIC): dummy FP8 weights then load in that layout."""
+    config = Path(folder) / "config.json"
+    hf = json.loads(config.read_text())
+    config.write_text(json.dumps({**hf, "quantization_config": PER_TENSOR_STATIC}, indent=2))
+
+
 def published_column(device_name: str) -> str | None:
     """Which published figure this device is compared with: 'H100', 'H200', or None (neither)."""
     return next((gpu for gpu in ("H200", "H100") if gpu in device_name), None)
@@ -77,16 +102,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="a fraction of each request count")
     ap.add_argument("--engine-args", default=json.dumps(DEFAULT_ENGINE_ARGS),
                     help="JSON of the engine's arguments (default: FP8 weights and K/V cache)")  # fmt: skip
+    ap.add_argument("--fp8-checkpoint", choices=["per-tensor-static"],
+                    help="dummy weights as an FP8 checkpoint of this layout (module docstring)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the table's rows to this file")
     a = ap.parse_args(argv)
     if not 0 < a.scale <= 1:
         ap.error(f"--scale {a.scale}: a fraction in (0, 1]")
+    if a.fp8_checkpoint and a.model:
+        ap.error("--fp8-checkpoint makes dummy weights: use it with --model-config, not --model")
 
     from engine import Engine
 
     model = a.model or dummy_folder(a.model_config)
     engine_args = {"load_format": "auto" if a.model else "dummy", **json.loads(a.engine_args)}
+    if a.fp8_checkpoint:
+        as_per_tensor_static(model)
+        engine_args.pop("quantization", None)  # (the checkpoint's own)
     cfg = ModelConfig.from_folder(model, engine_args.get("dtype", "auto"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

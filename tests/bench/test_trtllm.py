@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from bench.trtllm import PUBLISHED, main, parse_shape, published_column
+from bench.trtllm import PUBLISHED, as_per_tensor_static, main, parse_shape, published_column
+from engine import Engine
 
 
 def test_the_ten_published_shapes_and_their_request_counts():
@@ -55,3 +56,23 @@ def test_python_m_bench_preset_trtllm_is_this_benchmark(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench", "--preset", "other"])
     with pytest.raises(SystemExit, match="--preset takes one value, trtllm"):
         runpy.run_module("bench", run_name="__main__")
+
+
+def test_dummy_weights_as_a_per_tensor_static_fp8_checkpoint(llama_dir, tmp_path):
+    """--fp8-checkpoint per-tensor-static: the dummy weights load as float8 with one scale a
+    layer (q, k and v share the fused projection's) and unit static input scales, and serve."""
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    as_per_tensor_static(str(model))
+    with Engine(model_path=str(model), load_format="dummy", dtype="float32", device="cpu",
+                skip_tokenizer_init=True, max_total_tokens=2048) as engine:  # fmt: skip
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
+
+        def weights(name):
+            return engine.get_weights_by_name(f"model.layers.0.{name}", 10**6)
+
+        scales = [weights(f"self_attn.{p}_proj.weight_scale") for p in "qkv"]
+        input_scale = weights("mlp.gate_proj.input_scale")
+    assert len(out["output_ids"]) == 3
+    assert len({float(s) for rows in scales for s in rows}) == 1  # one scale for q, k and v
+    assert float(scales[0][0]) > 0 and list(input_scale) == [1.0]

@@ -12,6 +12,7 @@ bf16's error, it must not swamp it.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from engine import Engine
+from tests.fp8_models import write_fp8_checkpoint
 from tests.tiny_models import make_tiny_model, random_prompts, special_token_ids
 
 pytestmark = [
@@ -38,6 +40,12 @@ PRECISIONS = {
     "fp8 weights + KV, float8 q·k and p·v": {
         "quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "prefill_attention_fp8": "qk_pv",
     },
+    # the model written as an FP8 checkpoint of one weight scale per tensor and static input
+    # scales calibrated on the first half of the prompts (the layout of TensorRT-LLM's FP8 Llama
+    # checkpoints): its products take tensor-wise scales
+    "fp8 per-tensor static checkpoint + fp8_e4m3 KV": {
+        "checkpoint": "per-tensor-static", "kv_cache_dtype": "fp8_e4m3",
+    },
 }  # fmt: skip
 # mean |Δ logprob| against float32 transformers, and the least greedy agreement, allowed: the
 # measured values (H100 and H200, docs/performance.md) with room, so that a broken path (nats off, no
@@ -50,6 +58,7 @@ BOUNDS = {
         "fp8 weights + fp8_e4m3 KV": (2.0, 0.1),
         "fp8 weights + KV, float8 q·k": (2.0, 0.1),
         "fp8 weights + KV, float8 q·k and p·v": (2.0, 0.1),
+        "fp8 per-tensor static checkpoint + fp8_e4m3 KV": (3.0, 0.05),  # (not yet measured)
     },
     "demo": {
         "bf16": (0.1, 0.8),
@@ -58,6 +67,7 @@ BOUNDS = {
         "fp8 weights + fp8_e4m3 KV": (0.5, 0.5),
         "fp8 weights + KV, float8 q·k": (0.5, 0.5),
         "fp8 weights + KV, float8 q·k and p·v": (0.5, 0.5),
+        "fp8 per-tensor static checkpoint + fp8_e4m3 KV": (0.8, 0.4),  # (not yet measured)
     },
 }
 N = 16
@@ -95,7 +105,13 @@ def _measure(model_dir, prompts: list[list[int]], max_total_tokens: int) -> list
     rows = []
     params = {"temperature": 0.0, "max_new_tokens": N, "ignore_eos": True}
     for name, extra in PRECISIONS.items():
-        with Engine(model_path=str(model_dir), dtype="bfloat16",
+        extra, folder = dict(extra), model_dir
+        if extra.pop("checkpoint", None) == "per-tensor-static":
+            folder, _ = write_fp8_checkpoint(
+                model_dir, Path(tempfile.mkdtemp()), strategy="tensor",
+                static_prompts=prompts[: len(prompts) // 2],
+            )  # fmt: skip
+        with Engine(model_path=str(folder), dtype="bfloat16",
                     max_total_tokens=max_total_tokens, **extra) as engine:  # fmt: skip
             outs = engine.generate(input_ids=prompts, sampling_params=params,
                                    return_logprob=True, logprob_start_len=0)  # fmt: skip
