@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid
+from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid, static_rows
 
 # Output allocator (tests swap in a NaN-filled one to catch elements a kernel fails to write).
 _empty = torch.empty
@@ -137,7 +137,7 @@ def silu_and_mul_fp8(
             num_warps=_FP8_WARPS,
         )
     if static_scale is not None:
-        scale = static_scale.float().reshape(1, 1).expand(rows, 1)
+        scale = static_rows(static_scale, rows)
     return out, scale
 
 

@@ -122,8 +122,14 @@ def _launch(
             num_warps=8 if block >= 2048 else 4,
         )  # fmt: skip
     if static_scale is not None:
-        scale = static_scale.reshape(1, 1).expand(M, 1)
+        scale = static_rows(static_scale, M)
     return out, scale
+
+
+def static_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A static scale (1 element) as the per-row scales of `rows` rows: float32 [rows, 1], a
+    view (what the kernels that quantize with a static scale return beside their float8)."""
+    return scale.float().reshape(1, 1).expand(rows, 1)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,5 +150,5 @@ def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def quantize_static_ref(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    s = scale.float().reshape(1, 1)
-    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s.expand(x.shape[0], 1)
+    s = static_rows(scale, x.shape[0])
+    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s

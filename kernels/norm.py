@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, fp8_hw_cast, fp8_row, on_fp8_grid
+from kernels.fp8 import FP8, fp8_hw_cast, fp8_row, on_fp8_grid, static_rows
 
 # Output allocator (tests swap in a NaN-filled one to catch elements a kernel fails to write).
 _empty = torch.empty
@@ -150,7 +150,7 @@ def rmsnorm(
             num_warps=_num_warps(block),
         )
     if static_scale is not None:
-        scale = static_scale.float().reshape(1, 1).expand(rows, 1)
+        scale = static_rows(static_scale, rows)
     normed = (out, scale) if fp8 else out
     return normed if residual is None else (normed, res_out)
 
