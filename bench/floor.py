@@ -120,6 +120,12 @@ def measure_ceilings(device: torch.device) -> tuple[float, float, float | None]:
     return bandwidth, flops, fp8_flops
 
 
+def has_fp8_weights(info: dict, cfg: ModelConfig) -> bool:
+    """Whether the engine serves FP8 weights: quantized as it loaded (get_server_info's
+    `quantization`), or a checkpoint's own (its quantization_config, where that stays None)."""
+    return info["quantization"] is not None or "quantization_config" in cfg.hf
+
+
 def weight_bytes(cfg: ModelConfig, fp8_weights: bool = False) -> int:
     """Bytes a decode step reads of the weights: the linear layers (one byte a weight with FP8
     weights) and the LM head."""

@@ -25,6 +25,7 @@ import torch
 from bench.floor import (
     Workload,
     floor_seconds,
+    has_fp8_weights,
     make_workload,
     measure_ceilings,
     split_workload,
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     # their matmuls run at the measured FP8 rate
     kv_name = KV_CACHE_DTYPES.get(engine_args.get("kv_cache_dtype", "auto"))
     kv_dtype = getattr(torch, kv_name) if kv_name else None
-    fp8_weights = result["info"]["quantization"] is not None or "quantization_config" in cfg.hf
+    fp8_weights = has_fp8_weights(result["info"], cfg)
     # data parallel: each group does its share of the requests (each computing a shared prefix
     # once) on its own GPUs, so the floor is the slowest share's
     floors = [

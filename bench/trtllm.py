@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.floor import floor_seconds, make_workload, measure_ceilings
+from bench.floor import floor_seconds, has_fp8_weights, make_workload, measure_ceilings
 from bench.throughput import dummy_folder, measure, warm_up
 from engine.model_config import ModelConfig
 from engine.server_args import KV_CACHE_DTYPES
@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     engine = Engine(model_path=model, skip_tokenizer_init=True, **engine_args)
     try:
-        fp8_weights = engine.get_server_info()["quantization"] is not None
+        # (a per-tensor checkpoint's FP8 weights are its own: server_info's quantization is None)
+        fp8_weights = has_fp8_weights(engine.get_server_info(), cfg)
         for i, (isl, osl) in enumerate(a.shapes):
             count, h100, h200 = PUBLISHED[(isl, osl)]
             n = max(1, round(count * a.scale))

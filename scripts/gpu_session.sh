@@ -105,8 +105,10 @@ run_step() {
       trtllm-decode) python3 -m bench --preset trtllm --scale 0.2 --shapes 1000/2000 128/2048 2048/2048 \
                 128/4096 --json "$OUT/trtllm-decode.json" 2>&1 | grep "^|\|Error\|requests in" ;;
       # shapes at TensorRT-LLM's full request counts, e.g. trtllm-full:1000/2000,2048/2048 (a
-      # decode-heavy shape at full count is 3-6 minutes of an H200: one or two a call)
-      trtllm-full:*) python3 -m bench --preset trtllm --shapes $(echo "${s#trtllm-full:}" | tr , " ") \
+      # decode-heavy shape at full count is 3-6 minutes of an H200: one or two a call), from the
+      # checkpoint layout TensorRT-LLM measured (ModelOpt's FP8: per-tensor, static inputs)
+      trtllm-full:*) python3 -m bench --preset trtllm --fp8-checkpoint per-tensor-static \
+                --shapes $(echo "${s#trtllm-full:}" | tr , " ") \
                 --json "$OUT/trtllm-full.json" 2>&1 | grep "^|\|Error\|requests in" ;;
       # the per-tensor static FP8 checkpoint's layout (tensor-wise products, the static scale
       # written by the norm and silu kernels), to set beside `trtllm` and `trtllm-decode`

@@ -11,8 +11,10 @@ import sys
 
 import pytest
 
+from bench.floor import has_fp8_weights
 from bench.trtllm import PUBLISHED, as_per_tensor_static, main, parse_shape, published_column
 from engine import Engine
+from engine.model_config import ModelConfig
 
 
 def test_the_ten_published_shapes_and_their_request_counts():
@@ -63,7 +65,11 @@ def test_dummy_weights_as_a_per_tensor_static_fp8_checkpoint(llama_dir, tmp_path
     layer (q, k and v share the fused projection's) and unit static input scales, and serve."""
     model = tmp_path / "model"
     shutil.copytree(llama_dir, model)
+    unquantized = {"quantization": None}  # (get_server_info's, for either folder)
+    assert not has_fp8_weights(unquantized, ModelConfig.from_folder(str(model)))
     as_per_tensor_static(str(model))
+    # the floor counts one byte a weight: the checkpoint's FP8 is its own, not an argument's
+    assert has_fp8_weights(unquantized, ModelConfig.from_folder(str(model)))
     with Engine(model_path=str(model), load_format="dummy", dtype="float32", device="cpu",
                 skip_tokenizer_init=True, max_total_tokens=2048) as engine:  # fmt: skip
         out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})
