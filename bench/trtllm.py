@@ -8,18 +8,22 @@ tokens per second of `trtllm-bench throughput` over synthetic requests of fixed 
 output lengths (random token ids, every request at once), one request count per shape
 (`docs/source/performance/perf-overview.md` in NVIDIA/TensorRT-LLM; the table `PUBLISHED`).
 This runs the same shapes through one gristmill engine (by default the shipped llama-3.1-8b
-architecture with dummy weights, FP8 weights and an FP8 K/V cache, as theirs) and prints, per
-shape, the wall time, output tok/s, the published figure of this device (H100 or H200; both
-elsewhere), the ratio, and the fraction of the floor (bench/floor.py) gristmill reached.
+architecture with dummy weights in the layout of theirs, below, and an FP8 K/V cache) and
+prints, per shape, the wall time, output tok/s, the published figure of this device (H100 or
+H200; both elsewhere), the ratio, and the fraction of the floor (bench/floor.py) gristmill
+reached.
 
 The ten shapes at full counts take about an hour of an H100 (20000/2000 alone a quarter of it);
 `--scale` runs a fraction of each count (a smaller count ends with a longer tail of a few
 requests, so its tok/s is a lower bound of the steady state's) and `--shapes` a subset.
 
-`--fp8-checkpoint per-tensor-static` makes the dummy weights an FP8 checkpoint of the layout
-TensorRT-LLM's Llama-3.1-8B FP8 checkpoints have (ModelOpt's, and llm-compressor's "FP8"): one
-weight scale per tensor and static input scales, in place of quantization="fp8"'s scales per
-channel and per token. Its matmuls then take two scalar scales (cuBLAS's tensor-wise kernels).
+`--fp8-checkpoint per-tensor-static` (the default with dummy weights) makes them an FP8
+checkpoint of the layout TensorRT-LLM's Llama-3.1-8B FP8 checkpoints have (ModelOpt's, and
+llm-compressor's "FP8"): one weight scale per tensor and static input scales. Its matmuls take
+two scalar scales (cuBLAS's tensor-wise kernels), and the norm and silu kernels write their
+float8 inputs. `--fp8-checkpoint none` keeps bf16 dummy weights for `--engine-args`'
+quantization="fp8" (scales per channel and per token, computed as the weights load); `--model`
+runs a folder as it is.
 """
 
 from __future__ import annotations
@@ -102,21 +106,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="a fraction of each request count")
     ap.add_argument("--engine-args", default=json.dumps(DEFAULT_ENGINE_ARGS),
                     help="JSON of the engine's arguments (default: FP8 weights and K/V cache)")  # fmt: skip
-    ap.add_argument("--fp8-checkpoint", choices=["per-tensor-static"],
-                    help="dummy weights as an FP8 checkpoint of this layout (module docstring)")  # fmt: skip
+    ap.add_argument("--fp8-checkpoint", choices=["per-tensor-static", "none"],
+                    help="dummy weights as an FP8 checkpoint of this layout (default "
+                         "per-tensor-static, TensorRT-LLM's; module docstring)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the table's rows to this file")
     a = ap.parse_args(argv)
     if not 0 < a.scale <= 1:
         ap.error(f"--scale {a.scale}: a fraction in (0, 1]")
-    if a.fp8_checkpoint and a.model:
+    if a.fp8_checkpoint == "per-tensor-static" and a.model:
         ap.error("--fp8-checkpoint makes dummy weights: use it with --model-config, not --model")
+    layout = a.fp8_checkpoint or ("none" if a.model else "per-tensor-static")
 
     from engine import Engine
 
     model = a.model or dummy_folder(a.model_config)
     engine_args = {"load_format": "auto" if a.model else "dummy", **json.loads(a.engine_args)}
-    if a.fp8_checkpoint:
+    if layout == "per-tensor-static":
         as_per_tensor_static(model)
         engine_args.pop("quantization", None)  # (the checkpoint's own)
     cfg = ModelConfig.from_folder(model, engine_args.get("dtype", "auto"))
@@ -161,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
 
     versus = column or "H100"
     print(
-        f"\n{device_name}; {a.model or a.model_config} {engine_args}; request counts x {a.scale:g}\n"
+        f"\n{device_name}; {a.model or a.model_config} {engine_args}; FP8 checkpoint layout "
+        f"{layout}; request counts x {a.scale:g}\n"
     )
     print(f"| ISL/OSL | requests | wall (s) | gristmill out tok/s | TensorRT-LLM {versus} out tok/s "
           "| ratio | fraction of floor |")  # fmt: skip

@@ -2,7 +2,7 @@
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|spec|spec-adaptive|spec-copier|spec-copier-tpN|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
-#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-tensor|trtllm-full:SHAPE,SHAPE|trtllm-chunks|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-chunks|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -105,15 +105,13 @@ run_step() {
       trtllm-decode) python3 -m bench --preset trtllm --scale 0.2 --shapes 1000/2000 128/2048 2048/2048 \
                 128/4096 --json "$OUT/trtllm-decode.json" 2>&1 | grep "^|\|Error\|requests in" ;;
       # shapes at TensorRT-LLM's full request counts, e.g. trtllm-full:1000/2000,2048/2048 (a
-      # decode-heavy shape at full count is 3-6 minutes of an H200: one or two a call), from the
-      # checkpoint layout TensorRT-LLM measured (ModelOpt's FP8: per-tensor, static inputs)
-      trtllm-full:*) python3 -m bench --preset trtllm --fp8-checkpoint per-tensor-static \
-                --shapes $(echo "${s#trtllm-full:}" | tr , " ") \
+      # decode-heavy shape at full count is 3-6 minutes of an H200: one or two a call)
+      trtllm-full:*) python3 -m bench --preset trtllm --shapes $(echo "${s#trtllm-full:}" | tr , " ") \
                 --json "$OUT/trtllm-full.json" 2>&1 | grep "^|\|Error\|requests in" ;;
-      # the per-tensor static FP8 checkpoint's layout (tensor-wise products, the static scale
-      # written by the norm and silu kernels), to set beside `trtllm` and `trtllm-decode`
-      trtllm-per-tensor) python3 -m bench --preset trtllm --scale 0.2 --fp8-checkpoint per-tensor-static \
-                --shapes 2048/128 1000/1000 128/128 1000/2000 --json "$OUT/trtllm-per-tensor.json" \
+      # the preset's dummy weights are a per-tensor static FP8 checkpoint (TensorRT-LLM's layout);
+      # this is quantization="fp8" instead (per-channel and per-token scales), to set beside it
+      trtllm-per-token) python3 -m bench --preset trtllm --scale 0.2 --fp8-checkpoint none \
+                --shapes 2048/128 1000/1000 128/128 1000/2000 --json "$OUT/trtllm-per-token.json" \
                 2>&1 | grep "^|\|Error\|requests in" ;;
       # ...and the long prompts at a fifth (at a tenth 5000/500 took 22 s, 20000/2000 145 s):
       # with trtllm and trtllm-decode, the ten at a fifth in three calls of under 10 minutes

@@ -47,6 +47,10 @@ def test_a_scaled_run_prints_each_shape_beside_the_published_figure(llama_dir, t
         assert 0 < r["fraction of floor"] <= 1  # (a floor is below any wall)
     table = capsys.readouterr().out
     assert "| 128/128 | 30 |" in table and "| 28,312 |" in table and "| 3,450 |" in table
+    assert "FP8 checkpoint layout none;" in table  # (a --model folder runs as it is)
+    with pytest.raises(SystemExit):  # (the layout is written into dummy weights only)
+        main(["--model", str(model), "--fp8-checkpoint", "per-tensor-static"])
+    assert "use it with --model-config, not --model" in capsys.readouterr().err
 
 
 def test_python_m_bench_preset_trtllm_is_this_benchmark(monkeypatch, capsys):
