@@ -26,8 +26,9 @@ from collections import defaultdict
 
 import torch
 
-from bench.floor import make_workload, measure_ceilings, weight_bytes
+from bench.floor import has_fp8_weights, make_workload, measure_ceilings, weight_bytes
 from bench.throughput import dummy_folder
+from bench.trtllm import as_per_tensor_static
 from engine.batch.forward_batch import ForwardMode
 from engine.frontend.input_processor import InputProcessor
 from engine.model_config import ModelConfig
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         help="windows of step indices to profile, by kernel ('': none)",
     )
     ap.add_argument("--engine-args", default="{}")
+    ap.add_argument("--fp8-checkpoint", choices=["per-tensor-static"],
+                    help="the dummy weights as an FP8 checkpoint of this layout (bench.trtllm)")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant first (a Python literal), for an A/B")  # fmt: skip
@@ -72,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
 
     device = torch.device(a.device)
     path = dummy_folder(a.model_config)
+    if a.fp8_checkpoint:
+        as_per_tensor_static(path)
     args = ServerArgs.from_kwargs(
         model_path=path, load_format="dummy", skip_tokenizer_init=True, **json.loads(a.engine_args)
     )
@@ -83,9 +88,9 @@ def main(argv: list[str] | None = None) -> None:
         a.num_prompts, a.input_len or a.len, a.output_len or a.len, config.vocab_size, 0, prefix
     )
     bandwidth, flops, fp8_flops = measure_ceilings(device)
-    # FP8 weights (--engine-args '{"quantization": "fp8"}'): a byte a weight read per decode
-    # step, and the linear layers' prefill FLOPs at the FP8 matmul rate
-    fp8_weights = args.quantization == "fp8"
+    # FP8 weights (quantization="fp8", or the checkpoint's own): a byte a weight read per
+    # decode step, and the linear layers' prefill FLOPs at the FP8 matmul rate
+    fp8_weights = has_fp8_weights({"quantization": args.quantization}, config)
     if fp8_weights and fp8_flops:
         flops = fp8_flops
     # a float8 cache (--engine-args '{"kv_cache_dtype": "fp8_e4m3"}') reads a byte an element

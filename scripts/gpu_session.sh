@@ -2,7 +2,7 @@
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|spec|spec-adaptive|spec-copier|spec-copier-tpN|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
-#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-chunks|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-steps-long|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-chunks|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -155,11 +155,14 @@ run_step() {
       flow-paths) python3 -m bench.flow_prefix --paths 2>&1 | grep "^|" ;;
       flow-prefix-profile) python3 -m bench.flow_prefix --profile $OUT/flow.prof 2>&1 | grep -v "^\[transformers\]" | tail -60 ;;
       flow-dp) python3 -m bench.flow_dp --rows 20000 --dp 1 "$GPUS" 2>&1 | tail -8 ;;
-      # TensorRT-LLM's 1000/1000 and 128/128 (FP8 weights and K/V, fewer requests): each step's
-      # device time against its floor, and the kernels of the first prefills and of 10 decodes
-      trtllm-steps) for shape in "300 1000 1000" "3000 128 128"; do set -- $shape
+      # TensorRT-LLM's shapes (its FP8 checkpoint layout, FP8 K/V, fewer requests): each step's
+      # device time against its floor, and the kernels of the first prefills and of 10 decodes;
+      # trtllm-steps-long: the two nearest 1.0 that are not there yet
+      trtllm-steps|trtllm-steps-long) shapes=("300 1000 1000" "3000 128 128")
+                [ "$s" = trtllm-steps-long ] && shapes=("500 2048 2048" "300 5000 500")
+                for shape in "${shapes[@]}"; do set -- $shape
                 python3 -m bench.profile_w1 --model-config llama-3.1-8b --num-prompts "$1" --input-len "$2" \
-                  --output-len "$3" --engine-args '{"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}' \
+                  --output-len "$3" --fp8-checkpoint per-tensor-static --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' \
                   --kernels 0:3,200:210 2>&1 | grep -v "^Loading\|Writing\|WARNING\|UserWarning\|_warn_once" | tail -70; done ;;
       # the shared-prefix pair's decode attention, one layer, by variant (bench/prefix_decode.py)
       prefix-decode) tests tests/kernels/test_shared_prefix_attention.py tests/kernels/test_decode_attention.py \
