@@ -151,17 +151,23 @@ def main(argv: list[str] | None = None) -> None:
                 state["kv_total_tokens"], kv_dtype, fp8_flops if fp8_weights else None,
             )  # fmt: skip
             tok_s = result["output_tokens"] / result["wall"]
+            # what the scheduler did: a retraction recomputes a prompt (prefill beyond the
+            # prompts' own tokens), and device idle is time the device waited for the host
+            steps = (f"{state['prefill_steps']} prefill / {state['decode_steps']} decode steps, "
+                     f"{state['retractions']} retractions, "
+                     f"{state['prefill_tokens_computed'] - work.input_tokens:+,} prefill tokens "
+                     f"beyond the prompts, {state['device_idle_seconds']:.1f} s device idle")  # fmt: skip
             published = {"H100": h100, "H200": h200}
             rows.append({
                 "shape": f"{isl}/{osl}", "requests": n, "wall": result["wall"], "tok/s": tok_s,
                 "TensorRT-LLM H100": h100, "TensorRT-LLM H200": h200,
                 "ratio": tok_s / published[column or "H100"],
-                "fraction of floor": (decode + prefill) / result["wall"],
+                "fraction of floor": (decode + prefill) / result["wall"], "steps": steps,
             })  # fmt: skip
             # each shape's line as it ends: a call stopped by its time limit keeps what ran
             r = rows[-1]
             print(f"{isl}/{osl}: {n} requests in {r['wall']:.1f} s, {tok_s:,.0f} out tok/s, "
-                  f"ratio {r['ratio']:.2f}, {r['fraction of floor']:.2f} of the floor", flush=True)  # fmt: skip
+                  f"ratio {r['ratio']:.2f}, {r['fraction of floor']:.2f} of the floor; {steps}", flush=True)  # fmt: skip
     finally:
         engine.shutdown()
 
