@@ -121,7 +121,10 @@ def silu_and_mul_fp8(
     x2, inter = _rows(x)
     rows = x2.shape[0]
     out = _empty((rows, inter), dtype=FP8, device=x.device)
-    scale = _empty((rows, 1), dtype=torch.float32, device=x.device)
+    if static_scale is not None:  # (the kernel reads it and writes no scale)
+        scale = static_rows(static_scale, rows)
+    else:
+        scale = _empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows and inter:
         block = min(triton.next_power_of_2(inter), _FP8_BLOCK)
         _silu_and_mul_fp8_kernel[(rows,)](
@@ -136,8 +139,6 @@ def silu_and_mul_fp8(
             HW_CAST=fp8_hw_cast(x.device),
             num_warps=_FP8_WARPS,
         )
-    if static_scale is not None:
-        scale = static_rows(static_scale, rows)
     return out, scale
 
 

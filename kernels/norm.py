@@ -113,7 +113,10 @@ def rmsnorm(
         raise ValueError(f"fp8 output needs weight's dtype {weight.dtype} to be x's {x.dtype}")
     if fp8:
         out = _empty((rows, hidden), dtype=FP8, device=x.device)
-        scale = _empty((rows, 1), dtype=torch.float32, device=x.device)
+        if static_scale is not None:  # (the kernel reads it and writes no scale)
+            scale = static_rows(static_scale, rows)
+        else:
+            scale = _empty((rows, 1), dtype=torch.float32, device=x.device)
     else:
         out = _empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
         scale = out  # unused by the kernel
@@ -149,8 +152,6 @@ def rmsnorm(
             HW_CAST=fp8 and fp8_hw_cast(x.device),
             num_warps=_num_warps(block),
         )
-    if static_scale is not None:
-        scale = static_rows(static_scale, rows)
     normed = (out, scale) if fp8 else out
     return normed if residual is None else (normed, res_out)
 
