@@ -424,19 +424,21 @@ def random_prompts(vocab_size: int, lengths, seed: int = 0, avoid_ids=None) -> l
 def never_generated(outputs: list[list[int]], vocab_size: int = 512) -> int:
     """A token id in none of `outputs` (nor special): as a stop id it never ends a request,
     yet makes it one that could end early, whose KV admission can only guess (and may have to
-    retract); a request with no stop id at all has its whole length reserved. (Admission's
+    retract); a request with no stop id at all has the exact peak of its
+    length reserved, and is never retracted. (Admission's
     guess also learns from finished requests: see `guess_like_sglang`.)"""
     seen = {t for out in outputs for t in out} | set(special_token_ids())
     return next(t for t in range(vocab_size) if t not in seen)
 
 
 def guess_like_sglang(monkeypatch) -> None:
-    """Admission's estimate of what running requests will generate, as SGLang's: a ratio that
-    decays while decoding goes well, without the floor of what finished requests used. Tests
-    of retraction need a guess a small pool can prove wrong, whatever ran before."""
-    from engine.scheduler.new_tokens import NewTokenEstimate
+    """Admission's estimate of what running requests will generate, as SGLang's at its most
+    optimistic: its floor ratio from the start, without the floor of what finished requests
+    used. Tests of retraction need a guess a small pool can prove wrong, whatever ran before."""
+    from engine.scheduler import new_tokens
 
-    monkeypatch.setattr(NewTokenEstimate, "finished", lambda self, req: None)
+    monkeypatch.setattr(new_tokens.NewTokenEstimate, "finished", lambda self, req: None)
+    monkeypatch.setattr(new_tokens, "INIT_NEW_TOKEN_RATIO", new_tokens.MIN_NEW_TOKEN_RATIO)
 
 
 def make_lora(model_dir, out, rank: int, targets: list[str], seed: int, alpha: float | None = None):

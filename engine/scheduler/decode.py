@@ -67,6 +67,10 @@ class DecodePlanner:
             victim = q.chunked or (
                 max(reqs, key=lambda r: r.admit_order) if len(reqs) > 1 else None
             )
+            if victim is None and len(reqs) < len(q.running):
+                # requests whose last token is in flight hold pages until that step is read:
+                # this step launches nothing, so the next finds them given back
+                return None
             if victim is None:
                 raise RuntimeError(
                     "a single running request does not fit the KV pool (validation should prevent this)"

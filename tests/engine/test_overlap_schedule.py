@@ -14,7 +14,7 @@ import random
 import pytest
 
 from tests.engine.core import InProcessCore
-from tests.tiny_models import random_prompts, special_token_ids
+from tests.tiny_models import guess_like_sglang, never_generated, random_prompts, special_token_ids
 
 LENGTHS = [1, 4, 9, 17, 30, 44, 61, 80, 3, 25, 50, 12]
 
@@ -88,10 +88,16 @@ def stop_tokens(llama_dir, prompts):
 
 
 @pytest.mark.parametrize("tight", [False, True], ids=["roomy-pool", "tiny-pool"])
-def test_overlap_gives_the_same_outputs(llama_dir, prompts, stop_tokens, tight):
+def test_overlap_gives_the_same_outputs(llama_dir, prompts, stop_tokens, tight, monkeypatch):
     kwargs = {"dtype": "float32", "chunked_prefill_size": 16}
     if tight:  # a pool for exactly the longest request, which every request runs out to
+        # (a stop id none produces: admission guesses their KV, and the tiny pool proves the
+        # guess wrong)
         params = [{**p, "ignore_eos": True} for p in _params(prompts)]
+        roomy = _run(InProcessCore(llama_dir, **kwargs), prompts, params)
+        never = never_generated([out[0] for out in roomy], 512)
+        params = [{**p, "stop_token_ids": [never]} for p in params]
+        guess_like_sglang(monkeypatch)
         kwargs["max_total_tokens"] = max(LENGTHS) + 24
     else:
         params = _params(prompts, stop_tokens)
@@ -139,4 +145,28 @@ def test_abort_while_a_token_is_pending(llama_dir, prompts):
     for i in (0, 2, 3):
         assert reqs[i].output_ids == ref[i]
     assert len(reqs[1].output_ids) < 12
+    _assert_memory_whole(core)
+
+
+def test_decode_waits_for_pages_whose_request_ends_in_flight(llama_dir, prompts, monkeypatch):
+    """A request whose last token is in flight holds its pages until that step is read. When the
+    one request still decoding needs one of them, the step launches nothing (rather than
+    retracting, or failing as if that request alone outgrew the pool), and it goes on from the
+    next step. A: 16 prompt tokens and 3 out; B: 10 and 20. Admitted together on a guess, at
+    step 4 they hold 18 + 12 = 30 slots, the whole pool, with A's last token in flight."""
+    a, b = random_prompts(512, [16, 10], seed=5, avoid_ids=special_token_ids())
+    params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in (3, 20)]
+    roomy = InProcessCore(llama_dir, dtype="float32").run([a, b], params)
+    params = [{**p, "stop_token_ids": [never_generated(roomy)]} for p in params]
+    guess_like_sglang(monkeypatch)
+    core = InProcessCore(llama_dir, dtype="float32", max_total_tokens=30, page_size=1)
+    assert core.scheduler.overlap
+    reqs = core.submit([a, b], params)
+    launched = []
+    while core.scheduler.has_work():
+        core.scheduler.step()
+        launched.append(core.scheduler._inflight is not None)
+    assert [r.output_ids for r in reqs] == roomy
+    assert core.scheduler.stats.retractions == 0
+    assert launched[:5] == [True, True, True, False, True]  # the 4th step only reads the 3rd
     _assert_memory_whole(core)
