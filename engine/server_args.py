@@ -87,9 +87,8 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # None: DEFAULT_CHUNKED_PREFILL_SIZE; -1: no chunks
     schedule_policy: str = "fcfs"
-    # None: 16 for a float8 KV cache on the triton backend (its V is stored in groups of 16
-    # token-major slots: grouped_v), else 1
-    page_size: int | None = None
+    schedule_conservativeness: float = 1.0  # scales admission's guess (scheduler/new_tokens.py)
+    page_size: int | None = None  # None: 16 for a float8 KV cache on triton (grouped_v), else 1
     disable_radix_cache: bool = False
     # decode reads a prefix that running requests share (radix cache) once per group, not once
     # per request (triton backend; kernels/shared_prefix_attention.py)
@@ -424,6 +423,7 @@ _RULES: dict[str, Rule] = {
         settled=DEFAULT_CHUNKED_PREFILL_SIZE,
     ),
     "schedule_policy": one_of(SCHEDULE_POLICIES),
+    "schedule_conservativeness": Rule(("a positive number",), minimum=0, exclusive_minimum=True),
     "page_size": _POSITIVE,
     "attention_backend": one_of(ATTENTION_BACKENDS),
     "cuda_graph_max_bs": _POSITIVE,

@@ -24,16 +24,24 @@ OBSERVED_WINDOW = 32
 
 
 class NewTokenEstimate:
-    def __init__(self, kv: KVCache) -> None:
+    def __init__(self, kv: KVCache, conservativeness: float = 1.0) -> None:
+        """`conservativeness` (schedule_conservativeness) scales the ratio, its floor and its
+        decay, as SGLang's does, and the share finished requests used too."""
         self.kv = kv
-        self._decayed = INIT_NEW_TOKEN_RATIO
+        self.conservativeness = conservativeness
+        self._init = min(INIT_NEW_TOKEN_RATIO * conservativeness, 1.0)
+        self._min = self._init * MIN_NEW_TOKEN_RATIO / INIT_NEW_TOKEN_RATIO
+        self._decay = NEW_TOKEN_RATIO_DECAY * self._init / INIT_NEW_TOKEN_RATIO
+        self._decayed = self._init
         self.observed: float | None = None  # the share of max_new_tokens finished requests used
 
     @property
     def ratio(self) -> float:
         """The share of what running requests may still generate that admission reserves:
         SGLang's decaying ratio, but never below the share that requests finished lately used."""
-        return self._decayed if self.observed is None else max(self._decayed, self.observed)
+        if self.observed is None:
+            return self._decayed
+        return max(self._decayed, min(self.observed * self.conservativeness, 1.0))
 
     def tokens_to_come(self, reqs: list[Req]) -> tuple[int, int]:
         """What `reqs` may generate still, each capped at RESERVE_CLIP_TOKENS: (the tokens of
@@ -54,10 +62,10 @@ class NewTokenEstimate:
         return self.kv.pages_for(math.ceil(may * self.ratio) + will)
 
     def decay(self) -> None:
-        self._decayed = max(MIN_NEW_TOKEN_RATIO, self._decayed - NEW_TOKEN_RATIO_DECAY)
+        self._decayed = max(self._min, self._decayed - self._decay)
 
     def reset(self) -> None:
-        self._decayed = INIT_NEW_TOKEN_RATIO
+        self._decayed = self._init
 
     def finished(self, req: Req) -> None:
         """A request ended by length or a stop: fold the share of max_new_tokens it used into

@@ -64,7 +64,7 @@ class Scheduler:
         self.max_running_requests = self.runner.max_running_requests
         self.queues = RequestQueues()
         self.stats = SchedulerStats()
-        self.estimate = estimate = NewTokenEstimate(self.kv)
+        self.estimate = estimate = NewTokenEstimate(self.kv, args.schedule_conservativeness)
         self.prefill = PrefillPlanner(
             args, self.kv, self.queues, estimate, self.stats, self.max_running_requests
         )

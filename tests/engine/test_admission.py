@@ -81,6 +81,22 @@ def test_the_reserved_share_never_decays_below_what_requests_used():
     assert estimate.ratio == pytest.approx(INIT_NEW_TOKEN_RATIO)
 
 
+def test_schedule_conservativeness_scales_the_guess_as_sglang_does():
+    """SGLang: init ratio 0.7 * c, its floor a seventh of that, reached after 600 steps; here
+    the share finished requests used is scaled too."""
+    estimate = NewTokenEstimate(kv=None, conservativeness=0.5)
+    assert estimate.ratio == pytest.approx(0.35)
+    for _ in range(599):
+        estimate.decay()
+    assert estimate.ratio > 0.05
+    estimate.decay()
+    assert estimate.ratio == pytest.approx(0.05)
+    for _ in range(64):
+        estimate.finished(_finished(40))
+    assert estimate.ratio == pytest.approx(0.5)
+    assert NewTokenEstimate(kv=None, conservativeness=3.0).ratio == 1.0
+
+
 def test_length_only_requests_reserve_all_their_remaining_tokens():
     estimate = NewTokenEstimate(kv=None)
     free = _finished(10, stop_ids=frozenset({2}))  # 30 of 40 still to come, and it may stop early
