@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--running", type=int, default=256, help="max_running_requests")
     ap.add_argument("--input-len", default="100:1024")
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--output-len", default="64", help="N or LO:HI (uniform)")
     ap.add_argument("--shared-prefix-len", type=int, default=0)
     ap.add_argument("--num-prefixes", type=int, default=1)
     ap.add_argument("--engine-args", default="{}", help="JSON of extra ServerArgs")
@@ -56,12 +56,14 @@ def main(argv: list[str] | None = None) -> None:
     config = ModelConfig.from_folder(folder, args.dtype, args.context_length)
     sched = Scheduler(args, config, torch.device("cpu"))
     work = make_workload(
-        a.num_prompts, a.input_len, str(a.output_len), config.vocab_size, 0,
+        a.num_prompts, a.input_len, a.output_len, config.vocab_size, 0,
         a.shared_prefix_len, a.num_prefixes,
     )  # fmt: skip
     inputs = InputProcessor(args, config, None, sched.max_total_tokens)
-    params = [{"temperature": 0.0, "max_new_tokens": a.output_len, "ignore_eos": True}]
-    call = inputs.make_call(None, work.input_ids, params * a.num_prompts, False, None, None, None)
+    params = [
+        {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in work.output_lens
+    ]
+    call = inputs.make_call(None, work.input_ids, params, False, None, None, None)
 
     # the forward, stubbed: logits that cost nothing, so the step's time is the host's
     logits = torch.randn(max(a.running, 16384), config.vocab_size)
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         + f", out {a.output_len}"
     )  # fmt: skip
     print(f"| steps: prefill / decode | {s.prefill_steps} / {s.decode_steps} |")
+    print(f"| requests per decode step (mean) | {s.generated_tokens / s.decode_steps:.1f} |")
+    print(f"| retractions | {s.retractions} |")
     print(
         f"| prefill tokens: computed / cached | {s.prefill_tokens_computed} / {s.prefill_tokens_cached} |"
     )

@@ -13,7 +13,8 @@ Columns:
     its cached prefix at admission. Those of its cached prefix belong to the radix cache, and
     only the device's table row needs them;
   - `drawn[row]`: tokens drawn on the device, pending ones included;
-  - `draw_limit[row]`: draws that end the request by length whatever they are.
+  - `draw_limit[row]`: draws that end the request by length whatever they are;
+  - `length_only[row]`: nothing else can end it (Req.ends_by_length_only).
 
 Page-major (`pages[i, row]`) and counted from `base`, a row's pages start at the front of the
 array whatever its prefix, and the front for all rows is one block, touched once at start-up:
@@ -40,6 +41,7 @@ class ReqRows:
         self.kv_len = np.zeros(num_rows, dtype=np.int64)
         self.drawn = np.zeros(num_rows, dtype=np.int64)
         self.draw_limit = np.zeros(num_rows, dtype=np.int64)
+        self.length_only = np.zeros(num_rows, dtype=bool)
 
     def own(self, row: int, first: int, last: int) -> np.ndarray:
         """Pages [first, last) of the row's KV (a view; first >= its base)."""

@@ -9,6 +9,7 @@ are freed. Running short of free pages evicts unlocked cached prefixes first.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from engine.batch.req import Req
 
 _NONE = np.empty(0, dtype=np.int64)
+_prefix_len = attrgetter("prefix_len")
 
 
 class KVCache:
@@ -84,12 +86,51 @@ class KVCache:
         table.base[row] = len(slots) // self.page_size
         table.drawn[row] = req.drawn  # (read while the row is not yet the request's)
         table.draw_limit[row] = req.draw_limit
+        table.length_only[row] = req.ends_by_length_only
         req.pool_row, req.rows = row, table
         return slots
 
     def pages_held(self, req: Req) -> int:
         """Pages behind the request's KV: its cached prefix's and its own."""
         return self.pages_for(req.kv_len)
+
+    def pages_alone(self, reqs: list[Req], rows: np.ndarray) -> np.ndarray:
+        """For each admitted request (`rows`: their rows), the pages that only it holds (int64):
+        its own, and those of its cached prefix that no other request or session has locked.
+        When it leaves, the pool has them back (free, or cached and evictable)."""
+        ps = self.page_size
+        prefix = np.fromiter(map(_prefix_len, reqs), np.int64, len(reqs))
+        cached = np.fromiter(map(self._tokens_locked_once, reqs), np.int64, len(reqs))
+        return -(-self.rows.kv_len[rows] // ps) - prefix // ps + cached // ps
+
+    def pages_alone_at(self, req: Req, kv_len: int) -> int:
+        """`pages_alone` of one request once its K/V reaches `kv_len` tokens."""
+        own = self.pages_for(kv_len) - req.prefix_len // self.page_size
+        return own + self._tokens_locked_once(req) // self.page_size
+
+    def pages_shared_by_two(self, req: Req) -> int:
+        """Pages of the request's cached prefix locked by it and exactly one other holder: just
+        after `admit`, those that were the other's alone until now."""
+        return self._tokens_locked(req.last_node, 2) // self.page_size
+
+    def _tokens_locked_once(self, req: Req) -> int:
+        node = req.last_node
+        # the common case, without the walk: its own node under the root or a shared one
+        if node is not None and node.lock_ref == 1 and node.parent is not None:
+            parent = node.parent
+            if parent is self.tree.root or parent.lock_ref > 1:
+                return len(node.key)
+        return self._tokens_locked(node, 1)
+
+    def _tokens_locked(self, node: object, holders: int) -> int:
+        """Tokens of the nodes ending the path to `node` that exactly `holders` locks hold (a
+        lock holds a node's ancestors too: their counts only grow towards the root)."""
+        tokens, root = 0, self.tree.root if self.tree is not None else None
+        while node is not None and node is not root and node.lock_ref <= holders:
+            if node.lock_ref == holders:
+                tokens += len(node.key)
+            node = node.parent
+        return tokens
 
     def own_pages(self, req: Req) -> np.ndarray:
         """The pages the request computed itself and still owns (a view of its row)."""

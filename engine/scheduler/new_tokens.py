@@ -7,14 +7,23 @@ was too low). Unlike SGLang's, it never decays below the share of max_new_tokens
 requests finished lately actually used: when every request runs to its limit (ignore_eos, or
 lengths that only max_new_tokens ends), a decayed ratio admits more than the pool can hold,
 and the retractions that follow recompute whole prompts.
+
+A plan's `Reservation` applies the estimate to the requests already admitted, and to each
+candidate: once reserving all of what length-only requests will generate no longer fits, it
+reserves their exact peak instead (peak_demand.py), which lets more of them run at once.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import compress
+from operator import attrgetter
+
+import numpy as np
 
 from engine.batch.req import Req
 from engine.scheduler.kv_cache import KVCache
+from engine.scheduler.peak_demand import PeakDemand
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
@@ -43,23 +52,14 @@ class NewTokenEstimate:
             return self._decayed
         return max(self._decayed, min(self.observed * self.conservativeness, 1.0))
 
-    def tokens_to_come(self, reqs: list[Req]) -> tuple[int, int]:
-        """What `reqs` may generate still, each capped at RESERVE_CLIP_TOKENS: (the tokens of
-        requests that can end before their limit, the tokens of those that cannot)."""
-        may, will = 0, 0
-        for r in reqs:
-            left = min(r.draw_limit - len(r.output_ids), RESERVE_CLIP_TOKENS)
-            if r.ends_by_length_only:
-                will += left
-            else:
-                may += left
-        return may, will
-
-    def pages(self, tokens_to_come: tuple[int, int]) -> int:
-        """Pages to keep free for requests that may generate `tokens_to_come` tokens still: a
-        share (`ratio`) of what may end early, all of what only its limit ends."""
-        may, will = tokens_to_come
-        return self.kv.pages_for(math.ceil(may * self.ratio) + will)
+    def tokens_to_come(self, rows: np.ndarray) -> tuple[int, int]:
+        """What the admitted requests of `rows` may draw still, each capped at
+        RESERVE_CLIP_TOKENS: (the tokens of requests that can end before their limit, the tokens
+        of those that cannot)."""
+        table = self.kv.rows
+        left = np.minimum(table.draw_limit[rows] - table.drawn[rows], RESERVE_CLIP_TOKENS)
+        will = int(left[table.length_only[rows]].sum())
+        return int(left.sum()) - will, will
 
     def decay(self) -> None:
         self._decayed = max(self._min, self._decayed - self._decay)
@@ -77,3 +77,77 @@ class NewTokenEstimate:
             self.observed = used
         else:
             self.observed += (used - self.observed) / OBSERVED_WINDOW
+
+
+class Reservation:
+    """The pages one admission plan keeps free for the requests admitted before a candidate:
+    a share (`ratio`) of what may end early, all of what only its limit ends (or, once that no
+    longer fits and `exact`, that part's exact peak: PeakDemand), and `extra` pages (the rest
+    of the chunked prompt). `taken`: cached pages the peak counts as given back when their
+    holder ends, which a request admitted since shares (and so keeps locked).
+
+    NOTE: O(running) once a plan (the exact peak is built only when the full reservation does
+    not fit), then O(running) numpy per candidate.
+    """
+
+    def __init__(self, estimate: NewTokenEstimate, running: list[Req], exact: bool) -> None:
+        self.estimate, self.kv = estimate, estimate.kv
+        self._running = list(running)  # (q.running itself grows as the plan admits)
+        self._rows = np.fromiter(map(_pool_row, running), np.int64, len(running))
+        self.may, self.will = estimate.tokens_to_come(self._rows)
+        self.exact = exact
+        self.extra = 0
+        self.taken = 0
+        self._joined: list[tuple[int, int]] = []  # (remaining, pages alone) of length-only joiners
+        self._peak: PeakDemand | None = None
+
+    def fits(self, room: int, req: Req | None = None, alone: int = 0, taken: int = 0) -> bool:
+        """Whether `room` pages hold the reservation, with `req` (admitted: it holds a row)
+        running too if given (`alone`: the pages it will hold alone once its prompt is in;
+        `taken`: cached pages it shares that were another request's alone)."""
+        may, will = self.may, self.will
+        if req is not None:
+            own_may, own_will = self.estimate.tokens_to_come(np.array([req.pool_row]))
+            may, will = may + own_may, will + own_will
+        share = math.ceil(may * self.estimate.ratio)
+        if self.kv.pages_for(share + will) + self.extra <= room:
+            return True
+        if not self.exact or will == 0:
+            return False
+        peak = self._exact_peak()
+        if req is not None and req.ends_by_length_only:
+            pages = peak.pages_with(_remaining(req), alone)
+        else:
+            pages = peak.pages
+        return self.kv.pages_for(share) + pages + self.extra + self.taken + taken <= room
+
+    def add(self, req: Req, alone: int) -> None:
+        """`req` was admitted (`alone`: as for `fits`)."""
+        own_may, own_will = self.estimate.tokens_to_come(np.array([req.pool_row]))
+        self.may, self.will = self.may + own_may, self.will + own_will
+        if req.ends_by_length_only:
+            self._joined.append((_remaining(req), alone))
+            if self._peak is not None:
+                self._peak.add(*self._joined[-1])
+
+    def _exact_peak(self) -> PeakDemand:
+        if self._peak is None:
+            table, rows = self.kv.rows, self._rows
+            fixed = table.length_only[rows]
+            rows = rows[fixed]
+            remaining = table.draw_limit[rows] - table.drawn[rows]
+            alone = self.kv.pages_alone(list(compress(self._running, fixed)), rows)
+            if self._joined:
+                joined = np.array(self._joined, dtype=np.int64)
+                remaining = np.concatenate([remaining, joined[:, 0]])
+                alone = np.concatenate([alone, joined[:, 1]])
+            self._peak = PeakDemand(remaining, alone, self.kv.page_size)
+        return self._peak
+
+
+_pool_row = attrgetter("pool_row")
+
+
+def _remaining(req: Req) -> int:
+    """Decode steps the request still takes a slot in: one per draw it has not made yet."""
+    return max(req.draw_limit - req.drawn, 0)

@@ -5,9 +5,9 @@ A prefill step takes, within `max_prefill_tokens` and the running-request limit:
      pages fit;
   2. waiting requests in queue order (or longest cached prefix first, `lpm`). Each reuses the
      longest cached prefix of its prompt and is admitted when its remaining prompt, plus what
-     the running requests are expected to generate still (NewTokenEstimate), fits in the pages
-     that are free or evictable. A prompt longer than `chunked_prefill_size` starts a chunked
-     prefill; only one runs at a time.
+     it and the admitted requests are expected to take still (new_tokens.Reservation: their
+     output, the rest of a chunked prompt), fits in the pages that are free or evictable. A
+     prompt longer than `chunked_prefill_size` starts a chunked prefill; only one runs at a time.
 A request that shares at least IN_BATCH_PREFIX_TOKENS uncached tokens with one already in the
 batch waits a step: it then finds them cached instead of computing them a second time.
 While requests decode and the pool has little room, admission waits (a few dozen steps at
@@ -29,7 +29,7 @@ from engine.batch.forward_batch import ForwardMode
 from engine.batch.req import Req
 from engine.batch.scheduled_batch import ScheduledBatch
 from engine.scheduler.kv_cache import KVCache
-from engine.scheduler.new_tokens import NewTokenEstimate
+from engine.scheduler.new_tokens import NewTokenEstimate, Reservation
 from engine.scheduler.queues import RequestQueues
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
@@ -66,6 +66,9 @@ class PrefillPlanner:
         self.max_prefill_tokens = args.max_prefill_tokens
         self.chunk_size = args.prefill_chunk_size
         self.lpm = args.schedule_policy == "lpm"
+        # NOTE: the exact peak assumes every running request takes one slot per decode step;
+        # speculation takes several, at rates no one knows ahead
+        self.exact_peak = not args.speculative
         self._admissions = itertools.count()
         self._waited = 0  # steps admission has waited for room (_wait_for_room)
 
@@ -76,11 +79,14 @@ class PrefillPlanner:
         lens: list[int] = []
         prefixes: list[np.ndarray] = []  # the slots of each request's newly matched cached prefix
         planned_pages = 0
+        chunked_end = 0  # where the chunked prompt's K/V ends after this plan
         if q.chunked is not None:
             req = q.chunked
             n = min(req.fill_len - req.kv_len, self.chunk_size, budget)
             need = self._pages_to_extend(req, n)
+            chunked_end = req.kv_len
             if need <= self.kv.available_pages:
+                chunked_end += n
                 reqs.append(req)
                 lens.append(n)
                 prefixes.append(_NO_SLOTS)  # its row holds its prefix since its first chunk
@@ -93,12 +99,12 @@ class PrefillPlanner:
             self._sort_waiting_by_prefix()
         heads: set[tuple[object, bytes]] = set()  # the uncached heads of the batch's prompts
         shared: dict[object, np.ndarray] = {}  # each matched node's prefix slots
-        reserved = None  # what the running requests may still generate: O(running), so lazily
+        reserved = None  # what the admitted requests may still take: O(running), so lazily
         adapters: set[str] | None = None  # the LoRA adapters of running requests, also lazily
         # NOTE: newly admitted requests join q.running (or become q.chunked) as they are planned
         while q.waiting and budget > 0 and q.num_running < self.max_running_requests:
             if reserved is None:
-                reserved = self.estimate.tokens_to_come(q.running)
+                reserved = self._reservation(chunked_end)
                 if not reqs and self._wait_for_room(reserved):
                     break
             req = q.waiting[0]
@@ -125,16 +131,19 @@ class PrefillPlanner:
                 break
             chunks = n < remaining
             need = self._pages_to_extend(req, n)
-            own = (0, 0) if chunks else self.estimate.tokens_to_come([req])
-            reserve = self.estimate.pages(own) + self.estimate.pages(reserved)
-            fits = planned_pages + need + reserve <= self.kv.available_pages
-            if not fits or (chunks and q.chunked is not None):
+            rest = self._pages_to_extend(req, remaining) - need  # (of a chunked prompt)
+            taken = self.kv.pages_shared_by_two(req) if cached and self.exact_peak else 0
+            alone = self.kv.pages_alone_at(req, req.fill_len)
+            room = self.kv.available_pages - planned_pages - need - rest
+            if (chunks and q.chunked is not None) or not reserved.fits(room, req, alone, taken):
                 self.kv.release(req)  # nothing computed yet: this only unlocks the prefix
                 break
             q.waiting.popleft()
             if head is not None:
                 heads.add(head)
-            reserved = (reserved[0] + own[0], reserved[1] + own[1])  # it runs from now on
+            reserved.add(req, alone)  # it runs from now on
+            reserved.extra += rest
+            reserved.taken += taken
             self._on_admit(req, cached)
             reqs.append(req)
             lens.append(n)
@@ -174,7 +183,18 @@ class PrefillPlanner:
         return [req]
 
     # ------------------------------------------------------------------ helpers
-    def _wait_for_room(self, reserved: tuple[int, int]) -> bool:
+    def _reservation(self, chunked_end: int) -> Reservation:
+        """What the admitted requests may still take: the running ones' output, and the chunked
+        one's output and the rest of its prompt (beyond `chunked_end`)."""
+        q = self.queues
+        reserved = Reservation(self.estimate, q.running, self.exact_peak)
+        if q.chunked is not None:
+            req = q.chunked
+            reserved.add(req, self.kv.pages_alone_at(req, req.fill_len))
+            reserved.extra += self.kv.pages_for(req.fill_len) - self.kv.pages_for(chunked_end)
+        return reserved
+
+    def _wait_for_room(self, reserved: Reservation) -> bool:
         """Whether to admit nobody this step, though someone might fit: requests are decoding
         (the device has work), yet the pool has room for less than MIN_PREFILL_FRACTION of a
         prefill step's tokens (or MIN_PREFILL_POOL_FRACTION of the pool) beyond what they may
@@ -183,12 +203,12 @@ class PrefillPlanner:
         build up as requests finish, for one large step. Never longer than MAX_WAIT_STEPS."""
         if not self.queues.running:
             return False
-        room = (self.kv.available_pages - self.estimate.pages(reserved)) * self.kv.page_size
         enough = min(
             self.max_prefill_tokens * MIN_PREFILL_FRACTION,
             self.kv.pool.num_tokens * MIN_PREFILL_POOL_FRACTION,
         )
-        if room >= enough or self._waited >= MAX_WAIT_STEPS:
+        room = self.kv.available_pages - self.kv.pages_for(math.ceil(enough))
+        if reserved.fits(room) or self._waited >= MAX_WAIT_STEPS:
             self._waited = 0
             return False
         self._waited += 1

@@ -2,9 +2,10 @@
 
 Three rules, each checked against what a brute-force account of the pool or a run without the
 rule says, and none of which may change a token:
-  - requests that only their limit can end (no stop ids, stop strings or grammar) have all of
-    their remaining tokens reserved: admission never takes more of them than the pool holds at
-    their full length, so they are never retracted;
+  - requests that only their limit can end (no stop ids, stop strings or grammar) have the
+    exact peak of what they will still take reserved: admission takes more of them than the
+    pool holds at their full length (early finishers give back pages for late ones), yet never
+    more than it holds at the busiest step to come, so they are never retracted;
   - the share of max_new_tokens reserved for requests that can end early never decays below
     the share that finished requests actually used;
   - while requests decode and the pool has little room, admission waits (a bounded number of
@@ -13,13 +14,22 @@ rule says, and none of which may change a token:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
 import engine.scheduler.prefill as prefill_module
 from engine.batch.req import Req
+from engine.batch.req_rows import ReqRows
 from engine.runtime.messages import TokenizedRequest
 from engine.sampling_params import SamplingParams
-from engine.scheduler.new_tokens import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NewTokenEstimate
+from engine.scheduler.new_tokens import (
+    INIT_NEW_TOKEN_RATIO,
+    MIN_NEW_TOKEN_RATIO,
+    RESERVE_CLIP_TOKENS,
+    NewTokenEstimate,
+)
 from tests.engine.core import InProcessCore
 from tests.tiny_models import random_prompts, special_token_ids
 
@@ -31,32 +41,56 @@ def prompts():
     return random_prompts(512, LENGTHS, seed=41, avoid_ids=special_token_ids())
 
 
-def _run_checking_the_pool(core: InProcessCore, prompts, params) -> tuple[list, int]:
-    """Generate to completion; before every step, the admitted requests' KV at their full
-    length (the prompt and every output token but the last, which is never fed back) must fit
-    the pool (none shares a prefix, so each needs its own pages). Returns the outputs and the
-    most requests running at once."""
+def _busiest_coming_step(sched) -> int:
+    """Brute force: the pages the admitted requests will hold at the busiest decode step to
+    come, if nobody else were admitted. Each takes one more slot a step until its last draw
+    and is given back a step later (with overlap, its last step is read while the next runs);
+    none shares a prefix, so each holds its pages alone; a chunked prompt's rest comes at once."""
+    pages = sched.kv.pages_for
+    holding = [
+        (r.fill_len if r is sched.queues.chunked else r.kv_len, r.draw_limit - r.drawn)
+        for r in sched.queues.admitted()
+    ]
+    longest = max((left for _, left in holding), default=0)
+    return max(
+        sum(pages(kv_len + min(t, left)) for kv_len, left in holding if left >= t - 1)
+        for t in range(longest + 3)
+    )
+
+
+def _run_checking_the_pool(core: InProcessCore, prompts, params) -> tuple[list, int, int]:
+    """Generate to completion; before every step, what the admitted requests will hold at the
+    busiest step to come must fit the pool. Returns the outputs, the most requests running at
+    once, and the steps at which the admitted requests at their full length (the prompt and
+    every output token but the last, which is never fed back) needed more than the pool."""
     reqs = core.submit(prompts, params)
-    sched, pool = core.scheduler, core.scheduler.kv.pool.num_tokens
-    most = 0
+    sched = core.scheduler
+    pool, pool_pages = sched.kv.pool.num_tokens, sched.kv.pool.num_pages
+    most = beyond_full = 0
     while sched.has_work():
         admitted = sched.queues.admitted()
-        need = sum(r.prompt_len + r.draw_limit - 1 for r in admitted)
-        assert need <= pool, f"{len(admitted)} requests need {need} tokens of a {pool}-token pool"
+        busiest = _busiest_coming_step(sched)
+        assert busiest <= pool_pages, f"{len(admitted)} requests will need {busiest} pages"
+        beyond_full += sum(r.prompt_len + r.draw_limit - 1 for r in admitted) > pool
         most = max(most, len(admitted))
         sched.step()
-    return [r.output_ids for r in reqs], most
+    return [r.output_ids for r in reqs], most, beyond_full
 
 
 def test_requests_only_their_limit_ends_are_never_retracted(llama_dir, prompts):
-    params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    params = [
+        {"temperature": 0.0, "max_new_tokens": 8 + 7 * (i % 7), "ignore_eos": True}
+        for i in range(len(prompts))
+    ]
     roomy = InProcessCore(llama_dir, dtype="float32").run(prompts, params)
     # room for about a third of them at full length, and rows for all
     core = InProcessCore(llama_dir, dtype="float32", max_total_tokens=640, max_prefill_tokens=128)
-    out, most = _run_checking_the_pool(core, prompts, params)
+    out, most, beyond_full = _run_checking_the_pool(core, prompts, params)
     assert out == roomy
     assert core.scheduler.stats.retractions == 0
     assert most >= 8, "the pool, not the rows, bounds the batch: it runs as many as fit"
+    # what early finishers give back serves late ones: more run than fit at their full length
+    assert beyond_full > 0
 
 
 def _finished(used: int, max_new: int = 40, stop_ids: frozenset[int] = frozenset()) -> Req:
@@ -97,14 +131,15 @@ def test_schedule_conservativeness_scales_the_guess_as_sglang_does():
     assert NewTokenEstimate(kv=None, conservativeness=3.0).ratio == 1.0
 
 
-def test_length_only_requests_reserve_all_their_remaining_tokens():
-    estimate = NewTokenEstimate(kv=None)
-    free = _finished(10, stop_ids=frozenset({2}))  # 30 of 40 still to come, and it may stop early
-    fixed = Req(
-        TokenizedRequest(rid="f", input_ids=[1], seed=0, sampling=SamplingParams(max_new_tokens=50))
-    )  # no stop ids: only its limit ends it
-    assert not free.ends_by_length_only and fixed.ends_by_length_only
-    assert estimate.tokens_to_come([free, fixed]) == (30, 50)
+def test_what_requests_will_draw_still_is_split_by_what_can_end_them():
+    rows = ReqRows(num_rows=4, max_pages=1)
+    rows.draw_limit[:] = [40, 50, 9000, 7]
+    rows.drawn[:] = [10, 0, 0, 7]
+    rows.length_only[:] = [False, True, True, False]
+    estimate = NewTokenEstimate(kv=SimpleNamespace(rows=rows))
+    # 30 of 40 still to come, and it may stop early; 50 and 9000 (capped) that only the limit ends
+    assert estimate.tokens_to_come(np.arange(4)) == (30, 50 + RESERVE_CLIP_TOKENS)
+    assert estimate.tokens_to_come(np.array([3])) == (0, 0)
 
 
 def test_admission_waits_for_room_to_make_large_prefill_steps(llama_dir, prompts, monkeypatch):
@@ -133,7 +168,7 @@ def test_admission_waits_for_room_to_make_large_prefill_steps(llama_dir, prompts
             return batch
 
         core.scheduler.prefill.plan = planned
-        out, _ = _run_checking_the_pool(core, prompts, params)
+        out, _, _ = _run_checking_the_pool(core, prompts, params)
         return out, steps
 
     waited, waiting_steps = run()
