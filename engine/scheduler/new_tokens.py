@@ -52,14 +52,16 @@ class NewTokenEstimate:
             return self._decayed
         return max(self._decayed, min(self.observed * self.conservativeness, 1.0))
 
-    def tokens_to_come(self, rows: np.ndarray) -> tuple[int, int]:
-        """What the admitted requests of `rows` may draw still, each capped at
-        RESERVE_CLIP_TOKENS: (the tokens of requests that can end before their limit, the tokens
-        of those that cannot)."""
-        table = self.kv.rows
-        left = np.minimum(table.draw_limit[rows] - table.drawn[rows], RESERVE_CLIP_TOKENS)
-        will = int(left[table.length_only[rows]].sum())
-        return int(left.sum()) - will, will
+    def to_come(self, rows: np.ndarray, kv_len: np.ndarray) -> tuple[int, int]:
+        """What the admitted requests of `rows`, their K/V at `kv_len` tokens, will still take:
+        (the tokens those that can end before their limit may draw, each capped at
+        RESERVE_CLIP_TOKENS; the pages those that cannot will add, exactly)."""
+        table, pages = self.kv.rows, self.kv.pages_for
+        left = table.draw_limit[rows] - table.drawn[rows]
+        fixed = table.length_only[rows]
+        may = int(np.minimum(left[~fixed], RESERVE_CLIP_TOKENS).sum())
+        kv_len = kv_len[fixed]
+        return may, int((pages(kv_len + left[fixed]) - pages(kv_len)).sum())
 
     def decay(self) -> None:
         self._decayed = max(self._min, self._decayed - self._decay)
@@ -81,9 +83,9 @@ class NewTokenEstimate:
 
 class Reservation:
     """The pages one admission plan keeps free for the requests admitted before a candidate:
-    a share (`ratio`) of what may end early, all of what only its limit ends (or, once that no
-    longer fits and `exact`, that part's exact peak: PeakDemand), and `extra` pages (the rest
-    of the chunked prompt). `taken`: cached pages the peak counts as given back when their
+    a share (`ratio`) of what may end early, all the pages that what only its limit ends will
+    add (or, once that no longer fits and `exact`, their exact peak: PeakDemand), and `extra`
+    pages (the rest of the chunked prompt). `taken`: cached pages the peak counts as given back when their
     holder ends, which a request admitted since shares (and so keeps locked).
 
     NOTE: O(running) once a plan (the exact peak is built only when the full reservation does
@@ -94,7 +96,7 @@ class Reservation:
         self.estimate, self.kv = estimate, estimate.kv
         self._running = list(running)  # (q.running itself grows as the plan admits)
         self._rows = np.fromiter(map(_pool_row, running), np.int64, len(running))
-        self.may, self.will = estimate.tokens_to_come(self._rows)
+        self.may, self.will = estimate.to_come(self._rows, self.kv.rows.kv_len[self._rows])
         self.exact = exact
         self.extra = 0
         self.taken = 0
@@ -107,10 +109,10 @@ class Reservation:
         `taken`: cached pages it shares that were another request's alone)."""
         may, will = self.may, self.will
         if req is not None:
-            own_may, own_will = self.estimate.tokens_to_come(np.array([req.pool_row]))
+            own_may, own_will = self._own(req)
             may, will = may + own_may, will + own_will
-        share = math.ceil(may * self.estimate.ratio)
-        if self.kv.pages_for(share + will) + self.extra <= room:
+        share = self.kv.pages_for(math.ceil(may * self.estimate.ratio))
+        if share + will + self.extra <= room:
             return True
         if not self.exact or will == 0:
             return False
@@ -119,16 +121,20 @@ class Reservation:
             pages = peak.pages_with(_remaining(req), alone)
         else:
             pages = peak.pages
-        return self.kv.pages_for(share) + pages + self.extra + self.taken + taken <= room
+        return share + min(pages, will) + self.extra + self.taken + taken <= room
 
     def add(self, req: Req, alone: int) -> None:
         """`req` was admitted (`alone`: as for `fits`)."""
-        own_may, own_will = self.estimate.tokens_to_come(np.array([req.pool_row]))
+        own_may, own_will = self._own(req)
         self.may, self.will = self.may + own_may, self.will + own_will
         if req.ends_by_length_only:
             self._joined.append((_remaining(req), alone))
             if self._peak is not None:
                 self._peak.add(*self._joined[-1])
+
+    def _own(self, req: Req) -> tuple[int, int]:
+        """`to_come` of an admitted request once its whole prompt is in."""
+        return self.estimate.to_come(np.array([req.pool_row]), np.array([req.fill_len]))
 
     def _exact_peak(self) -> PeakDemand:
         if self._peak is None:

@@ -77,20 +77,31 @@ def _run_checking_the_pool(core: InProcessCore, prompts, params) -> tuple[list, 
     return [r.output_ids for r in reqs], most, beyond_full
 
 
-def test_requests_only_their_limit_ends_are_never_retracted(llama_dir, prompts):
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("lengths", ["mixed", "one"])
+def test_requests_only_their_limit_ends_are_never_retracted(llama_dir, prompts, page_size, lengths):
+    """Mixed output lengths: early finishers make room for more than fit at full length. One
+    length: they end together, and each one's last page counts (16-slot pages)."""
     params = [
-        {"temperature": 0.0, "max_new_tokens": 8 + 7 * (i % 7), "ignore_eos": True}
+        {"temperature": 0.0, "max_new_tokens": 8 + 7 * (i % 7 if lengths == "mixed" else 3)}
         for i in range(len(prompts))
     ]
+    params = [{**p, "ignore_eos": True} for p in params]
     roomy = InProcessCore(llama_dir, dtype="float32").run(prompts, params)
     # room for about a third of them at full length, and rows for all
-    core = InProcessCore(llama_dir, dtype="float32", max_total_tokens=640, max_prefill_tokens=128)
+    core = InProcessCore(
+        llama_dir,
+        dtype="float32",
+        max_total_tokens=640,
+        max_prefill_tokens=128,
+        page_size=page_size,
+    )
     out, most, beyond_full = _run_checking_the_pool(core, prompts, params)
     assert out == roomy
     assert core.scheduler.stats.retractions == 0
     assert most >= 8, "the pool, not the rows, bounds the batch: it runs as many as fit"
-    # what early finishers give back serves late ones: more run than fit at their full length
-    assert beyond_full > 0
+    if lengths == "mixed":  # what early finishers give back serves late ones
+        assert beyond_full > 0, "more run than fit at their full length"
 
 
 def _finished(used: int, max_new: int = 40, stop_ids: frozenset[int] = frozenset()) -> Req:
@@ -131,15 +142,22 @@ def test_schedule_conservativeness_scales_the_guess_as_sglang_does():
     assert NewTokenEstimate(kv=None, conservativeness=3.0).ratio == 1.0
 
 
-def test_what_requests_will_draw_still_is_split_by_what_can_end_them():
+def test_what_requests_will_take_still_is_split_by_what_can_end_them():
+    """Tokens that requests which may end early may draw (capped); pages that the others will
+    add, each counted from its own K/V length (a page of 16 slots)."""
     rows = ReqRows(num_rows=4, max_pages=1)
     rows.draw_limit[:] = [40, 50, 9000, 7]
     rows.drawn[:] = [10, 0, 0, 7]
     rows.length_only[:] = [False, True, True, False]
-    estimate = NewTokenEstimate(kv=SimpleNamespace(rows=rows))
-    # 30 of 40 still to come, and it may stop early; 50 and 9000 (capped) that only the limit ends
-    assert estimate.tokens_to_come(np.arange(4)) == (30, 50 + RESERVE_CLIP_TOKENS)
-    assert estimate.tokens_to_come(np.array([3])) == (0, 0)
+    kv = SimpleNamespace(rows=rows, pages_for=lambda n: -(-n // 16))
+    estimate = NewTokenEstimate(kv=kv)
+    kv_len = np.array([100, 15, 32, 9])
+    # 30 of 40 still to come, and it may stop early; 15 + 50 slots need 4 more pages than 1,
+    # 32 + 9000 need 563 more than 2
+    assert estimate.to_come(np.arange(4), kv_len) == (30, 4 + 563)
+    assert estimate.to_come(np.array([3]), kv_len[3:]) == (0, 0)
+    rows.draw_limit[0] = 9000
+    assert estimate.to_come(np.array([0]), kv_len[:1]) == (RESERVE_CLIP_TOKENS, 0)
 
 
 def test_admission_waits_for_room_to_make_large_prefill_steps(llama_dir, prompts, monkeypatch):
