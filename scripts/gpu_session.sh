@@ -36,6 +36,9 @@ tests() {
 bench() {
   python3 -m bench "$@" --json "$OUT/$s.json" 2>&1 | grep "^|\|Error\|error"
 }
+# The preset's lines as each shape ends: line-buffered, so a call cut short by its time limit
+# still brings back the shapes that finished (in $OUT/session.log when the caller tees to it)
+per_shape() { grep --line-buffered "^|\|Error\|requests in"; }
 W1="--model-config qwen3-0.6b --num-prompts 256 --input-len 100:1024 --output-len 100:1024"
 W2="--model-config llama-3.1-8b --num-prompts 1000 --input-len 1024 --output-len 256"
 PREFIX="--model-config qwen3-0.6b --num-prompts 1000 --shared-prefix-len 2000 --input-len 50 --output-len 64"
@@ -96,38 +99,38 @@ run_step() {
       # TensorRT-LLM's published shapes (bench/trtllm.py): the four of issue 39 first, a fifth of
       # each request count (the ten at full counts take about an hour: `python -m bench --preset trtllm`)
       trtllm) python3 -m bench --preset trtllm --scale 0.2 --shapes 1000/1000 2048/128 128/128 500/2000 \
-                --json "$OUT/trtllm.json" 2>&1 | grep "^|\|Error\|requests in" ;;
+                --json "$OUT/trtllm.json" 2>&1 | per_shape ;;
       # ...and the other six (about 8 minutes of an H200 at a tenth: 20000/2000 alone about 2)
       trtllm-rest) python3 -m bench --preset trtllm --scale 0.1 --shapes 128/2048 128/4096 1000/2000 \
-                2048/2048 5000/500 20000/2000 --json "$OUT/trtllm-rest.json" 2>&1 | grep "^|\|Error\|requests in" ;;
+                2048/2048 5000/500 20000/2000 --json "$OUT/trtllm-rest.json" 2>&1 | per_shape ;;
       # the decode-heavy four at a fifth of the counts, shortest first: more requests decode at
       # once than at a tenth (150). At 0.4, 128/4096 alone ran past 5 minutes of an H200.
       trtllm-decode) python3 -m bench --preset trtllm --scale 0.2 --shapes 1000/2000 128/2048 2048/2048 \
-                128/4096 --json "$OUT/trtllm-decode.json" 2>&1 | grep "^|\|Error\|requests in" ;;
+                128/4096 --json "$OUT/trtllm-decode.json" 2>&1 | per_shape ;;
       # shapes at TensorRT-LLM's full request counts, e.g. trtllm-full:1000/2000,2048/2048 (a
       # decode-heavy shape at full count is 3-6 minutes of an H200: one or two a call)
       trtllm-full:*) python3 -m bench --preset trtllm --shapes $(echo "${s#trtllm-full:}" | tr , " ") \
-                --json "$OUT/trtllm-full.json" 2>&1 | grep "^|\|Error\|requests in" ;;
+                --json "$OUT/trtllm-full.json" 2>&1 | per_shape ;;
       # the preset's dummy weights are a per-tensor static FP8 checkpoint (TensorRT-LLM's layout);
       # this is quantization="fp8" instead (per-channel and per-token scales), to set beside it
       trtllm-per-token) python3 -m bench --preset trtllm --scale 0.2 --fp8-checkpoint none \
                 --shapes 2048/128 1000/1000 128/128 1000/2000 --json "$OUT/trtllm-per-token.json" \
-                2>&1 | grep "^|\|Error\|requests in" ;;
+                2>&1 | per_shape ;;
       # ...and the long prompts at a fifth (at a tenth 5000/500 took 22 s, 20000/2000 145 s):
       # with trtllm and trtllm-decode, the ten at a fifth in three calls of under 10 minutes
       trtllm-long) python3 -m bench --preset trtllm --scale 0.2 --shapes 5000/500 20000/2000 \
-                --json "$OUT/trtllm-long.json" 2>&1 | grep "^|\|Error\|requests in" ;;
+                --json "$OUT/trtllm-long.json" 2>&1 | per_shape ;;
       # the long prompts by chunk size: a chunk after the first attends over the float8 pool
       # (extend_attention), the first over its own K/V (prefill_attention, about twice the rate)
       trtllm-chunks) for chunk in 8192 16384; do
                 python3 -m bench --preset trtllm --scale 0.1 --shapes 20000/2000 5000/500 --engine-args \
                   "{\"quantization\": \"fp8\", \"kv_cache_dtype\": \"fp8_e4m3\", \"chunked_prefill_size\": $chunk}" \
-                  2>&1 | grep "^|\|Error\|requests in"; done ;;
+                  2>&1 | per_shape; done ;;
       # the prefill-heavy shapes with fresh prompts' attention products in 16 bits, then float8
       trtllm-fp8-prefill) for mode in null '"qk"' '"qk_pv"'; do
                 python3 -m bench --preset trtllm --scale 0.1 --shapes 2048/128 5000/500 --engine-args \
                   "{\"quantization\": \"fp8\", \"kv_cache_dtype\": \"fp8_e4m3\", \"prefill_attention_fp8\": $mode}" \
-                  2>&1 | grep "^|\|Error\|requests in"; done ;;
+                  2>&1 | per_shape; done ;;
       w1-spec) bench $W1 --engine-args '{"speculative_algorithm": "NGRAM"}' ;;
       w2-spec) bench $W2 --engine-args '{"speculative_algorithm": "NGRAM"}' ;;
       engine) tests tests/engine/test_generate_vs_transformers.py tests/engine/test_runtime_api.py \
@@ -198,7 +201,7 @@ run_step() {
       prefill-attn) python3 -m bench.prefill_attention 2>&1 | grep "^|\|Error" ;;
       prefill) tests tests/kernels/test_prefill_attention.py tests/kernels/test_extend_attention.py -m gpu ;;
       trtllm-two) python3 -m bench --preset trtllm --scale 0.2 --shapes 2048/128 1000/1000 \
-                --json "$OUT/trtllm-two.json" 2>&1 | grep "^|\|Error\|requests in" ;;
+                --json "$OUT/trtllm-two.json" 2>&1 | per_shape ;;
       fp8-act) python3 -m bench.fp8_gemm --activation --rows 256 1280 4096 16384 2>&1 | grep "^|\|silu\|Error" ;;
       w2-steps) python3 -m bench.profile_w1 --model-config llama-3.1-8b --num-prompts 300 \
                 --input-len 1024 --output-len 256 --kernels 0:2,150:160 \
