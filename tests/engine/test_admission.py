@@ -14,6 +14,7 @@ rule says, and none of which may change a token:
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -102,6 +103,40 @@ def test_requests_only_their_limit_ends_are_never_retracted(llama_dir, prompts, 
     assert most >= 8, "the pool, not the rows, bounds the batch: it runs as many as fit"
     if lengths == "mixed":  # what early finishers give back serves late ones
         assert beyond_full > 0, "more run than fit at their full length"
+
+
+@pytest.mark.parametrize(
+    "seed, page_size, pool, chunk",
+    [(0, 1, 300, 24), (1, 1, 480, None), (3, 1, 300, None), (4, 1, 480, 24), (2, 16, 480, 24)],
+)
+def test_length_only_requests_sharing_prefixes_are_never_retracted(
+    llama_dir, seed, page_size, pool, chunk
+):
+    """Most prompts start with one of three cached stems: what a request gives back when it
+    ends is only what no other request has locked, and a newcomer that shares a running
+    request's stem takes those pages from what that request would give back. (Without the
+    latter, four of these five runs retract.)"""
+    rng = random.Random(seed)
+    vocab = sorted(set(range(512)) - set(special_token_ids()))
+    stems = [[rng.choice(vocab) for _ in range(rng.randint(16, 80))] for _ in range(3)]
+    prompts = [
+        (stems[rng.randrange(3)] if rng.random() < 0.7 else [])
+        + [rng.choice(vocab) for _ in range(rng.randint(1, 60))]
+        for _ in range(30)
+    ]
+    params = [
+        {"temperature": 0.0, "max_new_tokens": rng.randint(1, 40), "ignore_eos": True}
+        for _ in prompts
+    ]
+    kwargs = {"max_total_tokens": pool, "max_prefill_tokens": 128, "page_size": page_size}
+    if chunk:
+        kwargs["chunked_prefill_size"] = chunk
+    core = InProcessCore(llama_dir, dtype="float32", **kwargs)
+    reqs = core.submit(prompts, params)
+    while core.scheduler.has_work():
+        core.scheduler.step()
+    assert core.scheduler.stats.retractions == 0
+    assert [len(r.output_ids) for r in reqs] == [p["max_new_tokens"] for p in params]
 
 
 def _finished(used: int, max_new: int = 40, stop_ids: frozenset[int] = frozenset()) -> Req:
