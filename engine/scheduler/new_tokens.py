@@ -83,10 +83,10 @@ class NewTokenEstimate:
 
 class Reservation:
     """The pages one admission plan keeps free for the requests admitted before a candidate:
-    a share (`ratio`) of what may end early, all the pages that what only its limit ends will
-    add (or, once that no longer fits and `exact`, their exact peak: PeakDemand), and `extra`
-    pages (the rest of the chunked prompt). `taken`: cached pages the peak counts as given back when their
-    holder ends, which a request admitted since shares (and so keeps locked).
+    a share (`ratio`) of what may end early; all the pages that what only its limit ends will
+    add (or, once that no longer fits and `exact`, their exact peak: PeakDemand); `extra`
+    pages (the rest of the chunked prompt); and `taken`: cached pages the peak counts as given
+    back when their holder ends, which a request admitted since shares (and so keeps locked).
 
     NOTE: O(running) once a plan (the exact peak is built only when the full reservation does
     not fit), then O(running) numpy per candidate.
