@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> None:
             tok_s = result["output_tokens"] / result["wall"]
             # what the scheduler did: a retraction recomputes a prompt (prefill beyond the
             # prompts' own tokens), and device idle is time the device waited for the host
+            # (requests a decode step: how many the pool let run at once, on average)
+            per_step = (result["output_tokens"] - n) / max(state["decode_steps"], 1)
             steps = (f"{state['prefill_steps']} prefill / {state['decode_steps']} decode steps, "
+                     f"{per_step:.0f} requests a decode step of a {state['kv_total_tokens']:,}-token pool, "
                      f"{state['retractions']} retractions, "
                      f"{state['prefill_tokens_computed'] - work.input_tokens:+,} prefill tokens "
                      f"beyond the prompts, {state['device_idle_seconds']:.1f} s device idle")  # fmt: skip
