@@ -79,7 +79,7 @@ class PrefillPlanner:
         lens: list[int] = []
         prefixes: list[np.ndarray] = []  # the slots of each request's newly matched cached prefix
         planned_pages = 0
-        chunked_end = 0  # where the chunked prompt's K/V ends after this plan
+        chunked, chunked_end = q.chunked, 0  # (where its K/V ends after this plan)
         if q.chunked is not None:
             req = q.chunked
             n = min(req.fill_len - req.kv_len, self.chunk_size, budget)
@@ -104,7 +104,7 @@ class PrefillPlanner:
         # NOTE: newly admitted requests join q.running (or become q.chunked) as they are planned
         while q.waiting and budget > 0 and q.num_running < self.max_running_requests:
             if reserved is None:
-                reserved = self._reservation(chunked_end)
+                reserved = self._reservation(chunked, chunked_end)
                 if not reqs and self._wait_for_room(reserved):
                     break
             req = q.waiting[0]
@@ -183,15 +183,18 @@ class PrefillPlanner:
         return [req]
 
     # ------------------------------------------------------------------ helpers
-    def _reservation(self, chunked_end: int) -> Reservation:
+    def _reservation(self, chunked: Req | None, chunked_end: int) -> Reservation:
         """What the admitted requests may still take: the running ones' output, and the chunked
-        one's output and the rest of its prompt (beyond `chunked_end`)."""
-        q = self.queues
-        reserved = Reservation(self.estimate, q.running, self.exact_peak)
-        if q.chunked is not None:
-            req = q.chunked
-            reserved.add(req, self.kv.pages_alone_at(req, req.fill_len))
-            reserved.extra += self.kv.pages_for(req.fill_len) - self.kv.pages_for(chunked_end)
+        one's (`chunked`: the plan's, whose K/V reaches `chunked_end`) output and the rest of
+        its prompt. NOTE: a prompt whose last chunk this plan computes has joined q.running
+        already, its K/V not yet at its end: its output counts from the prompt's end."""
+        running = self.queues.running
+        if chunked is not None and running and running[-1] is chunked:
+            running = running[:-1]
+        reserved = Reservation(self.estimate, running, self.exact_peak)
+        if chunked is not None:
+            reserved.add(chunked, self.kv.pages_alone_at(chunked, chunked.fill_len))
+            reserved.extra += self.kv.pages_for(chunked.fill_len) - self.kv.pages_for(chunked_end)
         return reserved
 
     def _wait_for_room(self, reserved: Reservation) -> bool:
