@@ -110,8 +110,8 @@ class PrefillPlanner:
             req = q.waiting[0]
             if self.max_loras and req.lora_name is not None:
                 if adapters is None:  # O(running), once a plan: the adapters that are running
-                    chunked = [q.chunked] if q.chunked is not None else []
-                    adapters = {r.lora_name for r in [*q.running, *chunked, *reqs]} - {None}
+                    partial = [q.chunked] if q.chunked is not None else []
+                    adapters = {r.lora_name for r in [*q.running, *partial, *reqs]} - {None}
                 if req.lora_name not in adapters and len(adapters) >= self.max_loras:
                     break  # every adapter slot is taken by running requests: it waits for one
                 adapters.add(req.lora_name)
