@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from itertools import compress
-from operator import attrgetter, is_
+from operator import is_
 
 import numpy as np
 
 from engine.batch.forward_batch import ForwardMode
 from engine.batch.prefix_groups import SharedPrefix
 from engine.batch.req import Req
+from engine.batch.req_rows import rows_of
 from engine.batch.scheduled_batch import ScheduledBatch
 from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate
@@ -56,7 +57,7 @@ class DecodePlanner:
         NOTE: O(1) Python work per request: the batch's columns (rows, KV lengths, draws) are
         numpy arrays of ReqRows, gathered and advanced for the whole batch at once."""
         q, table = self.queues, self.kv.rows
-        rows = _rows_of(q.running)
+        rows = rows_of(q.running)
         # a request whose pending token is its last by length needs no further forward
         live = table.drawn[rows] < table.draw_limit[rows]
         if live.all():
@@ -77,7 +78,7 @@ class DecodePlanner:
                 )
             self.retract(victim)
             reqs = [r for r in reqs if r is not victim]
-            rows = _rows_of(reqs)
+            rows = rows_of(reqs)
         self.estimate.decay()
         if not reqs:
             return None
@@ -136,14 +137,6 @@ class DecodePlanner:
         logger.info(
             "retracted request %s (%d tokens) for lack of KV memory", req.request.rid, req.fill_len
         )
-
-
-_pool_row = attrgetter("pool_row")
-
-
-def _rows_of(reqs: list[Req]) -> np.ndarray:
-    """The requests' table rows (int64), gathered in C: no Python step per request."""
-    return np.fromiter(map(_pool_row, reqs), np.int64, len(reqs))
 
 
 def _counts(drafts: list[list[int]]) -> np.ndarray:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from itertools import compress
-from operator import attrgetter
 
 import numpy as np
 
 from engine.batch.req import Req
+from engine.batch.req_rows import rows_of
 from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.peak_demand import PeakDemand
 
@@ -95,7 +95,7 @@ class Reservation:
     def __init__(self, estimate: NewTokenEstimate, running: list[Req], exact: bool) -> None:
         self.estimate, self.kv = estimate, estimate.kv
         self._running = list(running)  # (q.running itself grows as the plan admits)
-        self._rows = np.fromiter(map(_pool_row, running), np.int64, len(running))
+        self._rows = rows_of(running)
         self.may, self.will = estimate.to_come(self._rows, self.kv.rows.kv_len[self._rows])
         self.exact = exact
         self.extra = 0
@@ -149,9 +149,6 @@ class Reservation:
                 alone = np.concatenate([alone, joined[:, 1]])
             self._peak = PeakDemand(remaining, alone, self.kv.page_size)
         return self._peak
-
-
-_pool_row = attrgetter("pool_row")
 
 
 def _remaining(req: Req) -> int:
