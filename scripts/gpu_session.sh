@@ -2,7 +2,7 @@
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|spec|spec-adaptive|spec-copier|spec-copier-tpN|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
-#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-steps-long|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-chunks|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-steps-long|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-chunks:SIZE,SIZE|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -120,11 +120,13 @@ run_step() {
       # with trtllm and trtllm-decode, the ten at a fifth in three calls of under 10 minutes
       trtllm-long) python3 -m bench --preset trtllm --scale 0.2 --shapes 5000/500 20000/2000 \
                 --json "$OUT/trtllm-long.json" 2>&1 | per_shape ;;
-      # the long prompts by chunk size: a chunk after the first attends over the float8 pool
-      # (extend_attention), the first over its own K/V (prefill_attention, about twice the rate)
-      trtllm-chunks) for chunk in 8192 16384; do
-                python3 -m bench --preset trtllm --scale 0.1 --shapes 20000/2000 5000/500 --engine-args \
-                  "{\"quantization\": \"fp8\", \"kv_cache_dtype\": \"fp8_e4m3\", \"chunked_prefill_size\": $chunk}" \
+      # the long prompts by chunk size, e.g. trtllm-chunks:8192,20480 (a tenth of the counts): a
+      # chunk after the first attends over the float8 pool (extend_attention), the first over its
+      # own K/V (prefill_attention, about 1.3-1.4 times the rate); a step's budget at least the chunk
+      trtllm-chunks:*) for chunk in $(echo "${s#trtllm-chunks:}" | tr , " "); do
+                local budget=$(( chunk > 16384 ? chunk : 16384 ))
+                python3 -m bench --preset trtllm --scale 0.1 --shapes 5000/500 20000/2000 --engine-args \
+                  "{\"quantization\": \"fp8\", \"kv_cache_dtype\": \"fp8_e4m3\", \"mem_fraction_static\": 0.9, \"chunked_prefill_size\": $chunk, \"max_prefill_tokens\": $budget}" \
                   2>&1 | per_shape; done ;;
       # the prefill-heavy shapes with fresh prompts' attention products in 16 bits, then float8
       trtllm-fp8-prefill) for mode in null '"qk"' '"qk_pv"'; do
