@@ -87,6 +87,17 @@ walks 1/HEADS of the tokens per split (``_min_split_len``: the same bytes). A 16
 in rows) can pack heads too (``_ROWS_PACKED_HEADS``, off until measured): its V tile is the
 heads' rows stacked, ``[HEADS * BLOCK_N, BLOCK_D]``, and the block-diagonal p meets it in one
 dot, as with grouped V.
+
+Float8 products (``fp8="qk"`` or ``"qk_pv"``, a float8_e4m3fn cache; stage 1 only). With a
+float8 cache every K and V tile is widened to float16 before its dot, and those conversions
+are a sixth of stage 1's instructions per byte (packed heads, above). "qk" rounds each query
+row to float8 at its largest magnitude over 448 once per program, folds that scale into the
+score scale (a [rows, 1] column), and multiplies K as stored; "qk_pv" also multiplies
+``p * 448`` in float8 by grouped V as stored (vᵀ, tokens contiguous: the operand order a
+float8 product wants) and divides the 448 out after the walk. The rounding of q (2^-4
+relative) moves the scores, that of p the weights; what that costs in accuracy beside the
+16-bit products: tests/kernels (bounds) and the fp8-accuracy GPU step. As TensorRT-LLM's
+Hopper decode kernel multiplies a float8 cache (XQA: q and p in the cache's float8).
 """
 
 from __future__ import annotations
@@ -97,6 +108,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.extend_attention import FP8_MIN_K, check_fp8_products
+from kernels.fp8 import fp8_hw_cast, fp8_scale, on_fp8_grid
 from kernels.kv_fp8 import (
     fp16_dot_operand,
     is_fp8,
@@ -224,6 +237,9 @@ def _stage1_tile(
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    QK_FP8: tl.constexpr = False,
+    PV_FP8: tl.constexpr = False,
+    HW_CAST: tl.constexpr = False,
 ):
     """One [BLOCK_N] tile of tokens n0.. (< end) folded into the online softmax of a head group.
     With KV_FP8 the tile holds k / k_scale and v / v_scale (the caller folds the scales in).
@@ -233,7 +249,10 @@ def _stage1_tile(
     ``v_head`` (``stride_kh`` / ``stride_vh`` apart), q is block-diagonal over them, and row r
     belongs to head ``row_head[r]`` of them; else both are unused. CAUSAL (a verify step's
     queries, module docstring): row r sees only tokens before ``row_end[r]``, so a row may
-    have none in the tile, or in its whole range; else ``row_end`` is unused."""
+    have none in the tile, or in its whole range; else ``row_end`` is unused. QK_FP8 / PV_FP8
+    (float8 products, module docstring): q is float8 and ``qk_scale`` a [rows, 1] column, K
+    enters q·kᵀ as stored; with PV_FP8 p enters p·v as ``p * 448`` in float8 beside V as
+    stored (the caller divides the 448 out)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     tok = n0 + offs_n
@@ -252,7 +271,7 @@ def _stage1_tile(
         k_mask = mask_n[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :]
         k = tl.load(k_head + slots[:, None] * stride_kn + cols[None, :], mask=k_mask, other=0.0)
     if USE_DOT:
-        if KV_FP8:
+        if KV_FP8 and not QK_FP8:
             k = k.to(q.dtype)  # exact; float16 (fp16_dot_operand), float32 in kernel tests
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
@@ -281,7 +300,9 @@ def _stage1_tile(
             vt = load_vt_heads(
                 v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS
             )
-            if KV_FP8:
+            if QK_FP8 and not PV_FP8:
+                vt = vt.to(tl.float16)  # (q is float8: p meets v in float16)
+            elif KV_FP8 and not PV_FP8:
                 vt = vt.to(q.dtype)  # as k
             v = tl.trans(vt)
         else:
@@ -304,20 +325,27 @@ def _stage1_tile(
         # zeros elsewhere
         own = tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None]
         pb = tl.reshape(tl.where(own, p[:, None, :], 0.0), [p.shape[0], HEADS * BLOCK_N])
+        if PV_FP8:
+            pb = on_fp8_grid(pb * 448.0, 1.0, HW_CAST)
         pv = tl.dot(pb.to(v.dtype), v, input_precision=DOT_PRECISION)
     elif V_GROUPED:
         # vᵀ [BLOCK_D, BLOCK_N], tokens contiguous: into the dot as k is, no transposing copy
         vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
         if USE_DOT:
-            if KV_FP8:
+            if QK_FP8 and not PV_FP8:
+                vt = vt.to(tl.float16)  # (q is float8: p meets v in float16)
+            elif KV_FP8 and not PV_FP8:
                 vt = vt.to(q.dtype)  # as k
+            if PV_FP8:
+                p = on_fp8_grid(p * 448.0, 1.0, HW_CAST)
             pv = tl.dot(p.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
         else:
             pv = tl.sum(p[:, :, None] * tl.trans(vt)[None, :, :].to(tl.float32), axis=1)
     else:
         if USE_DOT and KV_FP8:
             v = load_fp8_rows_as_fp16(v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D, KV_FP8)
-            v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
+            if not QK_FP8:
+                v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
         else:
             v = tl.load(
                 v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
@@ -365,12 +393,15 @@ def _attend_rows(
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    QK_FP8: tl.constexpr = False,
+    PV_FP8: tl.constexpr = False,
+    HW_CAST: tl.constexpr = False,
 ):
     """The online softmax of ROWS query rows over tokens [start, end) (start < end) of kv head
     ``kvh`` (of kv heads ``kvh ..`` with HEADS > 1: row r then is head ``kvh * G +
     group_rows[r]``) in [BLOCK_N, BLOCK_D] K/V tiles: (running max, running sum, unnormalised
     output ``[ROWS, BLOCK_D]``), log2 units; with KV_FP8 the output is still to be multiplied
-    by v_scale."""
+    by v_scale. QK_FP8 / PV_FP8: the float8 products (module docstring)."""
     if KV_FP8:
         # scores are q.(k8 * k_scale) = (q.k8) * k_scale: one multiply per program
         qk_scale = qk_scale * tl.load(KVScales)
@@ -394,7 +425,14 @@ def _attend_rows(
             mask=own & row_mask[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :],
             other=0.0,
         )
-    if KV_FP8 and USE_DOT:
+    if QK_FP8:
+        # q in the cache's float8 with a scale per row (its largest magnitude over 448), folded
+        # into the scores' scale: (q8 * row_scale).(k8 * k_scale); a padding row is all zeros
+        q32 = q.to(tl.float32)
+        row_scale = fp8_scale(tl.max(tl.abs(q32), axis=1))
+        q = on_fp8_grid(q32, row_scale[:, None], HW_CAST).to(K.dtype.element_ty)
+        qk_scale = (qk_scale * row_scale)[:, None]
+    elif KV_FP8 and USE_DOT:
         q = fp16_dot_operand(q)  # the K/V tiles convert to float16 (kernels/kv_fp8.py)
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
@@ -438,7 +476,12 @@ def _attend_rows(
             V_GROUPED,
             HEADS,
             CAUSAL,
+            QK_FP8,
+            PV_FP8,
+            HW_CAST,
         )
+    if PV_FP8:
+        acc = acc * (1.0 / 448.0)  # p went into p·v as p * 448
     return m_i, l_i, acc
 
 
@@ -485,6 +528,9 @@ def _attend_split(
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    QK_FP8: tl.constexpr = False,
+    PV_FP8: tl.constexpr = False,
+    HW_CAST: tl.constexpr = False,
 ):
     """The work of one stage-1 program (one request's GQA group, or its verify rows) or of
     one shared-prefix program (the groups of an item's members): ``_attend_rows`` over tokens
@@ -501,7 +547,7 @@ def _attend_split(
         r2t_row, kvh, start, end, row_end,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
         G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS, USE_DOT, KV_FP8, V_GROUPED, HEADS,
-        CAUSAL,
+        CAUSAL, QK_FP8, PV_FP8, HW_CAST,
     )  # fmt: skip
     if CAUSAL:
         l_i = tl.where(l_i > 0, l_i, 1.0)  # (acc is 0 there; m_i is -inf: the lse too)
@@ -569,6 +615,9 @@ def _decode_stage1(
     FINAL: tl.constexpr,  # one split: write the output, no stage 2 (module docstring)
     PREFIX_BLOCK_N: tl.constexpr,
     QN: tl.constexpr,  # queries per request: 1, or a verify step's most (module docstring)
+    QK_FP8: tl.constexpr,  # float8 products (module docstring)
+    PV_FP8: tl.constexpr,
+    HW_CAST: tl.constexpr,  # kernels/fp8.py: fp8_hw_cast
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) * HEADS  # the first of the program's kv heads
@@ -609,7 +658,7 @@ def _decode_stage1(
                 row_mask, row, kvh, start, end, row_end,
                 stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
                 G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, BLOCK_H, USE_DOT, KV_FP8,
-                V_GROUPED, HEADS, QN > 1,
+                V_GROUPED, HEADS, QN > 1, QK_FP8, PV_FP8, HW_CAST,
             )  # fmt: skip
         if HAS_START:
             prefix_len = tl.load(StartLens + b).to(tl.int32)  # (first, unclipped: stage 2's)
@@ -630,6 +679,7 @@ def _decode_stage1(
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS=BLOCK_H, REQ_PER_ROW=QN > 1,
             USE_DOT=USE_DOT, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED, HEADS=HEADS, CAUSAL=QN > 1,
+            QK_FP8=QK_FP8, PV_FP8=PV_FP8, HW_CAST=HW_CAST,
         )  # fmt: skip
 
 
@@ -855,6 +905,7 @@ class _Tiles:
     v_grouped: bool  # V in groups of 16 token-major slots (kernels/v_groups.py)
     num_warps: int = _NUM_WARPS
     heads: int = 1  # kv heads a stage-1 program reads side by side (packed heads)
+    fp8: str | None = None  # float8 products (module docstring): None, "qk" or "qk_pv"
 
 
 def _tiles(
@@ -864,9 +915,11 @@ def _tiles(
     kv_dtype: torch.dtype,
     v_grouped: bool = False,
     queries: int = 1,
+    fp8: str | None = None,
 ) -> _Tiles:
     """``queries``: a program's queries per head of the group (a verify step's, module
-    docstring): its rows are ``group * queries``, and it packs no heads."""
+    docstring): its rows are ``group * queries``, and it packs no heads. ``fp8``: the float8
+    products (module docstring); ValueError where the cache or the path cannot take them."""
     D = q.shape[-1]
     BLOCK_D = max(16, triton.next_power_of_2(D))
     num_stages, num_warps = _SMALL_NUM_STAGES, _NUM_WARPS
@@ -911,6 +964,15 @@ def _tiles(
     # fp32 inputs: exact fp32 products (the default would be TF32 on the GPU); ignored for
     # 16-bit inputs, whose products are exact in the fp32 accumulator anyway.
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if fp8 is not None:
+        check_fp8_products(fp8, D)
+        if kv_dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8={fp8!r} multiplies a float8_e4m3fn cache, not {kv_dtype}")
+        if fp8 == "qk_pv" and not v_grouped:
+            raise ValueError("fp8='qk_pv' reads V grouped (kernels/v_groups.py), not in rows")
+        if not use_dot:
+            raise ValueError(f"fp8={fp8!r} multiplies on the tensor cores: use_dot=False cannot")
+        BLOCK_N = max(BLOCK_N, FP8_MIN_K)  # (p.v's K is the key tile)
     return _Tiles(
         BLOCK_H,
         BLOCK_N,
@@ -922,6 +984,7 @@ def _tiles(
         v_grouped,
         num_warps,
         heads,
+        fp8,
     )
 
 
@@ -1069,6 +1132,9 @@ def _launch_stage1(
         FINAL=out is not None,
         PREFIX_BLOCK_N=prefix_block_n,
         QN=qn,
+        QK_FP8=tiles.fp8 is not None,
+        PV_FP8=tiles.fp8 == "qk_pv",
+        HW_CAST=fp8_hw_cast(q.device),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -1135,6 +1201,7 @@ def decode_attention(
     use_dot: bool | None = None,
     min_split_tokens: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    fp8: str | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged K/V; returns [B, Hq, D] in q.dtype.
 
@@ -1149,6 +1216,9 @@ def decode_attention(
     padded to 16 rows, the default) or broadcast path (``False``). The buffers are in q's
     dtype, or float8 (e4m3fn / e5m2) holding K / k_scale and V / v_scale, with ``kv_scales``
     float32 [2] (k_scale, v_scale) on the device (None: both 1); others ignore ``kv_scales``.
+    ``fp8``: None, or over a float8_e4m3fn cache "qk" (q rounded to float8 a row at a time
+    times K as stored) or "qk_pv" (also ``p * 448`` in float8 times V as stored, V grouped):
+    the float8 products of the module docstring.
     """
     q, k_buffer, v_buffer, req_to_token, out = _check_and_prepare(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out
@@ -1159,7 +1229,7 @@ def decode_attention(
         return out
     if use_dot is None:
         use_dot = True  # measured faster for every G, G == 1 included (module docstring)
-    tiles = _tiles(q, Hq // Hkv, use_dot, k_buffer.dtype, v_buffer.dim() == 4)
+    tiles = _tiles(q, Hq // Hkv, use_dot, k_buffer.dtype, v_buffer.dim() == 4, fp8=fp8)
     num_kv_splits, min_split_tokens = _kv_split_plan(
         num_kv_splits, max_seq_len, min_split_tokens, B, Hkv, tiles.heads, q.device
     )
