@@ -247,18 +247,18 @@ def compare_split_counts(hqs: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
-# the float8 products' own tiles: with fewer conversions a byte, a program may want another
-PRODUCT_TILES = [(64, 3, 2), (128, 3, 2), (64, 4, 2), (64, 3, 4), (128, 3, 4)]
+# the float8 products' tiles (_FP8_PRODUCTS_TILE): a warpgroup of 4 warps, 64 tokens and up
+PRODUCT_TILES = [(64, 3, 4), (128, 3, 4), (64, 4, 4), (128, 2, 4), (64, 2, 4)]
 # decode batches of TensorRT-LLM's long-output shapes: 1000/1000, and 128/4096 mid-wave
 PRODUCT_SHAPES = [(b, (1000, 2000)) for b in (64, 256, 384, 512, 768)] + [(384, (1500, 2500))]
 
 
 def compare_products(hqs: list[int]) -> None:
     """TB/s of K/V (the graph launch) with 16-bit products over the float8 cache (the engine's
-    default), q.k in float8 ("qk") and both products in float8 ("qk_pv", at a few tiles of two
-    kv heads a program), beside the bf16 cache; and each mode's error against the 16-bit
-    products' output (relative, over the batch)."""
-    tile = da._FP8_PACKED_TILE
+    default), q.k in float8 ("qk") and both products in float8 ("qk_pv"), each at a few tiles
+    of the transposed float8 stage 1, beside the bf16 cache; and each mode's error against the
+    16-bit products' output (relative, over the batch)."""
+    tile = da._FP8_PRODUCTS_TILE
     for hq in hqs:
         print(f"\nHq={hq} Hkv=8 D=128, TB/s of K/V read (the graph launch), float8 products")
         heads = [f"B={b},{'-'.join(map(str, n))}" for b, n in PRODUCT_SHAPES]
@@ -267,19 +267,22 @@ def compare_products(hqs: list[int]) -> None:
         cases = [case(b, n, hq) for b, n in PRODUCT_SHAPES]
         exact = [da.decode_attention(**c[2]).double() for c in cases]
         print("| bf16 cache | " + " | ".join(f"{tbps(c[0], c[3]):.2f}" for c in cases) + " |")
-        for mode in (None, "qk", "qk_pv"):
-            for t in PRODUCT_TILES if mode == "qk_pv" else [tile]:
-                da._FP8_PACKED_TILE = t
+        engine_tile = da._FP8_PACKED_TILE
+        cells = [f"{tbps(c[2], c[3]):.2f}" for c in cases]
+        print(f"| 16-bit, the engine's ({' x '.join(map(str, engine_tile))}) | "
+              + " | ".join(cells) + " |")  # fmt: skip
+        for mode in ("qk", "qk_pv"):
+            for t in PRODUCT_TILES:
+                da._FP8_PRODUCTS_TILE = t
                 cells = [f"{tbps(dict(c[2], fp8=mode), c[3]):.2f}" for c in cases]
-                name = f"{mode or '16-bit'} ({t[0]} x {t[1]} x {t[2]}{' *' if t == tile else ''})"
+                name = f"{mode} ({t[0]} x {t[1]} x {t[2]}{' *' if t == tile else ''})"
                 print(f"| {name} | " + " | ".join(cells) + " |")
-            da._FP8_PACKED_TILE = tile
-            if mode is not None:
-                errs = [
-                    f"{((da.decode_attention(**c[2], fp8=mode).double() - e).norm() / e.norm()):.1e}"
-                    for c, e in zip(cases, exact)
-                ]
-                print(f"| {mode}: relative error vs 16-bit | " + " | ".join(errs) + " |")
+            da._FP8_PRODUCTS_TILE = tile
+            errs = [
+                f"{((da.decode_attention(**c[2], fp8=mode).double() - e).norm() / e.norm()):.1e}"
+                for c, e in zip(cases, exact)
+            ]
+            print(f"| {mode}: relative error vs 16-bit | " + " | ".join(errs) + " |")
         del cases, exact
         torch.cuda.empty_cache()
 

@@ -88,16 +88,20 @@ in rows) can pack heads too (``_ROWS_PACKED_HEADS``, off until measured): its V 
 heads' rows stacked, ``[HEADS * BLOCK_N, BLOCK_D]``, and the block-diagonal p meets it in one
 dot, as with grouped V.
 
-Float8 products (``fp8="qk"`` or ``"qk_pv"``, a float8_e4m3fn cache; stage 1 only). With a
-float8 cache every K and V tile is widened to float16 before its dot, and those conversions
-are a sixth of stage 1's instructions per byte (packed heads, above). "qk" rounds each query
-row to float8 at its largest magnitude over 448 once per program, folds that scale into the
-score scale (a [rows, 1] column), and multiplies K as stored; "qk_pv" also multiplies
-``p * 448`` in float8 by grouped V as stored (vᵀ, tokens contiguous: the operand order a
-float8 product wants) and divides the 448 out after the walk. The rounding of q (2^-4
-relative) moves the scores, that of p the weights; what that costs in accuracy beside the
-16-bit products: tests/kernels (bounds) and the fp8-accuracy GPU step. As TensorRT-LLM's
-Hopper decode kernel multiplies a float8 cache (XQA: q and p in the cache's float8).
+Float8 products (``fp8="qk"`` or ``"qk_pv"``, a float8_e4m3fn cache with V grouped; stage 1
+only). With a float8 cache every K and V tile is widened to float16 before its dot, and those
+conversions are a sixth of stage 1's instructions per byte (packed heads, above). "qk" rounds
+each query row to float8 at its largest magnitude over 448 once per program, folds that scale
+into the score scale, and multiplies K as stored; "qk_pv" also multiplies ``p * 448`` in
+float8 by grouped V as stored (vᵀ, tokens contiguous: the operand order a float8 product
+wants) and divides the 448 out after the walk ("qk" multiplies p and V in float16). Hopper
+multiplies float8 only in a warpgroup's product (wgmma) of at least 64 rows, and a GQA group
+has 2-8: so these tiles run transposed (``_fp8_products_tile``), ``sᵀ = k · qᵀ`` and ``oᵀ =
+vᵀ · pᵀ`` with the tile's tokens as the products' rows and the group's rows as their columns,
+the softmax reduced over tokens, the output transposed once at the end. The rounding of q
+(2^-4 relative) moves the scores, that of p the weights; what that costs in accuracy beside
+the 16-bit products: tests/kernels (bounds) and the fp8-accuracy GPU step. TensorRT-LLM's
+Hopper decode kernel (XQA) multiplies a float8 cache this way, q and p in float8.
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.extend_attention import FP8_MIN_K, check_fp8_products
+from kernels.extend_attention import check_fp8_products
 from kernels.fp8 import fp8_hw_cast, fp8_scale, on_fp8_grid
 from kernels.kv_fp8 import (
     fp16_dot_operand,
@@ -195,6 +199,13 @@ _FP8_PACKED_TILE = (64, 3, 2)
 # loads each, two a multiprocessor for their 96 KB of shared memory, at 1000 requests).
 _ROWS_PACKED_HEADS = 1
 _ROWS_PACKED_TILE = (16, 2, 4)
+# The float8 products' stage 1 (module docstring), transposed: a warpgroup (4 warps) is what
+# multiplies float8 on Hopper's tensor cores (wgmma), at least 64 tokens its M and 8 rows its
+# N (scripts/compile_sm90.py shows wgmma ... e4m3.e4m3 for it; with 2 warps, or rows as M,
+# Triton widens float8 operands to float16 for mma.sync). (tokens per tile, stages, warps):
+# not yet timed (bench.fp8_decode --products).
+_FP8_PRODUCTS_TILE = (64, 3, 4)
+_FP8_PRODUCTS_MIN_ROWS = 8
 
 
 @triton.jit
@@ -207,6 +218,31 @@ def _split_len(length, num_splits, min_split_len, BLOCK_N: tl.constexpr):
     written, must both size splits with this one function on the same arguments."""
     split_len = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     return tl.maximum(split_len, min_split_len)
+
+
+@triton.jit
+def _load_k_tile(
+    n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, V_GROUPED: tl.constexpr, HEADS: tl.constexpr,
+):  # fmt: skip
+    """(tokens, their mask, their slots, the K tile) of tokens n0.. (< end; with V_GROUPED also
+    >= lo): [BLOCK_N, BLOCK_D], each row one token's contiguous head vector (coalesced), or with
+    HEADS > 1 [BLOCK_N, HEADS * BLOCK_D], a token's HEADS head vectors side by side."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    mask_n = tok < end
+    if V_GROUPED:
+        mask_n = mask_n & (tok >= lo)
+    slots = tl.load(slot_row + tok, mask=mask_n, other=0).to(tl.int64)
+    if HEADS == 1:
+        offs_d = tl.arange(0, BLOCK_D)
+        kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_head + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        offs_c = tl.arange(0, HEADS * BLOCK_D)
+        cols = (offs_c // BLOCK_D) * stride_kh + offs_c % BLOCK_D
+        k_mask = mask_n[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :]
+        k = tl.load(k_head + slots[:, None] * stride_kn + cols[None, :], mask=k_mask, other=0.0)
+    return tok, mask_n, slots, k
 
 
 @triton.jit
@@ -237,9 +273,6 @@ def _stage1_tile(
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
     CAUSAL: tl.constexpr,
-    QK_FP8: tl.constexpr = False,
-    PV_FP8: tl.constexpr = False,
-    HW_CAST: tl.constexpr = False,
 ):
     """One [BLOCK_N] tile of tokens n0.. (< end) folded into the online softmax of a head group.
     With KV_FP8 the tile holds k / k_scale and v / v_scale (the caller folds the scales in).
@@ -249,29 +282,15 @@ def _stage1_tile(
     ``v_head`` (``stride_kh`` / ``stride_vh`` apart), q is block-diagonal over them, and row r
     belongs to head ``row_head[r]`` of them; else both are unused. CAUSAL (a verify step's
     queries, module docstring): row r sees only tokens before ``row_end[r]``, so a row may
-    have none in the tile, or in its whole range; else ``row_end`` is unused. QK_FP8 / PV_FP8
-    (float8 products, module docstring): q is float8 and ``qk_scale`` a [rows, 1] column, K
-    enters q·kᵀ as stored; with PV_FP8 p enters p·v as ``p * 448`` in float8 beside V as
-    stored (the caller divides the 448 out)."""
-    offs_n = tl.arange(0, BLOCK_N)
+    have none in the tile, or in its whole range; else ``row_end`` is unused."""
     offs_d = tl.arange(0, BLOCK_D)
-    tok = n0 + offs_n
-    mask_n = tok < end
-    if V_GROUPED:
-        mask_n = mask_n & (tok >= lo)
-    slots = tl.load(slot_row + tok, mask=mask_n, other=0).to(tl.int64)
+    tok, mask_n, slots, k = _load_k_tile(
+        n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM, BLOCK_N, BLOCK_D,
+        V_GROUPED, HEADS,
+    )  # fmt: skip
     kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-    if HEADS == 1:
-        # [BLOCK_N, BLOCK_D]: each row is one token's contiguous head vector (coalesced).
-        k = tl.load(k_head + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-    else:
-        # [BLOCK_N, HEADS * BLOCK_D]: a token's HEADS head vectors side by side
-        offs_c = tl.arange(0, HEADS * BLOCK_D)
-        cols = (offs_c // BLOCK_D) * stride_kh + offs_c % BLOCK_D
-        k_mask = mask_n[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :]
-        k = tl.load(k_head + slots[:, None] * stride_kn + cols[None, :], mask=k_mask, other=0.0)
     if USE_DOT:
-        if KV_FP8 and not QK_FP8:
+        if KV_FP8:
             k = k.to(q.dtype)  # exact; float16 (fp16_dot_operand), float32 in kernel tests
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
@@ -300,9 +319,7 @@ def _stage1_tile(
             vt = load_vt_heads(
                 v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS
             )
-            if QK_FP8 and not PV_FP8:
-                vt = vt.to(tl.float16)  # (q is float8: p meets v in float16)
-            elif KV_FP8 and not PV_FP8:
+            if KV_FP8:
                 vt = vt.to(q.dtype)  # as k
             v = tl.trans(vt)
         else:
@@ -325,27 +342,20 @@ def _stage1_tile(
         # zeros elsewhere
         own = tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None]
         pb = tl.reshape(tl.where(own, p[:, None, :], 0.0), [p.shape[0], HEADS * BLOCK_N])
-        if PV_FP8:
-            pb = on_fp8_grid(pb * 448.0, 1.0, HW_CAST)
         pv = tl.dot(pb.to(v.dtype), v, input_precision=DOT_PRECISION)
     elif V_GROUPED:
         # vᵀ [BLOCK_D, BLOCK_N], tokens contiguous: into the dot as k is, no transposing copy
         vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
         if USE_DOT:
-            if QK_FP8 and not PV_FP8:
-                vt = vt.to(tl.float16)  # (q is float8: p meets v in float16)
-            elif KV_FP8 and not PV_FP8:
+            if KV_FP8:
                 vt = vt.to(q.dtype)  # as k
-            if PV_FP8:
-                p = on_fp8_grid(p * 448.0, 1.0, HW_CAST)
             pv = tl.dot(p.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
         else:
             pv = tl.sum(p[:, :, None] * tl.trans(vt)[None, :, :].to(tl.float32), axis=1)
     else:
         if USE_DOT and KV_FP8:
             v = load_fp8_rows_as_fp16(v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D, KV_FP8)
-            if not QK_FP8:
-                v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
+            v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
         else:
             v = tl.load(
                 v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
@@ -356,6 +366,52 @@ def _stage1_tile(
             pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
+
+
+@triton.jit
+def _fp8_products_tile(
+    q, m_i, l_i, acc_t, n0, lo, end, slot_row, k_head, v_head, stride_kn, stride_kh, stride_vn,
+    stride_vh, row_head, row_end, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEADS: tl.constexpr, CAUSAL: tl.constexpr, PV_FP8: tl.constexpr,
+    HW_CAST: tl.constexpr,
+):  # fmt: skip
+    """_stage1_tile with the float8 products (module docstring), transposed: the tile's tokens
+    are the dots' M, so that a warpgroup's float8 product (64 rows and more) takes them; the
+    rows of q (a GQA group, 4-16 of them) are its N. ``q`` float8 [rows, HEADS * BLOCK_D] with
+    ``qk_scale`` a [1, rows] row; K multiplied as stored; V grouped. ``acc_t`` is the output
+    transposed, [BLOCK_D, rows]; with PV_FP8 it sums ``p * 448`` in float8 times V as stored
+    (the caller divides the 448 out), else p and V in float16."""
+    tok, mask_n, _, k = _load_k_tile(
+        n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM, BLOCK_N, BLOCK_D, True,
+        HEADS,
+    )  # fmt: skip
+    s_t = tl.dot(k, tl.trans(q)) * qk_scale  # [BLOCK_N, rows], log2 units
+    if CAUSAL:
+        s_t = tl.where(mask_n[:, None] & (tok[:, None] < row_end[None, :]), s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # (as _stage1_tile)
+    else:
+        s_t = tl.where(mask_n[:, None], s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p_t = tl.exp2(s_t - m_ref[None, :])
+    l_i = l_i * alpha + tl.sum(p_t, axis=0)
+    if HEADS > 1:
+        # vᵀ of the HEADS heads side by side, [BLOCK_D, HEADS * BLOCK_N], against pᵀ spread
+        # block-diagonally, [HEADS * BLOCK_N, rows]: each row's own head's tokens, zeros elsewhere
+        vt = load_vt_heads(
+            v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS
+        )
+        own = tl.arange(0, HEADS)[:, None, None] == row_head[None, None, :]
+        p_t = tl.reshape(tl.where(own, p_t[None, :, :], 0.0), [HEADS * BLOCK_N, p_t.shape[1]])
+    else:
+        vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+    if PV_FP8:
+        pv_t = tl.dot(vt, on_fp8_grid(p_t * 448.0, 1.0, HW_CAST).to(vt.dtype))
+    else:
+        pv_t = tl.dot(vt.to(tl.float16), p_t.to(tl.float16))
+    return m_new, l_i, acc_t * alpha[None, :] + pv_t
 
 
 @triton.jit
@@ -431,13 +487,16 @@ def _attend_rows(
         q32 = q.to(tl.float32)
         row_scale = fp8_scale(tl.max(tl.abs(q32), axis=1))
         q = on_fp8_grid(q32, row_scale[:, None], HW_CAST).to(K.dtype.element_ty)
-        qk_scale = (qk_scale * row_scale)[:, None]
+        qk_scale = (qk_scale * row_scale)[None, :]  # (the scores come transposed)
     elif KV_FP8 and USE_DOT:
         q = fp16_dot_operand(q)  # the K/V tiles convert to float16 (kernels/kv_fp8.py)
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    if QK_FP8:
+        acc = tl.zeros([BLOCK_D, ROWS], dtype=tl.float32)  # transposed (_fp8_products_tile)
+    else:
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
 
     slot_row = ReqToToken + r2t_row * stride_r2t
     k_head = K + kvh.to(tl.int64) * stride_kh
@@ -449,37 +508,20 @@ def _attend_rows(
     if V_GROUPED:
         first = start - start % 16  # a grouped V tile starts on a group (kernels/v_groups.py)
     for n0 in range(first, end, BLOCK_N):
-        m_i, l_i, acc = _stage1_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            n0,
-            start,
-            end,
-            slot_row,
-            k_head,
-            v_head,
-            stride_kn,
-            stride_kh,
-            stride_vn,
-            stride_vh,
-            row_head,
-            row_end,
-            qk_scale,
-            HEAD_DIM,
-            BLOCK_N,
-            BLOCK_D,
-            USE_DOT,
-            DOT_PRECISION,
-            KV_FP8,
-            V_GROUPED,
-            HEADS,
-            CAUSAL,
-            QK_FP8,
-            PV_FP8,
-            HW_CAST,
-        )
+        if QK_FP8:  # (transposed: acc is [BLOCK_D, ROWS])
+            m_i, l_i, acc = _fp8_products_tile(
+                q, m_i, l_i, acc, n0, start, end, slot_row, k_head, v_head, stride_kn,
+                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
+                BLOCK_D, HEADS, CAUSAL, PV_FP8, HW_CAST,
+            )  # fmt: skip
+        else:
+            m_i, l_i, acc = _stage1_tile(
+                q, m_i, l_i, acc, n0, start, end, slot_row, k_head, v_head, stride_kn,
+                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
+                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL,
+            )  # fmt: skip
+    if QK_FP8:
+        acc = tl.trans(acc)
     if PV_FP8:
         acc = acc * (1.0 / 448.0)  # p went into p·v as p * 448
     return m_i, l_i, acc
@@ -968,11 +1010,12 @@ def _tiles(
         check_fp8_products(fp8, D)
         if kv_dtype != torch.float8_e4m3fn:
             raise ValueError(f"fp8={fp8!r} multiplies a float8_e4m3fn cache, not {kv_dtype}")
-        if fp8 == "qk_pv" and not v_grouped:
-            raise ValueError("fp8='qk_pv' reads V grouped (kernels/v_groups.py), not in rows")
+        if not v_grouped:
+            raise ValueError(f"fp8={fp8!r} reads V grouped (kernels/v_groups.py), not in rows")
         if not use_dot:
             raise ValueError(f"fp8={fp8!r} multiplies on the tensor cores: use_dot=False cannot")
-        BLOCK_N = max(BLOCK_N, FP8_MIN_K)  # (p.v's K is the key tile)
+        BLOCK_N, num_stages, num_warps = _FP8_PRODUCTS_TILE
+        BLOCK_H = max(_FP8_PRODUCTS_MIN_ROWS, BLOCK_H)
     return _Tiles(
         BLOCK_H,
         BLOCK_N,

@@ -76,15 +76,20 @@ def extend_launch(cache: str, mode: str | None):
     return extend._extend_attention_kernel, types, cx, 4, 3
 
 
-def decode_launch(cache: str, heads: int, tile: tuple[int, int, int], final: bool = True):
+def decode_launch(
+    cache: str, heads: int, tile: tuple[int, int, int], final: bool = True,
+    mode: str | None = None, group: int = 2,
+):  # fmt: skip
     float8 = cache == F8
     types = dict(Q="*bf16", K=f"*{cache}", V=f"*{cache}", KVScales="*fp32", ReqToToken="*i32",
                  ReqPoolIdx="*i64", SeqLens="*i64", StartLens="*i64", QStarts="*i64",
                  QLens="*i64", MidO="*fp32", MidLse="*fp32", qk_scale="fp32", Out="*bf16")  # fmt: skip
     block_n, stages, warps = tile
-    cx = dict(G=2, HEAD_DIM=D, BLOCK_H=4 if float8 else 16, BLOCK_N=block_n, BLOCK_D=D,
+    rows = max(8 if mode else 1, group * heads) if float8 else 16
+    cx = dict(G=group, HEAD_DIM=D, BLOCK_H=rows, BLOCK_N=block_n, BLOCK_D=D,
               USE_DOT=True, DOT_PRECISION="tf32", HAS_START=True, KV_FP8=2 if float8 else 0,
-              V_GROUPED=float8, HEADS=heads, FINAL=final, PREFIX_BLOCK_N=64, QN=1)  # fmt: skip
+              V_GROUPED=float8, HEADS=heads, FINAL=final, PREFIX_BLOCK_N=64, QN=1,
+              QK_FP8=mode is not None, PV_FP8=mode == "qk_pv", HW_CAST=True)  # fmt: skip
     return decode._decode_stage1, types, cx, warps, stages
 
 
@@ -128,6 +133,14 @@ LAUNCHES: dict[str, Callable[[], tuple]] = {
     "decode stage 1, float8 cache, 2 heads (the engine's)": lambda: decode_launch(
         F8, 2, decode._FP8_PACKED_TILE, final=False
     ),
+    **{
+        f"decode stage 1, float8 cache, 2 heads, G {g}, fp8 {m}{', one split' if f else ''}": (
+            lambda g=g, m=m, f=f: decode_launch(F8, 2, decode._FP8_PRODUCTS_TILE, f, m, g)
+        )
+        for m in ("qk", "qk_pv")
+        for g in (2, 4)
+        for f in (False, True)
+    },
     "decode stage 1, bf16 cache (the engine's)": lambda: decode_launch("bf16", 1, (64, 3, 4)),
     "decode stage 1, bf16 cache, short suffixes": lambda: decode_launch(
         "bf16", 1, SHORT_SUFFIX_TILE

@@ -318,7 +318,7 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         pool = batch.kv_pool
         k, v = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
-        scales, fp8 = pool.layer_scales[layer.layer_id], _fp8_for(self.decode_fp8, k, v)
+        scales, fp8 = pool.layer_scales[layer.layer_id], _fp8_for(self.decode_fp8, k, v, None)
         if self.prefix is not None:
             prefix_lens, prefix_items = self.prefix
             return shared_prefix_decode_attention(
@@ -441,10 +441,9 @@ def _longest_suffix(batch: ForwardBatch) -> int:
     return max(n - prefix_of.get(i, 0) for i, n in enumerate(batch.seq_lens_cpu))
 
 
-def _fp8_for(mode: str | None, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> str | None:
-    """A float8-products setting as the pool's kernels (extend, decode) can take it: they multiply
-    the cache as stored, so an e4m3 one (an e5m2 cache keeps 16-bit products), and p·v a grouped
-    V (V in rows keeps p·v in 16 bits)."""
+def _fp8_for(mode: str | None, k_buffer, v_buffer, rows: str | None = "qk") -> str | None:
+    """A float8-products setting as the pool's kernels can take it: they multiply an e4m3 cache
+    as stored (e5m2: 16-bit products) with V grouped; V in rows takes `rows` (extend: "qk")."""
     if mode is None or k_buffer.dtype != torch.float8_e4m3fn:
         return None
-    return mode if is_grouped(k_buffer, v_buffer) else "qk"
+    return mode if is_grouped(k_buffer, v_buffer) else rows

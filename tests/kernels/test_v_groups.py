@@ -281,15 +281,17 @@ FP8_PRODUCT_TOL = {"qk": 2e-3, "qk_pv": 3e-2}  # as extend's: p * 448 in float8 
 
 @pytest.mark.parametrize("mode", ["qk", "qk_pv"])
 @pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("hq", [8, 16], ids=["G2", "G4"])
 @pytest.mark.parametrize("num_kv_splits", [3, 1, None], ids=["s3", "s1", "graph"])
-def test_decode_with_float8_products(mode, heads, num_kv_splits, monkeypatch):
+def test_decode_with_float8_products(mode, heads, hq, num_kv_splits, monkeypatch):
     """decode_attention(fp8=...): q rounded to float8 a (request, head) row at a time times K as
-    stored; "qk_pv" also p * 448 in float8 times grouped V as stored. Against the float64
-    reference on the float8 values with q rounded as the kernel rounds it: exact but for p's
-    rounding. GQA group 2 over 4 kv heads, one and two kv heads a program, lengths off the
-    groups and tiles, fixed splits, one split (stage 1 writes the output) and the graph launch."""
+    stored; "qk_pv" also p * 448 in float8 times grouped V as stored; the tiles transposed.
+    Against the float64 reference on the float8 values with q rounded as the kernel rounds it:
+    exact but for p's rounding. GQA groups of 2 and 4 over 4 kv heads (rows padded to 8), one
+    and two kv heads a program, lengths off the groups and tiles, fixed splits, one split (stage 1 writes
+    the output) and the graph launch."""
     monkeypatch.setattr(decode_module, "_PACKED_HEADS", heads)
-    batch = make_decode_batch([1, 33, 130, 17], 8, 4, 32, dtype=torch.float16, seed=58)
+    batch = make_decode_batch([1, 33, 130, 17], hq, 4, 32, dtype=torch.float16, seed=58)
     quantized, ref_args = fp8_batch(batch, E4M3, k_scale=1.0, v_scale=0.5)
     exact = decode_attention_ref(**ref_args)
     ref_args = dict(ref_args, q=q_on_fp8_rows(batch["q"]))
@@ -299,18 +301,6 @@ def test_decode_with_float8_products(mode, heads, num_kv_splits, monkeypatch):
     check_against_dequantized(
         decode_attention, decode_attention_ref, regrouped(quantized), ref_args,
         FP8_PRODUCT_TOL[mode], num_kv_splits=num_kv_splits, fp8=mode,
-    )  # fmt: skip
-
-
-def test_decode_float8_q_k_over_v_in_rows():
-    """fp8="qk" over a float8 cache with V in rows (an explicit page size off the groups): q.k
-    in float8, p.v in float16 over V widened a pair at a time."""
-    batch = make_decode_batch([1, 33, 130], 8, 2, 32, dtype=torch.float16, seed=59)
-    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.02, v_scale=0.5)
-    ref_args = dict(ref_args, q=q_on_fp8_rows(batch["q"]))
-    check_against_dequantized(
-        decode_attention, decode_attention_ref, quantized, ref_args, FP8_PRODUCT_TOL["qk"],
-        num_kv_splits=2, fp8="qk",
     )  # fmt: skip
 
 
@@ -340,8 +330,9 @@ def test_decode_float8_products_need_an_e4m3_cache_the_dot_path_and_head_dim_32(
     with pytest.raises(ValueError, match="multiplies a float8_e4m3fn cache"):
         decode_attention(**regrouped(e5m2), fp8="qk")
     e4m3, _ = fp8_batch(batch, E4M3, k_scale=1.0, v_scale=1.0)
-    with pytest.raises(ValueError, match="reads V grouped"):
-        decode_attention(**e4m3, fp8="qk_pv")  # V in rows
+    for mode in ("qk", "qk_pv"):  # (its tiles run transposed over vᵀ)
+        with pytest.raises(ValueError, match=f"fp8='{mode}' reads V grouped"):
+            decode_attention(**e4m3, fp8=mode)  # V in rows
     with pytest.raises(ValueError, match="use_dot=False cannot"):
         decode_attention(**regrouped(e4m3), fp8="qk", use_dot=False)
     with pytest.raises(ValueError, match="fp8='e4m3': one of None, 'qk', 'qk_pv'"):
