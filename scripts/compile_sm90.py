@@ -10,8 +10,9 @@ device's minutes do not go to a compile error.
 
     python scripts/compile_sm90.py
 
-Pointers are declared 16-byte divisible, as the engine's launches specialize them. The local
-Triton may be newer than the GPU image's; a launch that compiles here can still fail there.
+Pointers and strides are declared 16-byte divisible, as the engine's launches specialize them.
+The local Triton may be newer than the GPU image's; a launch that compiles here can still fail
+there.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ F8 = "fp8e4nv"
 def compile_sm90(fn, types: dict, constexprs: dict, warps: int, stages: int):
     """The compiled kernel; every argument not typed in `types` nor a constexpr is an i32."""
     sig = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
+    # pointers, and the strides of buffers whose rows are 16-byte multiples (the JIT specializes
+    # an int argument divisible by 16 so; without it every gathered load is a byte load)
+    aligned = [i for i, (a, t) in enumerate(sig.items()) if t[0] == "*" or a.startswith("stride")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
