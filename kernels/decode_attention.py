@@ -92,16 +92,17 @@ Float8 products (``fp8="qk"`` or ``"qk_pv"``, a float8_e4m3fn cache with V group
 only). With a float8 cache every K and V tile is widened to float16 before its dot, and those
 conversions are a sixth of stage 1's instructions per byte (packed heads, above). "qk" rounds
 each query row to float8 at its largest magnitude over 448 once per program, folds that scale
-into the score scale, and multiplies K as stored; "qk_pv" also multiplies ``p * 448`` in
-float8 by grouped V as stored (vᵀ, tokens contiguous: the operand order a float8 product
-wants) and divides the 448 out after the walk ("qk" multiplies p and V in float16). Hopper
-multiplies float8 only in a warpgroup's product (wgmma) of at least 64 rows, and a GQA group
-has 2-8: so these tiles run transposed (``_fp8_products_tile``), ``sᵀ = k · qᵀ`` and ``oᵀ =
-vᵀ · pᵀ`` with the tile's tokens as the products' rows and the group's rows as their columns,
-the softmax reduced over tokens, the output transposed once at the end. The rounding of q
-(2^-4 relative) moves the scores, that of p the weights; what that costs in accuracy beside
-the 16-bit products: tests/kernels (bounds) and the fp8-accuracy GPU step. TensorRT-LLM's
-Hopper decode kernel (XQA) multiplies a float8 cache this way, q and p in float8.
+into the score scale, and multiplies K as stored; "qk_pv" also multiplies ``p * 448`` in float8
+by grouped V as stored (vᵀ, tokens contiguous: the operand order a float8 product wants) and
+divides the 448 out after the walk ("qk" multiplies p and V in float16). Hopper multiplies
+float8 only in a warpgroup's product (wgmma) of at least 64 rows, and a GQA group has 2-8
+(padded to 16 columns here): so these tiles run transposed (``_fp8_products_tile``),
+``sᵀ = k · qᵀ`` and ``oᵀ = vᵀ · pᵀ`` with the tile's tokens as the products' rows and the
+group's rows as their columns, the softmax reduced over tokens, the output transposed once at the end. The
+rounding of q (2^-4 relative) moves the scores, that of p the weights; what that costs in
+accuracy beside the 16-bit products: tests/kernels (bounds) and the fp8-accuracy GPU step.
+TensorRT-LLM's Hopper decode kernel (XQA) multiplies a float8 cache this way, q and p in
+float8.
 """
 
 from __future__ import annotations
@@ -200,12 +201,12 @@ _FP8_PACKED_TILE = (64, 3, 2)
 _ROWS_PACKED_HEADS = 1
 _ROWS_PACKED_TILE = (16, 2, 4)
 # The float8 products' stage 1 (module docstring), transposed: a warpgroup (4 warps) is what
-# multiplies float8 on Hopper's tensor cores (wgmma), at least 64 tokens its M and 8 rows its
-# N (scripts/compile_sm90.py shows wgmma ... e4m3.e4m3 for it; with 2 warps, or rows as M,
-# Triton widens float8 operands to float16 for mma.sync). (tokens per tile, stages, warps):
-# not yet timed (bench.fp8_decode --products).
+# multiplies float8 on Hopper's tensor cores (wgmma), at least 64 tokens its M and 16 rows its
+# N (scripts/compile_sm90.py shows wgmma ... e4m3.e4m3 for it; with 2 warps, rows as M, or 8
+# rows under the GPU image's Triton 3.6, Triton widens float8 operands to float16 for
+# mma.sync). (tokens per tile, stages, warps): not yet timed (bench.fp8_decode --products).
 _FP8_PRODUCTS_TILE = (64, 3, 4)
-_FP8_PRODUCTS_MIN_ROWS = 8
+_FP8_PRODUCTS_MIN_ROWS = 16
 
 
 @triton.jit

@@ -11,8 +11,11 @@ device's minutes do not go to a compile error.
     python scripts/compile_sm90.py
 
 Pointers and strides are declared 16-byte divisible, as the engine's launches specialize them.
-The local Triton may be newer than the GPU image's; a launch that compiles here can still fail
-there.
+The local Triton may be newer than the GPU image's (3.6), and the two differ: the float8 decode
+products took wgmma with 8 columns under 3.9 but mma.sync under 3.6. To compile as the image
+does: `pip download triton==3.6.0 --no-deps -d /tmp/t36`, `pip install --no-deps --target
+/tmp/t36site /tmp/t36/triton-*.whl`, then `PYTHONPATH=/tmp/t36site python
+scripts/compile_sm90.py`.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def decode_launch(
                  ReqPoolIdx="*i64", SeqLens="*i64", StartLens="*i64", QStarts="*i64",
                  QLens="*i64", MidO="*fp32", MidLse="*fp32", qk_scale="fp32", Out="*bf16")  # fmt: skip
     block_n, stages, warps = tile
-    rows = max(8 if mode else 1, group * heads) if float8 else 16
+    rows = max(decode._FP8_PRODUCTS_MIN_ROWS if mode else 1, group * heads) if float8 else 16
     cx = dict(G=group, HEAD_DIM=D, BLOCK_H=rows, BLOCK_N=block_n, BLOCK_D=D,
               USE_DOT=True, DOT_PRECISION="tf32", HAS_START=True, KV_FP8=2 if float8 else 0,
               V_GROUPED=float8, HEADS=heads, FINAL=final, PREFIX_BLOCK_N=64, QN=1,
