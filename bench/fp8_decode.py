@@ -248,7 +248,7 @@ def compare_split_counts(hqs: list[int]) -> None:
 
 
 # the float8 products' tiles (_FP8_PRODUCTS_TILE): a warpgroup of 4 warps, 64 tokens and up
-PRODUCT_TILES = [(64, 3, 4), (128, 3, 4), (64, 2, 4)]
+PRODUCT_TILES = [(128, 2, 4), (64, 3, 4), (128, 3, 4)]
 # decode batches of TensorRT-LLM's long-output shapes: 1000/1000, and 128/4096 mid-wave
 PRODUCT_SHAPES = [(b, (1000, 2000)) for b in (64, 256, 384, 512, 768)] + [(384, (1500, 2500))]
 

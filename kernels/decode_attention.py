@@ -204,8 +204,11 @@ _ROWS_PACKED_TILE = (16, 2, 4)
 # multiplies float8 on Hopper's tensor cores (wgmma), at least 64 tokens its M and 16 rows its
 # N (scripts/compile_sm90.py shows wgmma ... e4m3.e4m3 for it; with 2 warps, rows as M, or 8
 # rows under the GPU image's Triton 3.6, Triton widens float8 operands to float16 for
-# mma.sync). (tokens per tile, stages, warps): not yet timed (bench.fp8_decode --products).
-_FP8_PRODUCTS_TILE = (64, 3, 4)
+# mma.sync). (tokens per tile, stages, warps), not yet timed (bench.fp8_decode --products):
+# 128 x 2 x 4 has the fewest sm_90 instructions a KB of those that leave room for two programs
+# a multiprocessor (two kv heads, Triton 3.6: 55 warp instructions in the loop a KB against
+# 80 for 64 x 3 x 4 and for the 16-bit products' 64 x 3 x 2; 256 x 2 x 4 51, one program)
+_FP8_PRODUCTS_TILE = (128, 2, 4)
 _FP8_PRODUCTS_MIN_ROWS = 16
 
 
@@ -409,7 +412,10 @@ def _fp8_products_tile(
     else:
         vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
     if PV_FP8:
-        pv_t = tl.dot(vt, on_fp8_grid(p_t * 448.0, 1.0, HW_CAST).to(vt.dtype))
+        # p <= 1 is in range: the hardware cast rounds it alone (no clamp), the interpreter's
+        # needs it on the grid first (kernels/fp8.py)
+        p8 = p_t * 448.0 if HW_CAST else on_fp8_grid(p_t * 448.0, 1.0, HW_CAST)
+        pv_t = tl.dot(vt, p8.to(vt.dtype))
     else:
         pv_t = tl.dot(vt.to(tl.float16), p_t.to(tl.float16))
     return m_new, l_i, acc_t * alpha[None, :] + pv_t
