@@ -206,8 +206,9 @@ _ROWS_PACKED_TILE = (16, 2, 4)
 # rows under the GPU image's Triton 3.6, Triton widens float8 operands to float16 for
 # mma.sync). (tokens per tile, stages, warps), not yet timed (bench.fp8_decode --products):
 # 128 x 2 x 4 has the fewest sm_90 instructions a KB of those that leave room for two programs
-# a multiprocessor (two kv heads, Triton 3.6: 55 warp instructions in the loop a KB against
-# 80 for 64 x 3 x 4 and for the 16-bit products' 64 x 3 x 2; 256 x 2 x 4 51, one program)
+# a multiprocessor (two kv heads, Triton 3.6, whole tiles: 46 warp instructions in the loop a
+# KB against 66 for 64 x 3 x 4 and 80 for the 16-bit products' 64 x 3 x 2; 256 x 2 x 4 42,
+# one program)
 _FP8_PRODUCTS_TILE = (128, 2, 4)
 _FP8_PRODUCTS_MIN_ROWS = 16
 
@@ -228,24 +229,33 @@ def _split_len(length, num_splits, min_split_len, BLOCK_N: tl.constexpr):
 def _load_k_tile(
     n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, V_GROUPED: tl.constexpr, HEADS: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):  # fmt: skip
     """(tokens, their mask, their slots, the K tile) of tokens n0.. (< end; with V_GROUPED also
     >= lo): [BLOCK_N, BLOCK_D], each row one token's contiguous head vector (coalesced), or with
-    HEADS > 1 [BLOCK_N, HEADS * BLOCK_D], a token's HEADS head vectors side by side."""
+    HEADS > 1 [BLOCK_N, HEADS * BLOCK_D], a token's HEADS head vectors side by side.
+    ``MASKED=False``: every token of the tile is in range and HEAD_DIM == BLOCK_D (no masks)."""
     tok = n0 + tl.arange(0, BLOCK_N)
     mask_n = tok < end
     if V_GROUPED:
         mask_n = mask_n & (tok >= lo)
-    slots = tl.load(slot_row + tok, mask=mask_n, other=0).to(tl.int64)
+    if MASKED:
+        slots = tl.load(slot_row + tok, mask=mask_n, other=0).to(tl.int64)
+    else:
+        slots = tl.load(slot_row + tok).to(tl.int64)
     if HEADS == 1:
         offs_d = tl.arange(0, BLOCK_D)
         kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(k_head + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        ptrs = k_head + slots[:, None] * stride_kn + offs_d[None, :]
     else:
         offs_c = tl.arange(0, HEADS * BLOCK_D)
         cols = (offs_c // BLOCK_D) * stride_kh + offs_c % BLOCK_D
-        k_mask = mask_n[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :]
-        k = tl.load(k_head + slots[:, None] * stride_kn + cols[None, :], mask=k_mask, other=0.0)
+        kv_mask = mask_n[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :]
+        ptrs = k_head + slots[:, None] * stride_kn + cols[None, :]
+    if MASKED:
+        k = tl.load(ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(ptrs)
     return tok, mask_n, slots, k
 
 
@@ -377,20 +387,24 @@ def _fp8_products_tile(
     q, m_i, l_i, acc_t, n0, lo, end, slot_row, k_head, v_head, stride_kn, stride_kh, stride_vn,
     stride_vh, row_head, row_end, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEADS: tl.constexpr, CAUSAL: tl.constexpr, PV_FP8: tl.constexpr,
-    HW_CAST: tl.constexpr,
+    HW_CAST: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """_stage1_tile with the float8 products (module docstring), transposed: the tile's tokens
     are the dots' M, so that a warpgroup's float8 product (64 rows and more) takes them; the
     rows of q (a GQA group, 4-16 of them) are its N. ``q`` float8 [rows, HEADS * BLOCK_D] with
     ``qk_scale`` a [1, rows] row; K multiplied as stored; V grouped. ``acc_t`` is the output
     transposed, [BLOCK_D, rows]; with PV_FP8 it sums ``p * 448`` in float8 times V as stored
-    (the caller divides the 448 out), else p and V in float16."""
+    (the caller divides the 448 out), else p and V in float16. ``MASKED=False``: a whole tile
+    of tokens in range (``_attend_rows``), loaded and scored without masks."""
     tok, mask_n, _, k = _load_k_tile(
         n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM, BLOCK_N, BLOCK_D, True,
-        HEADS,
+        HEADS, MASKED,
     )  # fmt: skip
     s_t = tl.dot(k, tl.trans(q)) * qk_scale  # [BLOCK_N, rows], log2 units
-    if CAUSAL:
+    if not MASKED:
+        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+        m_ref = m_new
+    elif CAUSAL:
         s_t = tl.where(mask_n[:, None] & (tok[:, None] < row_end[None, :]), s_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # (as _stage1_tile)
@@ -405,12 +419,15 @@ def _fp8_products_tile(
         # vᵀ of the HEADS heads side by side, [BLOCK_D, HEADS * BLOCK_N], against pᵀ spread
         # block-diagonally, [HEADS * BLOCK_N, rows]: each row's own head's tokens, zeros elsewhere
         vt = load_vt_heads(
-            v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS
-        )
+            v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS,
+            MASKED,
+        )  # fmt: skip
         own = tl.arange(0, HEADS)[:, None, None] == row_head[None, None, :]
         p_t = tl.reshape(tl.where(own, p_t[None, :, :], 0.0), [HEADS * BLOCK_N, p_t.shape[1]])
     else:
-        vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        vt = load_vt_tile(
+            v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED
+        )  # fmt: skip
     if PV_FP8:
         # p <= 1 is in range: the hardware cast rounds it alone (no clamp), the interpreter's
         # needs it on the grid first (kernels/fp8.py)
@@ -514,14 +531,33 @@ def _attend_rows(
     first = start
     if V_GROUPED:
         first = start - start % 16  # a grouped V tile starts on a group (kernels/v_groups.py)
-    for n0 in range(first, end, BLOCK_N):
-        if QK_FP8:  # (transposed: acc is [BLOCK_D, ROWS])
+    if QK_FP8:  # (transposed: acc is [BLOCK_D, ROWS])
+        # whole tiles in range load and score without masks (a verify step's rows mask their
+        # own tokens: it masks every tile); a first tile that starts before `start` (grouped V)
+        # and a last one past `end` keep them
+        whole = not CAUSAL and HEAD_DIM == BLOCK_D
+        body = tl.minimum(first + BLOCK_N * (first < start).to(tl.int32), end)
+        body_end = body + (end - body) // BLOCK_N * BLOCK_N
+        if first < body:
+            m_i, l_i, acc = _fp8_products_tile(
+                q, m_i, l_i, acc, first, start, end, slot_row, k_head, v_head, stride_kn,
+                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
+                BLOCK_D, HEADS, CAUSAL, PV_FP8, HW_CAST, True,
+            )  # fmt: skip
+        for n0 in range(body, body_end, BLOCK_N):
             m_i, l_i, acc = _fp8_products_tile(
                 q, m_i, l_i, acc, n0, start, end, slot_row, k_head, v_head, stride_kn,
                 stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, HEADS, CAUSAL, PV_FP8, HW_CAST,
+                BLOCK_D, HEADS, CAUSAL, PV_FP8, HW_CAST, not whole,
             )  # fmt: skip
-        else:
+        if body_end < end:
+            m_i, l_i, acc = _fp8_products_tile(
+                q, m_i, l_i, acc, body_end, start, end, slot_row, k_head, v_head, stride_kn,
+                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
+                BLOCK_D, HEADS, CAUSAL, PV_FP8, HW_CAST, True,
+            )  # fmt: skip
+    else:
+        for n0 in range(first, end, BLOCK_N):
             m_i, l_i, acc = _stage1_tile(
                 q, m_i, l_i, acc, n0, start, end, slot_row, k_head, v_head, stride_kn,
                 stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,

@@ -287,11 +287,12 @@ def test_decode_with_float8_products(mode, heads, hq, num_kv_splits, monkeypatch
     """decode_attention(fp8=...): q rounded to float8 a (request, head) row at a time times K as
     stored; "qk_pv" also p * 448 in float8 times grouped V as stored; the tiles transposed.
     Against the float64 reference on the float8 values with q rounded as the kernel rounds it:
-    exact but for p's rounding. GQA groups of 2 and 4 over 4 kv heads (rows padded to 8), one
-    and two kv heads a program, lengths off the groups and tiles, fixed splits, one split (stage 1 writes
-    the output) and the graph launch."""
+    exact but for p's rounding. GQA groups of 2 and 4 over 4 kv heads (rows padded to 16), one
+    and two kv heads a program, lengths off the groups and tiles (300: whole 128-token tiles
+    walked unmasked, then a masked last one), fixed splits, one split (stage 1 writes the
+    output) and the graph launch."""
     monkeypatch.setattr(decode_module, "_PACKED_HEADS", heads)
-    batch = make_decode_batch([1, 33, 130, 17], hq, 4, 32, dtype=torch.float16, seed=58)
+    batch = make_decode_batch([1, 33, 300, 17], hq, 4, 32, dtype=torch.float16, seed=58)
     quantized, ref_args = fp8_batch(batch, E4M3, k_scale=1.0, v_scale=0.5)
     exact = decode_attention_ref(**ref_args)
     ref_args = dict(ref_args, q=q_on_fp8_rows(batch["q"]))
