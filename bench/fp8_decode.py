@@ -267,10 +267,13 @@ def compare_products(hqs: list[int]) -> None:
         cases = [case(b, n, hq) for b, n in PRODUCT_SHAPES]
         exact = [da.decode_attention(**c[2]).double() for c in cases]
         print("| bf16 cache | " + " | ".join(f"{tbps(c[0], c[3]):.2f}" for c in cases) + " |")
-        engine_tile = da._FP8_PACKED_TILE
-        cells = [f"{tbps(c[2], c[3]):.2f}" for c in cases]
-        print(f"| 16-bit, the engine's ({' x '.join(map(str, engine_tile))}) | "
-              + " | ".join(cells) + " |")  # fmt: skip
+        engine_tile = " x ".join(map(str, da._FP8_PACKED_TILE))
+        for unmasked in (False, True):  # (_UNMASKED_BODY: whole tiles without masks)
+            da._UNMASKED_BODY = unmasked
+            cells = [f"{tbps(c[2], c[3]):.2f}" for c in cases]
+            name = f"16-bit, the engine's ({engine_tile}){', whole tiles unmasked' * unmasked}"
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        da._UNMASKED_BODY = False
         for mode in ("qk", "qk_pv"):
             for t in PRODUCT_TILES if mode == "qk_pv" else [tile]:  # (each tile compiles anew)
                 da._FP8_PRODUCTS_TILE = t

@@ -211,6 +211,12 @@ _ROWS_PACKED_TILE = (16, 2, 4)
 # one program)
 _FP8_PRODUCTS_TILE = (128, 2, 4)
 _FP8_PRODUCTS_MIN_ROWS = 16
+# The 16-bit products over grouped float8 V, two kv heads a program (the engine's float8
+# decode), in three parts as the float8 products' tiles: whole tiles without masks. Their
+# sm_90 loop (Triton 3.6, nvdisasm) falls from 80 to 66 warp instructions a KB of K/V; off
+# until timed (bench.fp8_decode --products: a row each way), since a range's last tile then
+# leaves the software pipeline.
+_UNMASKED_BODY = False
 
 
 @triton.jit
@@ -287,6 +293,7 @@ def _stage1_tile(
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
     """One [BLOCK_N] tile of tokens n0.. (< end) folded into the online softmax of a head group.
     With KV_FP8 the tile holds k / k_scale and v / v_scale (the caller folds the scales in).
@@ -300,7 +307,7 @@ def _stage1_tile(
     offs_d = tl.arange(0, BLOCK_D)
     tok, mask_n, slots, k = _load_k_tile(
         n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM, BLOCK_N, BLOCK_D,
-        V_GROUPED, HEADS,
+        V_GROUPED, HEADS, MASKED,
     )  # fmt: skip
     kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
     if USE_DOT:
@@ -316,7 +323,8 @@ def _stage1_tile(
         # a row with no token yet keeps m = -inf: its exponents are taken against 0 instead
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        s = tl.where(mask_n[None, :], s, float("-inf"))
+        if MASKED:
+            s = tl.where(mask_n[None, :], s, float("-inf"))
         # Every tile has at least one valid token (n0 < end; a grouped first tile starts at
         # most 15 tokens before lo), so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -331,8 +339,9 @@ def _stage1_tile(
         # n0 + n's vector of head h, each a contiguous row of the pool as K's are)
         if V_GROUPED:
             vt = load_vt_heads(
-                v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS
-            )
+                v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS,
+                MASKED,
+            )  # fmt: skip
             if KV_FP8:
                 vt = vt.to(q.dtype)  # as k
             v = tl.trans(vt)
@@ -476,6 +485,7 @@ def _attend_rows(
     QK_FP8: tl.constexpr = False,
     PV_FP8: tl.constexpr = False,
     HW_CAST: tl.constexpr = False,
+    UNMASKED_BODY: tl.constexpr = False,
 ):
     """The online softmax of ROWS query rows over tokens [start, end) (start < end) of kv head
     ``kvh`` (of kv heads ``kvh ..`` with HEADS > 1: row r then is head ``kvh * G +
@@ -556,6 +566,28 @@ def _attend_rows(
                 stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
                 BLOCK_D, HEADS, CAUSAL, PV_FP8, HW_CAST, True,
             )  # fmt: skip
+    elif UNMASKED_BODY and V_GROUPED and HEADS > 1 and not CAUSAL and HEAD_DIM == BLOCK_D:
+        # the same three parts for the 16-bit products over grouped float8 V (_UNMASKED_BODY)
+        body = tl.minimum(first + BLOCK_N * (first < start).to(tl.int32), end)
+        body_end = body + (end - body) // BLOCK_N * BLOCK_N
+        if first < body:
+            m_i, l_i, acc = _stage1_tile(
+                q, m_i, l_i, acc, first, start, end, slot_row, k_head, v_head, stride_kn,
+                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
+                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, True,
+            )  # fmt: skip
+        for n0 in range(body, body_end, BLOCK_N):
+            m_i, l_i, acc = _stage1_tile(
+                q, m_i, l_i, acc, n0, start, end, slot_row, k_head, v_head, stride_kn,
+                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
+                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, False,
+            )  # fmt: skip
+        if body_end < end:
+            m_i, l_i, acc = _stage1_tile(
+                q, m_i, l_i, acc, body_end, start, end, slot_row, k_head, v_head, stride_kn,
+                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
+                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, True,
+            )  # fmt: skip
     else:
         for n0 in range(first, end, BLOCK_N):
             m_i, l_i, acc = _stage1_tile(
@@ -616,6 +648,7 @@ def _attend_split(
     QK_FP8: tl.constexpr = False,
     PV_FP8: tl.constexpr = False,
     HW_CAST: tl.constexpr = False,
+    UNMASKED_BODY: tl.constexpr = False,
 ):
     """The work of one stage-1 program (one request's GQA group, or its verify rows) or of
     one shared-prefix program (the groups of an item's members): ``_attend_rows`` over tokens
@@ -632,7 +665,7 @@ def _attend_split(
         r2t_row, kvh, start, end, row_end,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
         G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS, USE_DOT, KV_FP8, V_GROUPED, HEADS,
-        CAUSAL, QK_FP8, PV_FP8, HW_CAST,
+        CAUSAL, QK_FP8, PV_FP8, HW_CAST, UNMASKED_BODY,
     )  # fmt: skip
     if CAUSAL:
         l_i = tl.where(l_i > 0, l_i, 1.0)  # (acc is 0 there; m_i is -inf: the lse too)
@@ -703,6 +736,7 @@ def _decode_stage1(
     QK_FP8: tl.constexpr,  # float8 products (module docstring)
     PV_FP8: tl.constexpr,
     HW_CAST: tl.constexpr,  # kernels/fp8.py: fp8_hw_cast
+    UNMASKED_BODY: tl.constexpr,  # _UNMASKED_BODY
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) * HEADS  # the first of the program's kv heads
@@ -743,7 +777,7 @@ def _decode_stage1(
                 row_mask, row, kvh, start, end, row_end,
                 stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
                 G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, BLOCK_H, USE_DOT, KV_FP8,
-                V_GROUPED, HEADS, QN > 1, QK_FP8, PV_FP8, HW_CAST,
+                V_GROUPED, HEADS, QN > 1, QK_FP8, PV_FP8, HW_CAST, UNMASKED_BODY,
             )  # fmt: skip
         if HAS_START:
             prefix_len = tl.load(StartLens + b).to(tl.int32)  # (first, unclipped: stage 2's)
@@ -764,7 +798,7 @@ def _decode_stage1(
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS=BLOCK_H, REQ_PER_ROW=QN > 1,
             USE_DOT=USE_DOT, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED, HEADS=HEADS, CAUSAL=QN > 1,
-            QK_FP8=QK_FP8, PV_FP8=PV_FP8, HW_CAST=HW_CAST,
+            QK_FP8=QK_FP8, PV_FP8=PV_FP8, HW_CAST=HW_CAST, UNMASKED_BODY=UNMASKED_BODY,
         )  # fmt: skip
 
 
@@ -1221,6 +1255,7 @@ def _launch_stage1(
         QK_FP8=tiles.fp8 is not None,
         PV_FP8=tiles.fp8 == "qk_pv",
         HW_CAST=fp8_hw_cast(q.device),
+        UNMASKED_BODY=_UNMASKED_BODY,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -85,7 +85,7 @@ def extend_launch(cache: str, mode: str | None):
 
 def decode_launch(
     cache: str, heads: int, tile: tuple[int, int, int], final: bool = True,
-    mode: str | None = None, group: int = 2,
+    mode: str | None = None, group: int = 2, unmasked: bool | None = None,
 ):  # fmt: skip
     float8 = cache == F8
     types = dict(Q="*bf16", K=f"*{cache}", V=f"*{cache}", KVScales="*fp32", ReqToToken="*i32",
@@ -96,7 +96,8 @@ def decode_launch(
     cx = dict(G=group, HEAD_DIM=D, BLOCK_H=rows, BLOCK_N=block_n, BLOCK_D=D,
               USE_DOT=True, DOT_PRECISION="tf32", HAS_START=True, KV_FP8=2 if float8 else 0,
               V_GROUPED=float8, HEADS=heads, FINAL=final, PREFIX_BLOCK_N=64, QN=1,
-              QK_FP8=mode is not None, PV_FP8=mode == "qk_pv", HW_CAST=True)  # fmt: skip
+              QK_FP8=mode is not None, PV_FP8=mode == "qk_pv", HW_CAST=True,
+              UNMASKED_BODY=decode._UNMASKED_BODY if unmasked is None else unmasked)  # fmt: skip
     return decode._decode_stage1, types, cx, warps, stages
 
 
@@ -139,6 +140,9 @@ LAUNCHES: dict[str, Callable[[], tuple]] = {
     "extend_attention, float8 cache, fp8 q.k and p.v": lambda: extend_launch(F8, "qk_pv"),
     "decode stage 1, float8 cache, 2 heads (the engine's)": lambda: decode_launch(
         F8, 2, decode._FP8_PACKED_TILE, final=False
+    ),
+    "decode stage 1, float8 cache, 2 heads, whole tiles unmasked": lambda: decode_launch(
+        F8, 2, decode._FP8_PACKED_TILE, final=False, unmasked=True
     ),
     **{
         f"decode stage 1, float8 cache, 2 heads, G {g}, fp8 {m}{', one split' if f else ''}": (

@@ -178,6 +178,30 @@ def test_decode_packs_kv_heads(hq, hkv, heads, num_kv_splits, monkeypatch):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("num_kv_splits", [3, 1, None], ids=["s3", "s1", "graph"])
+def test_decode_walks_whole_tiles_unmasked(num_kv_splits, monkeypatch):
+    """_UNMASKED_BODY: the engine's float8 stage 1 (two kv heads a program, 16-bit products)
+    walks a range's whole tiles without masks, a first tile before a grouped start and a last
+    one past the end with them. Lengths of whole tiles, of none and between; a shared prefix's
+    suffixes start mid-group."""
+    monkeypatch.setattr(decode_module, "_UNMASKED_BODY", True)
+    assert tiles_of(8, 4, 32).heads == 2
+    batch = make_decode_batch([1, 33, 300, 17, 128], 8, 4, 32, dtype=torch.float16, seed=62)
+    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.02, v_scale=0.5)
+    check_against_dequantized(
+        decode_attention, decode_attention_ref, regrouped(quantized), ref_args, TOL_16BIT,
+        num_kv_splits=num_kv_splits,
+    )  # fmt: skip
+    shared = make_shared_batch(
+        [(70, [3, 200, 1])], [15], 8, 4, 32, item_size=2, dtype=torch.float16, seed=63
+    )
+    quantized, ref_args = fp8_batch(shared, E4M3, k_scale=0.02, v_scale=0.5)
+    check_against_dequantized(
+        shared_prefix_decode_attention, decode_attention_ref, regrouped(quantized),
+        plain(ref_args), TOL_16BIT, num_kv_splits=num_kv_splits, prefix_splits=2,
+    )  # fmt: skip
+
+
 def test_packing_needs_whole_head_pairs_and_few_rows():
     """Two heads a program only where the kv heads pair up, the rows fit, and the grouped
     float8 path runs; a packed program walks half the tokens per split (the same bytes)."""
