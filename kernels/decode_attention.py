@@ -294,6 +294,9 @@ def _stage1_tile(
     HEADS: tl.constexpr,
     CAUSAL: tl.constexpr,
     MASKED: tl.constexpr = True,
+    QK_FP8: tl.constexpr = False,
+    PV_FP8: tl.constexpr = False,
+    HW_CAST: tl.constexpr = False,
 ):
     """One [BLOCK_N] tile of tokens n0.. (< end) folded into the online softmax of a head group.
     With KV_FP8 the tile holds k / k_scale and v / v_scale (the caller folds the scales in).
@@ -303,91 +306,103 @@ def _stage1_tile(
     ``v_head`` (``stride_kh`` / ``stride_vh`` apart), q is block-diagonal over them, and row r
     belongs to head ``row_head[r]`` of them; else both are unused. CAUSAL (a verify step's
     queries, module docstring): row r sees only tokens before ``row_end[r]``, so a row may
-    have none in the tile, or in its whole range; else ``row_end`` is unused."""
-    offs_d = tl.arange(0, BLOCK_D)
-    tok, mask_n, slots, k = _load_k_tile(
-        n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM, BLOCK_N, BLOCK_D,
-        V_GROUPED, HEADS, MASKED,
-    )  # fmt: skip
-    kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-    if USE_DOT:
-        if KV_FP8:
-            k = k.to(q.dtype)  # exact; float16 (fp16_dot_operand), float32 in kernel tests
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    have none in the tile, or in its whole range; else ``row_end`` is unused. ``MASKED=False``:
+    a whole tile in range, loaded and scored without masks (``_attend_rows``). QK_FP8: the
+    float8 products' tile instead (``_fp8_products_tile``: ``acc`` transposed)."""
+    # NOTE: one return (kernels/kv_fp8.py: fp16_dot_operand says why)
+    if QK_FP8:
+        m_new, l_i, acc = _fp8_products_tile(
+            q, m_i, l_i, acc, n0, lo, end, slot_row, k_head, v_head, stride_kn, stride_kh,
+            stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS,
+            CAUSAL, PV_FP8, HW_CAST, MASKED,
+        )  # fmt: skip
     else:
-        s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
-    s = s * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
-    if CAUSAL:
-        s = tl.where(mask_n[None, :] & (tok[None, :] < row_end[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row with no token yet keeps m = -inf: its exponents are taken against 0 instead
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        if MASKED:
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-        # Every tile has at least one valid token (n0 < end; a grouped first tile starts at
-        # most 15 tokens before lo), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = m_new
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+        offs_d = tl.arange(0, BLOCK_D)
+        tok, mask_n, slots, k = _load_k_tile(
+            n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM, BLOCK_N, BLOCK_D,
+            V_GROUPED, HEADS, MASKED,
+        )  # fmt: skip
+        kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+        if USE_DOT:
+            if KV_FP8:
+                k = k.to(q.dtype)  # exact; float16 (fp16_dot_operand), float32 in kernel tests
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        else:
+            s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+        s = s * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        if CAUSAL:
+            s = tl.where(mask_n[None, :] & (tok[None, :] < row_end[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # a row with no token yet keeps m = -inf: its exponents are taken against 0 instead
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            if MASKED:
+                s = tl.where(mask_n[None, :], s, float("-inf"))
+            # Every tile has at least one valid token (n0 < end; a grouped first tile starts at
+            # most 15 tokens before lo), so m_new is finite.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    if HEADS > 1:
-        # V of the HEADS heads: vᵀ side by side, [BLOCK_D, HEADS * BLOCK_N] (grouped), or their
-        # rows stacked, [HEADS * BLOCK_N, BLOCK_D] (V in rows: row h * BLOCK_N + n is token
-        # n0 + n's vector of head h, each a contiguous row of the pool as K's are)
-        if V_GROUPED:
-            vt = load_vt_heads(
-                v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS,
-                MASKED,
-            )  # fmt: skip
-            if KV_FP8:
-                vt = vt.to(q.dtype)  # as k
-            v = tl.trans(vt)
+        if HEADS > 1:
+            # V of the HEADS heads: vᵀ side by side, [BLOCK_D, HEADS * BLOCK_N] (grouped), or their
+            # rows stacked, [HEADS * BLOCK_N, BLOCK_D] (V in rows: row h * BLOCK_N + n is token
+            # n0 + n's vector of head h, each a contiguous row of the pool as K's are)
+            if V_GROUPED:
+                vt = load_vt_heads(
+                    v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS,
+                    MASKED,
+                )  # fmt: skip
+                if KV_FP8:
+                    vt = vt.to(q.dtype)  # as k
+                v = tl.trans(vt)
+            else:
+                stacked_slots = tl.reshape(
+                    tl.broadcast_to(slots[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
+                )
+                stacked_mask = tl.reshape(
+                    tl.broadcast_to(mask_n[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
+                )
+                stacked_head = tl.arange(0, HEADS * BLOCK_N) // BLOCK_N
+                v = tl.load(
+                    v_head
+                    + stacked_slots[:, None] * stride_vn
+                    + stacked_head[:, None] * stride_vh
+                    + offs_d[None, :],
+                    mask=stacked_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+                    other=0.0,
+                )
+            # p block-diagonal over the heads, [rows, HEADS * BLOCK_N]: a row's own head's tokens,
+            # zeros elsewhere
+            own = tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None]
+            pb = tl.reshape(tl.where(own, p[:, None, :], 0.0), [p.shape[0], HEADS * BLOCK_N])
+            pv = tl.dot(pb.to(v.dtype), v, input_precision=DOT_PRECISION)
+        elif V_GROUPED:
+            # vᵀ [BLOCK_D, BLOCK_N], tokens contiguous: into the dot as k is, no transposing copy
+            vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+            if USE_DOT:
+                if KV_FP8:
+                    vt = vt.to(q.dtype)  # as k
+                pv = tl.dot(p.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
+            else:
+                pv = tl.sum(p[:, :, None] * tl.trans(vt)[None, :, :].to(tl.float32), axis=1)
         else:
-            stacked_slots = tl.reshape(
-                tl.broadcast_to(slots[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
-            )
-            stacked_mask = tl.reshape(
-                tl.broadcast_to(mask_n[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
-            )
-            stacked_head = tl.arange(0, HEADS * BLOCK_N) // BLOCK_N
-            v = tl.load(
-                v_head
-                + stacked_slots[:, None] * stride_vn
-                + stacked_head[:, None] * stride_vh
-                + offs_d[None, :],
-                mask=stacked_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
-                other=0.0,
-            )
-        # p block-diagonal over the heads, [rows, HEADS * BLOCK_N]: a row's own head's tokens,
-        # zeros elsewhere
-        own = tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None]
-        pb = tl.reshape(tl.where(own, p[:, None, :], 0.0), [p.shape[0], HEADS * BLOCK_N])
-        pv = tl.dot(pb.to(v.dtype), v, input_precision=DOT_PRECISION)
-    elif V_GROUPED:
-        # vᵀ [BLOCK_D, BLOCK_N], tokens contiguous: into the dot as k is, no transposing copy
-        vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
-        if USE_DOT:
-            if KV_FP8:
-                vt = vt.to(q.dtype)  # as k
-            pv = tl.dot(p.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
-        else:
-            pv = tl.sum(p[:, :, None] * tl.trans(vt)[None, :, :].to(tl.float32), axis=1)
-    else:
-        if USE_DOT and KV_FP8:
-            v = load_fp8_rows_as_fp16(v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D, KV_FP8)
-            v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
-        else:
-            v = tl.load(
-                v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
-            )
-        if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
-    acc = acc * alpha[:, None] + pv
+            if USE_DOT and KV_FP8:
+                v = load_fp8_rows_as_fp16(
+                    v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D, KV_FP8
+                )
+                v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
+            else:
+                v = tl.load(
+                    v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
+                )
+            if USE_DOT:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+        acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
@@ -541,59 +556,42 @@ def _attend_rows(
     first = start
     if V_GROUPED:
         first = start - start % 16  # a grouped V tile starts on a group (kernels/v_groups.py)
-    if QK_FP8:  # (transposed: acc is [BLOCK_D, ROWS])
-        # whole tiles in range load and score without masks (a verify step's rows mask their
-        # own tokens: it masks every tile); a first tile that starts before `start` (grouped V)
-        # and a last one past `end` keep them
-        whole = not CAUSAL and HEAD_DIM == BLOCK_D
-        body = tl.minimum(first + BLOCK_N * (first < start).to(tl.int32), end)
-        body_end = body + (end - body) // BLOCK_N * BLOCK_N
-        if first < body:
-            m_i, l_i, acc = _fp8_products_tile(
-                q, m_i, l_i, acc, first, start, end, slot_row, k_head, v_head, stride_kn,
-                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, HEADS, CAUSAL, PV_FP8, HW_CAST, True,
-            )  # fmt: skip
-        for n0 in range(body, body_end, BLOCK_N):
-            m_i, l_i, acc = _fp8_products_tile(
-                q, m_i, l_i, acc, n0, start, end, slot_row, k_head, v_head, stride_kn,
-                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, HEADS, CAUSAL, PV_FP8, HW_CAST, not whole,
-            )  # fmt: skip
-        if body_end < end:
-            m_i, l_i, acc = _fp8_products_tile(
-                q, m_i, l_i, acc, body_end, start, end, slot_row, k_head, v_head, stride_kn,
-                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, HEADS, CAUSAL, PV_FP8, HW_CAST, True,
-            )  # fmt: skip
-    elif UNMASKED_BODY and V_GROUPED and HEADS > 1 and not CAUSAL and HEAD_DIM == BLOCK_D:
-        # the same three parts for the 16-bit products over grouped float8 V (_UNMASKED_BODY)
+    # Whole tiles in range load and score without masks, for the float8 products' tiles and
+    # with _UNMASKED_BODY for the engine's float8 ones: a first tile that starts before `start`
+    # (grouped V) and a last one past `end` keep them. (A verify step's rows mask their own
+    # tokens: it masks every tile.)
+    three_parts = (QK_FP8 or (UNMASKED_BODY and V_GROUPED and HEADS > 1)) and not CAUSAL
+    if three_parts and HEAD_DIM == BLOCK_D:
         body = tl.minimum(first + BLOCK_N * (first < start).to(tl.int32), end)
         body_end = body + (end - body) // BLOCK_N * BLOCK_N
         if first < body:
             m_i, l_i, acc = _stage1_tile(
                 q, m_i, l_i, acc, first, start, end, slot_row, k_head, v_head, stride_kn,
                 stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, True,
+                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, True, QK_FP8,
+                PV_FP8, HW_CAST,
             )  # fmt: skip
         for n0 in range(body, body_end, BLOCK_N):
             m_i, l_i, acc = _stage1_tile(
                 q, m_i, l_i, acc, n0, start, end, slot_row, k_head, v_head, stride_kn,
                 stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, False,
+                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, False, QK_FP8,
+                PV_FP8, HW_CAST,
             )  # fmt: skip
         if body_end < end:
             m_i, l_i, acc = _stage1_tile(
                 q, m_i, l_i, acc, body_end, start, end, slot_row, k_head, v_head, stride_kn,
                 stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, True,
+                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, True, QK_FP8,
+                PV_FP8, HW_CAST,
             )  # fmt: skip
     else:
         for n0 in range(first, end, BLOCK_N):
             m_i, l_i, acc = _stage1_tile(
                 q, m_i, l_i, acc, n0, start, end, slot_row, k_head, v_head, stride_kn,
                 stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL,
+                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, True, QK_FP8,
+                PV_FP8, HW_CAST,
             )  # fmt: skip
     if QK_FP8:
         acc = tl.trans(acc)
