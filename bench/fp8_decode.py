@@ -258,14 +258,14 @@ def compare_products(hqs: list[int]) -> None:
     default), q.k in float8 ("qk") and both products in float8 ("qk_pv", at a few tiles of the
     transposed float8 stage 1), beside the bf16 cache; and each mode's error against the
     16-bit products' output (relative, over the batch)."""
-    tile = da._FP8_PRODUCTS_TILE
+    tile, unmasked_body = da._FP8_PRODUCTS_TILE, da._UNMASKED_BODY
     for hq in hqs:
         print(f"\nHq={hq} Hkv=8 D=128, TB/s of K/V read (the graph launch), float8 products")
         heads = [f"B={b},{'-'.join(map(str, n))}" for b, n in PRODUCT_SHAPES]
         print("| products (tile, stages, warps) | " + " | ".join(heads) + " |")
         print("| --- |" + " --- |" * len(PRODUCT_SHAPES))
         cases = [case(b, n, hq) for b, n in PRODUCT_SHAPES]
-        exact = [da.decode_attention(**c[2]).double() for c in cases]
+        base = [da.decode_attention(**c[2]).double() for c in cases]  # (the 16-bit products)
         print("| bf16 cache | " + " | ".join(f"{tbps(c[0], c[3]):.2f}" for c in cases) + " |")
         engine_tile = " x ".join(map(str, da._FP8_PACKED_TILE))
         for unmasked in (False, True):  # (_UNMASKED_BODY: whole tiles without masks)
@@ -273,7 +273,7 @@ def compare_products(hqs: list[int]) -> None:
             cells = [f"{tbps(c[2], c[3]):.2f}" for c in cases]
             name = f"16-bit, the engine's ({engine_tile}){', whole tiles unmasked' * unmasked}"
             print(f"| {name} | " + " | ".join(cells) + " |")
-        da._UNMASKED_BODY = False
+        da._UNMASKED_BODY = unmasked_body
         for mode in ("qk", "qk_pv"):
             for t in PRODUCT_TILES if mode == "qk_pv" else [tile]:  # (each tile compiles anew)
                 da._FP8_PRODUCTS_TILE = t
@@ -283,10 +283,10 @@ def compare_products(hqs: list[int]) -> None:
             da._FP8_PRODUCTS_TILE = tile
             errs = [
                 f"{((da.decode_attention(**c[2], fp8=mode).double() - e).norm() / e.norm()):.1e}"
-                for c, e in zip(cases, exact)
+                for c, e in zip(cases, base)
             ]
             print(f"| {mode}: relative error vs 16-bit | " + " | ".join(errs) + " |")
-        del cases, exact
+        del cases, base
         torch.cuda.empty_cache()
 
 

@@ -98,10 +98,10 @@ divides the 448 out after the walk ("qk" multiplies p and V in float16). Hopper 
 float8 only in a warpgroup's product (wgmma) of at least 64 rows, and a GQA group has 2-8
 (padded to 16 columns here): so these tiles run transposed (``_fp8_products_tile``),
 ``sᵀ = k · qᵀ`` and ``oᵀ = vᵀ · pᵀ`` with the tile's tokens as the products' rows and the
-group's rows as their columns, the softmax reduced over tokens, the output transposed once at the end. The
-rounding of q (2^-4 relative) moves the scores, that of p the weights; what that costs in
-accuracy beside the 16-bit products: tests/kernels (bounds) and the fp8-accuracy GPU step.
-TensorRT-LLM's Hopper decode kernel (XQA) multiplies a float8 cache this way, q and p in
+group's rows as their columns, the softmax reduced over tokens, the output transposed once at
+the end. The rounding of q (2^-4 relative) moves the scores, that of p the weights; what that
+costs in accuracy beside the 16-bit products: tests/kernels (bounds) and the fp8-accuracy GPU
+step. TensorRT-LLM's Hopper decode kernel (XQA) multiplies a float8 cache this way, q and p in
 float8.
 """
 
@@ -347,13 +347,13 @@ def _stage1_tile(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         if HEADS > 1:
-            # V of the HEADS heads: vᵀ side by side, [BLOCK_D, HEADS * BLOCK_N] (grouped), or their
-            # rows stacked, [HEADS * BLOCK_N, BLOCK_D] (V in rows: row h * BLOCK_N + n is token
-            # n0 + n's vector of head h, each a contiguous row of the pool as K's are)
+            # V of the HEADS heads: vᵀ side by side, [BLOCK_D, HEADS * BLOCK_N] (grouped), or
+            # their rows stacked, [HEADS * BLOCK_N, BLOCK_D] (V in rows: row h * BLOCK_N + n is
+            # token n0 + n's vector of head h, each a contiguous row of the pool as K's are)
             if V_GROUPED:
                 vt = load_vt_heads(
-                    v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS,
-                    MASKED,
+                    v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D,
+                    HEADS, MASKED,
                 )  # fmt: skip
                 if KV_FP8:
                     vt = vt.to(q.dtype)  # as k
@@ -1335,9 +1335,9 @@ def decode_attention(
     padded to 16 rows, the default) or broadcast path (``False``). The buffers are in q's
     dtype, or float8 (e4m3fn / e5m2) holding K / k_scale and V / v_scale, with ``kv_scales``
     float32 [2] (k_scale, v_scale) on the device (None: both 1); others ignore ``kv_scales``.
-    ``fp8``: None, or over a float8_e4m3fn cache "qk" (q rounded to float8 a row at a time
-    times K as stored) or "qk_pv" (also ``p * 448`` in float8 times V as stored, V grouped):
-    the float8 products of the module docstring.
+    ``fp8``: None, or over a float8_e4m3fn cache with V grouped "qk" (q rounded to float8 a
+    row at a time times K as stored) or "qk_pv" (also ``p * 448`` in float8 times V as
+    stored): the float8 products of the module docstring; ValueError for another cache.
     """
     q, k_buffer, v_buffer, req_to_token, out = _check_and_prepare(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out

@@ -123,10 +123,13 @@ class Reservation:
             pages = peak.pages
         return share + min(pages, will) + self.extra + self.taken + taken <= room
 
-    def add(self, req: Req, alone: int) -> None:
-        """`req` was admitted (`alone`: as for `fits`)."""
+    def add(self, req: Req, alone: int, extra: int = 0, taken: int = 0) -> None:
+        """`req` was admitted (`alone`, `taken`: as for `fits`; `extra`: pages the rest of its
+        prompt will take, if the plan computes only a chunk of it)."""
         own_may, own_will = self._own(req)
         self.may, self.will = self.may + own_may, self.will + own_will
+        self.extra += extra
+        self.taken += taken
         if req.ends_by_length_only:
             self._joined.append((_remaining(req), alone))
             if self._peak is not None:

@@ -141,9 +141,7 @@ class PrefillPlanner:
             q.waiting.popleft()
             if head is not None:
                 heads.add(head)
-            reserved.add(req, alone)  # it runs from now on
-            reserved.extra += rest
-            reserved.taken += taken
+            reserved.add(req, alone, rest, taken)  # it runs from now on
             self._on_admit(req, cached)
             reqs.append(req)
             lens.append(n)
@@ -193,8 +191,8 @@ class PrefillPlanner:
             running = running[:-1]
         reserved = Reservation(self.estimate, running, self.exact_peak)
         if chunked is not None:
-            reserved.add(chunked, self.kv.pages_alone_at(chunked, chunked.fill_len))
-            reserved.extra += self.kv.pages_for(chunked.fill_len) - self.kv.pages_for(chunked_end)
+            rest = self.kv.pages_for(chunked.fill_len) - self.kv.pages_for(chunked_end)
+            reserved.add(chunked, self.kv.pages_alone_at(chunked, chunked.fill_len), rest)
         return reserved
 
     def _wait_for_room(self, reserved: Reservation) -> bool:

@@ -182,8 +182,8 @@ def test_decode_packs_kv_heads(hq, hkv, heads, num_kv_splits, monkeypatch):
 def test_decode_walks_whole_tiles_unmasked(num_kv_splits, monkeypatch):
     """_UNMASKED_BODY: the engine's float8 stage 1 (two kv heads a program, 16-bit products)
     walks a range's whole tiles without masks, a first tile before a grouped start and a last
-    one past the end with them. Lengths of whole tiles, of none and between; a shared prefix's
-    suffixes start mid-group."""
+    one past the end with them. Lengths of whole tiles, of none and between (a shared prefix's
+    mid-group suffixes: test_shared_prefix_suffixes_in_packed_programs)."""
     monkeypatch.setattr(decode_module, "_UNMASKED_BODY", True)
     assert tiles_of(8, 4, 32).heads == 2
     batch = make_decode_batch([1, 33, 300, 17, 128], 8, 4, 32, dtype=torch.float16, seed=62)
@@ -191,14 +191,6 @@ def test_decode_walks_whole_tiles_unmasked(num_kv_splits, monkeypatch):
     check_against_dequantized(
         decode_attention, decode_attention_ref, regrouped(quantized), ref_args, TOL_16BIT,
         num_kv_splits=num_kv_splits,
-    )  # fmt: skip
-    shared = make_shared_batch(
-        [(70, [3, 200, 1])], [15], 8, 4, 32, item_size=2, dtype=torch.float16, seed=63
-    )
-    quantized, ref_args = fp8_batch(shared, E4M3, k_scale=0.02, v_scale=0.5)
-    check_against_dequantized(
-        shared_prefix_decode_attention, decode_attention_ref, regrouped(quantized),
-        plain(ref_args), TOL_16BIT, num_kv_splits=num_kv_splits, prefix_splits=2,
     )  # fmt: skip
 
 
@@ -230,14 +222,17 @@ def test_shared_prefix_over_grouped_fp8_v():
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("unmasked", [False, True], ids=["masked", "unmasked-body"])
 @pytest.mark.parametrize("splits", [2, 1])
-def test_shared_prefix_suffixes_in_packed_programs(splits):
+def test_shared_prefix_suffixes_in_packed_programs(splits, unmasked, monkeypatch):
     """float16 q, GQA group 2 over 4 kv heads: stage 1 walks each suffix two heads a program
     from its own first token (mid-group), the prefix stage one head a program; with one split
-    stage 1 merges the prefix's columns of both heads into the output."""
+    stage 1 merges the prefix's columns of both heads into the output. A 200-token suffix has
+    whole tiles, which _UNMASKED_BODY walks without masks."""
+    monkeypatch.setattr(decode_module, "_UNMASKED_BODY", unmasked)
     assert tiles_of(8, 4, 32).heads == 2
     batch = make_shared_batch(
-        [(70, [3, 20, 1])], [15], 8, 4, 32, item_size=2, dtype=torch.float16, seed=56
+        [(70, [3, 20, 200, 1])], [15], 8, 4, 32, item_size=2, dtype=torch.float16, seed=56
     )
     quantized, ref_args = fp8_batch(batch, E4M3, k_scale=4.0, v_scale=0.2)
     check_against_dequantized(
