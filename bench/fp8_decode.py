@@ -12,7 +12,6 @@ needs.
     python -m bench.fp8_decode --splits  # _GRAPH_SPLIT_TOKENS, each cache
     python -m bench.fp8_decode --one-split  # the graph launch's split count at large batches
     python -m bench.fp8_decode --large --hq 32  # the sweep at 1000/1000's decode batches
-    python -m bench.fp8_decode --products --hq 32  # float8 products (fp8="qk", "qk_pv") there
 """
 
 from __future__ import annotations
@@ -129,14 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--large", action="store_true", help="the sweep at B 320-768 of 1000-2000 tokens"
     )
-    parser.add_argument(
-        "--products", action="store_true", help="16-bit against float8 products, large batches"
-    )
     opts = parser.parse_args(argv)
     if opts.one_split:
         return compare_split_counts(opts.hq)
-    if opts.products:
-        return compare_products(opts.hq)
     global SHAPES
     if opts.mix:
         SHAPES = MIXES
@@ -244,49 +238,6 @@ def compare_split_counts(hqs: list[int]) -> None:
                 cells = [f"{graph_seconds(dict(c[which], **extra)) * 1e6:.1f}" for c in cases]
                 print(f"| {name}, {splits or 'auto'} | " + " | ".join(cells) + " |")
         del cases
-        torch.cuda.empty_cache()
-
-
-# the float8 products' tiles (_FP8_PRODUCTS_TILE): a warpgroup of 4 warps, 64 tokens and up
-PRODUCT_TILES = [(128, 2, 4), (64, 3, 4), (128, 3, 4)]
-# decode batches of TensorRT-LLM's long-output shapes: 1000/1000, and 128/4096 mid-wave
-PRODUCT_SHAPES = [(b, (1000, 2000)) for b in (64, 256, 384, 512, 768)] + [(384, (1500, 2500))]
-
-
-def compare_products(hqs: list[int]) -> None:
-    """TB/s of K/V (the graph launch) with 16-bit products over the float8 cache (the engine's
-    default), q.k in float8 ("qk") and both products in float8 ("qk_pv", at a few tiles of the
-    transposed float8 stage 1), beside the bf16 cache; and each mode's error against the
-    16-bit products' output (relative, over the batch)."""
-    tile, unmasked_body = da._FP8_PRODUCTS_TILE, da._UNMASKED_BODY
-    for hq in hqs:
-        print(f"\nHq={hq} Hkv=8 D=128, TB/s of K/V read (the graph launch), float8 products")
-        heads = [f"B={b},{'-'.join(map(str, n))}" for b, n in PRODUCT_SHAPES]
-        print("| products (tile, stages, warps) | " + " | ".join(heads) + " |")
-        print("| --- |" + " --- |" * len(PRODUCT_SHAPES))
-        cases = [case(b, n, hq) for b, n in PRODUCT_SHAPES]
-        base = [da.decode_attention(**c[2]).double() for c in cases]  # (the 16-bit products)
-        print("| bf16 cache | " + " | ".join(f"{tbps(c[0], c[3]):.2f}" for c in cases) + " |")
-        engine_tile = " x ".join(map(str, da._FP8_PACKED_TILE))
-        for unmasked in (False, True):  # (_UNMASKED_BODY: whole tiles without masks)
-            da._UNMASKED_BODY = unmasked
-            cells = [f"{tbps(c[2], c[3]):.2f}" for c in cases]
-            name = f"16-bit, the engine's ({engine_tile}){', whole tiles unmasked' * unmasked}"
-            print(f"| {name} | " + " | ".join(cells) + " |")
-        da._UNMASKED_BODY = unmasked_body
-        for mode in ("qk", "qk_pv"):
-            for t in PRODUCT_TILES if mode == "qk_pv" else [tile]:  # (each tile compiles anew)
-                da._FP8_PRODUCTS_TILE = t
-                cells = [f"{tbps(dict(c[2], fp8=mode), c[3]):.2f}" for c in cases]
-                name = f"{mode} ({t[0]} x {t[1]} x {t[2]}{' *' if t == tile else ''})"
-                print(f"| {name} | " + " | ".join(cells) + " |")
-            da._FP8_PRODUCTS_TILE = tile
-            errs = [
-                f"{((da.decode_attention(**c[2], fp8=mode).double() - e).norm() / e.norm()):.1e}"
-                for c, e in zip(cases, base)
-            ]
-            print(f"| {mode}: relative error vs 16-bit | " + " | ".join(errs) + " |")
-        del cases, base
         torch.cuda.empty_cache()
 
 

@@ -93,10 +93,8 @@ class ServerArgs:
     # decode reads a prefix that running requests share (radix cache) once per group, not once
     # per request (triton backend; kernels/shared_prefix_attention.py)
     disable_shared_prefix_attention: bool = False
-    # "qk" / "qk_pv": q.k (and p.v) on float8 tensor cores over a float8 cache, in fresh
-    # prompts' prefill (kernels/prefill_attention.py) and in decode (kernels/decode_attention.py)
+    # "qk" / "qk_pv": fresh prompts' q.k (and p.v) on float8 tensor cores (prefill_attention.py)
     prefill_attention_fp8: str | None = None
-    decode_attention_fp8: str | None = None
     # kernels
     attention_backend: str | None = None  # None: "triton" on CUDA with triton, else "torch"
     cuda_graph_max_bs: int | None = None  # None: DEFAULT_CUDA_GRAPH_MAX_BS, <= max_running_requests
@@ -165,7 +163,9 @@ class ServerArgs:
             )
         # Accepted for SGLang compatibility but not built yet: refused rather than silently ignored.
         if self.tokenizer_mode != "auto":
-            raise ValueError(f"tokenizer_mode must be 'auto' here, got {self.tokenizer_mode!r}.")
+            raise ValueError(
+                f"tokenizer_mode must be 'auto' in this version, got {self.tokenizer_mode!r}."
+            )
         if self.revision is not None:
             raise ValueError(
                 "revision is not supported: model_path is a local folder, not a hub repository."
@@ -176,8 +176,11 @@ class ServerArgs:
                 f"dp_size={self.dp_size} use device='cuda' and base_gpu_id"
             )
         check_speculative(self)
-        if self.is_embedding and self.tp_size != 1:  # (an embedding engine runs on one device)
-            raise ValueError(f"tp_size must be 1 with is_embedding=True, got {self.tp_size}.")
+        if self.is_embedding and self.tp_size != 1:
+            raise ValueError(
+                f"tp_size must be 1 with is_embedding=True (embedding engines run on one device "
+                f"in this version), got {self.tp_size}."
+            )
 
     @property
     def speculative(self) -> bool:
@@ -284,12 +287,11 @@ class ServerArgs:
             object.__setattr__(self, "speculative_num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)
         if self.prefill_cuda_graph_max_tokens is None:
             object.__setattr__(self, "prefill_cuda_graph_max_tokens", self.max_prefill_tokens)
-        for name in ("prefill_attention_fp8", "decode_attention_fp8"):  # (with settled values)
-            if getattr(self, name) is not None and not self._float8_on_triton:
-                raise ValueError(
-                    f"{name} needs a float8 kv_cache_dtype on attention_backend 'triton', "
-                    f"got {self.kv_cache_dtype!r} on {self.attention_backend!r}"
-                )
+        if self.prefill_attention_fp8 is not None and not self._float8_on_triton:  # (settled)
+            raise ValueError(
+                "prefill_attention_fp8 needs a float8 kv_cache_dtype on attention_backend 'triton', "
+                f"got {self.kv_cache_dtype!r} on {self.attention_backend!r}"
+            )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -401,7 +403,6 @@ _RULES: dict[str, Rule] = {
     "dtype": one_of(DTYPES),
     "kv_cache_dtype": one_of(("auto", *KV_CACHE_DTYPES)),
     "prefill_attention_fp8": one_of(("qk", "qk_pv")),
-    "decode_attention_fp8": one_of(("qk", "qk_pv")),
     "quantization": one_of(QUANTIZATIONS),
     "device": Rule(("'cpu'", "'cuda'", "'cuda:N'"), pattern=r"cpu|cuda|cuda:[0-9]+"),
     "mem_fraction_static": Rule(

@@ -87,22 +87,6 @@ walks 1/HEADS of the tokens per split (``_min_split_len``: the same bytes). A 16
 in rows) can pack heads too (``_ROWS_PACKED_HEADS``, off until measured): its V tile is the
 heads' rows stacked, ``[HEADS * BLOCK_N, BLOCK_D]``, and the block-diagonal p meets it in one
 dot, as with grouped V.
-
-Float8 products (``fp8="qk"`` or ``"qk_pv"``, a float8_e4m3fn cache with V grouped; stage 1
-only). With a float8 cache every K and V tile is widened to float16 before its dot, and those
-conversions are a sixth of stage 1's instructions per byte (packed heads, above). "qk" rounds
-each query row to float8 at its largest magnitude over 448 once per program, folds that scale
-into the score scale, and multiplies K as stored; "qk_pv" also multiplies ``p * 448`` in float8
-by grouped V as stored (vᵀ, tokens contiguous: the operand order a float8 product wants) and
-divides the 448 out after the walk ("qk" multiplies p and V in float16). Hopper multiplies
-float8 only in a warpgroup's product (wgmma) of at least 64 rows, and a GQA group has 2-8
-(padded to 16 columns here): so these tiles run transposed (``_fp8_products_tile``),
-``sᵀ = k · qᵀ`` and ``oᵀ = vᵀ · pᵀ`` with the tile's tokens as the products' rows and the
-group's rows as their columns, the softmax reduced over tokens, the output transposed once at
-the end. The rounding of q (2^-4 relative) moves the scores, that of p the weights; what that
-costs in accuracy beside the 16-bit products: tests/kernels (bounds) and the fp8-accuracy GPU
-step. TensorRT-LLM's Hopper decode kernel (XQA) multiplies a float8 cache this way, q and p in
-float8.
 """
 
 from __future__ import annotations
@@ -113,8 +97,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.extend_attention import check_fp8_products
-from kernels.fp8 import fp8_hw_cast, fp8_scale, on_fp8_grid
 from kernels.kv_fp8 import (
     fp16_dot_operand,
     is_fp8,
@@ -200,23 +182,6 @@ _FP8_PACKED_TILE = (64, 3, 2)
 # loads each, two a multiprocessor for their 96 KB of shared memory, at 1000 requests).
 _ROWS_PACKED_HEADS = 1
 _ROWS_PACKED_TILE = (16, 2, 4)
-# The float8 products' stage 1 (module docstring), transposed: a warpgroup (4 warps) is what
-# multiplies float8 on Hopper's tensor cores (wgmma), at least 64 tokens its M and 16 rows its
-# N (scripts/compile_sm90.py shows wgmma ... e4m3.e4m3 for it; with 2 warps, rows as M, or 8
-# rows under the GPU image's Triton 3.6, Triton widens float8 operands to float16 for
-# mma.sync). (tokens per tile, stages, warps), not yet timed (bench.fp8_decode --products):
-# 128 x 2 x 4 has the fewest sm_90 instructions a KB of those that leave room for two programs
-# a multiprocessor (two kv heads, Triton 3.6, whole tiles: 46 warp instructions in the loop a
-# KB against 66 for 64 x 3 x 4 and 80 for the 16-bit products' 64 x 3 x 2; 256 x 2 x 4 42,
-# one program)
-_FP8_PRODUCTS_TILE = (128, 2, 4)
-_FP8_PRODUCTS_MIN_ROWS = 16
-# The 16-bit products over grouped float8 V, two kv heads a program (the engine's float8
-# decode), in three parts as the float8 products' tiles: whole tiles without masks. Their
-# sm_90 loop (Triton 3.6, nvdisasm) falls from 80 to 66 warp instructions a KB of K/V; off
-# until timed (bench.fp8_decode --products: a row each way), since a range's last tile then
-# leaves the software pipeline.
-_UNMASKED_BODY = False
 
 
 @triton.jit
@@ -229,40 +194,6 @@ def _split_len(length, num_splits, min_split_len, BLOCK_N: tl.constexpr):
     written, must both size splits with this one function on the same arguments."""
     split_len = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
     return tl.maximum(split_len, min_split_len)
-
-
-@triton.jit
-def _load_k_tile(
-    n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, V_GROUPED: tl.constexpr, HEADS: tl.constexpr,
-    MASKED: tl.constexpr = True,
-):  # fmt: skip
-    """(tokens, their mask, their slots, the K tile) of tokens n0.. (< end; with V_GROUPED also
-    >= lo): [BLOCK_N, BLOCK_D], each row one token's contiguous head vector (coalesced), or with
-    HEADS > 1 [BLOCK_N, HEADS * BLOCK_D], a token's HEADS head vectors side by side.
-    ``MASKED=False``: every token of the tile is in range and HEAD_DIM == BLOCK_D (no masks)."""
-    tok = n0 + tl.arange(0, BLOCK_N)
-    mask_n = tok < end
-    if V_GROUPED:
-        mask_n = mask_n & (tok >= lo)
-    if MASKED:
-        slots = tl.load(slot_row + tok, mask=mask_n, other=0).to(tl.int64)
-    else:
-        slots = tl.load(slot_row + tok).to(tl.int64)
-    if HEADS == 1:
-        offs_d = tl.arange(0, BLOCK_D)
-        kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-        ptrs = k_head + slots[:, None] * stride_kn + offs_d[None, :]
-    else:
-        offs_c = tl.arange(0, HEADS * BLOCK_D)
-        cols = (offs_c // BLOCK_D) * stride_kh + offs_c % BLOCK_D
-        kv_mask = mask_n[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :]
-        ptrs = k_head + slots[:, None] * stride_kn + cols[None, :]
-    if MASKED:
-        k = tl.load(ptrs, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(ptrs)
-    return tok, mask_n, slots, k
 
 
 @triton.jit
@@ -293,10 +224,6 @@ def _stage1_tile(
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
     CAUSAL: tl.constexpr,
-    MASKED: tl.constexpr = True,
-    QK_FP8: tl.constexpr = False,
-    PV_FP8: tl.constexpr = False,
-    HW_CAST: tl.constexpr = False,
 ):
     """One [BLOCK_N] tile of tokens n0.. (< end) folded into the online softmax of a head group.
     With KV_FP8 the tile holds k / k_scale and v / v_scale (the caller folds the scales in).
@@ -306,160 +233,101 @@ def _stage1_tile(
     ``v_head`` (``stride_kh`` / ``stride_vh`` apart), q is block-diagonal over them, and row r
     belongs to head ``row_head[r]`` of them; else both are unused. CAUSAL (a verify step's
     queries, module docstring): row r sees only tokens before ``row_end[r]``, so a row may
-    have none in the tile, or in its whole range; else ``row_end`` is unused. ``MASKED=False``:
-    a whole tile in range, loaded and scored without masks (``_attend_rows``). QK_FP8: the
-    float8 products' tile instead (``_fp8_products_tile``: ``acc`` transposed)."""
-    # NOTE: one return (kernels/kv_fp8.py: fp16_dot_operand says why)
-    if QK_FP8:
-        m_new, l_i, acc = _fp8_products_tile(
-            q, m_i, l_i, acc, n0, lo, end, slot_row, k_head, v_head, stride_kn, stride_kh,
-            stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS,
-            CAUSAL, PV_FP8, HW_CAST, MASKED,
-        )  # fmt: skip
+    have none in the tile, or in its whole range; else ``row_end`` is unused."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = n0 + offs_n
+    mask_n = tok < end
+    if V_GROUPED:
+        mask_n = mask_n & (tok >= lo)
+    slots = tl.load(slot_row + tok, mask=mask_n, other=0).to(tl.int64)
+    kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if HEADS == 1:
+        # [BLOCK_N, BLOCK_D]: each row is one token's contiguous head vector (coalesced).
+        k = tl.load(k_head + slots[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     else:
-        offs_d = tl.arange(0, BLOCK_D)
-        tok, mask_n, slots, k = _load_k_tile(
-            n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM, BLOCK_N, BLOCK_D,
-            V_GROUPED, HEADS, MASKED,
-        )  # fmt: skip
-        kv_mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-        if USE_DOT:
-            if KV_FP8:
-                k = k.to(q.dtype)  # exact; float16 (fp16_dot_operand), float32 in kernel tests
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        else:
-            s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
-        s = s * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
-        if CAUSAL:
-            s = tl.where(mask_n[None, :] & (tok[None, :] < row_end[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # a row with no token yet keeps m = -inf: its exponents are taken against 0 instead
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            if MASKED:
-                s = tl.where(mask_n[None, :], s, float("-inf"))
-            # Every tile has at least one valid token (n0 < end; a grouped first tile starts at
-            # most 15 tokens before lo), so m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_ref = m_new
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        if HEADS > 1:
-            # V of the HEADS heads: vᵀ side by side, [BLOCK_D, HEADS * BLOCK_N] (grouped), or
-            # their rows stacked, [HEADS * BLOCK_N, BLOCK_D] (V in rows: row h * BLOCK_N + n is
-            # token n0 + n's vector of head h, each a contiguous row of the pool as K's are)
-            if V_GROUPED:
-                vt = load_vt_heads(
-                    v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D,
-                    HEADS, MASKED,
-                )  # fmt: skip
-                if KV_FP8:
-                    vt = vt.to(q.dtype)  # as k
-                v = tl.trans(vt)
-            else:
-                stacked_slots = tl.reshape(
-                    tl.broadcast_to(slots[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
-                )
-                stacked_mask = tl.reshape(
-                    tl.broadcast_to(mask_n[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
-                )
-                stacked_head = tl.arange(0, HEADS * BLOCK_N) // BLOCK_N
-                v = tl.load(
-                    v_head
-                    + stacked_slots[:, None] * stride_vn
-                    + stacked_head[:, None] * stride_vh
-                    + offs_d[None, :],
-                    mask=stacked_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
-                    other=0.0,
-                )
-            # p block-diagonal over the heads, [rows, HEADS * BLOCK_N]: a row's own head's tokens,
-            # zeros elsewhere
-            own = tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None]
-            pb = tl.reshape(tl.where(own, p[:, None, :], 0.0), [p.shape[0], HEADS * BLOCK_N])
-            pv = tl.dot(pb.to(v.dtype), v, input_precision=DOT_PRECISION)
-        elif V_GROUPED:
-            # vᵀ [BLOCK_D, BLOCK_N], tokens contiguous: into the dot as k is, no transposing copy
-            vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
-            if USE_DOT:
-                if KV_FP8:
-                    vt = vt.to(q.dtype)  # as k
-                pv = tl.dot(p.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
-            else:
-                pv = tl.sum(p[:, :, None] * tl.trans(vt)[None, :, :].to(tl.float32), axis=1)
-        else:
-            if USE_DOT and KV_FP8:
-                v = load_fp8_rows_as_fp16(
-                    v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D, KV_FP8
-                )
-                v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
-            else:
-                v = tl.load(
-                    v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
-                )
-            if USE_DOT:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            else:
-                pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
-        acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _fp8_products_tile(
-    q, m_i, l_i, acc_t, n0, lo, end, slot_row, k_head, v_head, stride_kn, stride_kh, stride_vn,
-    stride_vh, row_head, row_end, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEADS: tl.constexpr, CAUSAL: tl.constexpr, PV_FP8: tl.constexpr,
-    HW_CAST: tl.constexpr, MASKED: tl.constexpr,
-):  # fmt: skip
-    """_stage1_tile with the float8 products (module docstring), transposed: the tile's tokens
-    are the dots' M, so that a warpgroup's float8 product (64 rows and more) takes them; the
-    rows of q (a GQA group, 4-16 of them) are its N. ``q`` float8 [rows, HEADS * BLOCK_D] with
-    ``qk_scale`` a [1, rows] row; K multiplied as stored; V grouped. ``acc_t`` is the output
-    transposed, [BLOCK_D, rows]; with PV_FP8 it sums ``p * 448`` in float8 times V as stored
-    (the caller divides the 448 out), else p and V in float16. ``MASKED=False``: a whole tile
-    of tokens in range (``_attend_rows``), loaded and scored without masks."""
-    tok, mask_n, _, k = _load_k_tile(
-        n0, lo, end, slot_row, k_head, stride_kn, stride_kh, HEAD_DIM, BLOCK_N, BLOCK_D, True,
-        HEADS, MASKED,
-    )  # fmt: skip
-    s_t = tl.dot(k, tl.trans(q)) * qk_scale  # [BLOCK_N, rows], log2 units
-    if not MASKED:
-        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-        m_ref = m_new
-    elif CAUSAL:
-        s_t = tl.where(mask_n[:, None] & (tok[:, None] < row_end[None, :]), s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # (as _stage1_tile)
+        # [BLOCK_N, HEADS * BLOCK_D]: a token's HEADS head vectors side by side
+        offs_c = tl.arange(0, HEADS * BLOCK_D)
+        cols = (offs_c // BLOCK_D) * stride_kh + offs_c % BLOCK_D
+        k_mask = mask_n[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :]
+        k = tl.load(k_head + slots[:, None] * stride_kn + cols[None, :], mask=k_mask, other=0.0)
+    if USE_DOT:
+        if KV_FP8:
+            k = k.to(q.dtype)  # exact; float16 (fp16_dot_operand), float32 in kernel tests
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
-        s_t = tl.where(mask_n[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+        s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+    s = s * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+    if CAUSAL:
+        s = tl.where(mask_n[None, :] & (tok[None, :] < row_end[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row with no token yet keeps m = -inf: its exponents are taken against 0 instead
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        # Every tile has at least one valid token (n0 < end; a grouped first tile starts at
+        # most 15 tokens before lo), so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = m_new
     alpha = tl.exp2(m_i - m_ref)
-    p_t = tl.exp2(s_t - m_ref[None, :])
-    l_i = l_i * alpha + tl.sum(p_t, axis=0)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
     if HEADS > 1:
-        # vᵀ of the HEADS heads side by side, [BLOCK_D, HEADS * BLOCK_N], against pᵀ spread
-        # block-diagonally, [HEADS * BLOCK_N, rows]: each row's own head's tokens, zeros elsewhere
-        vt = load_vt_heads(
-            v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS,
-            MASKED,
-        )  # fmt: skip
-        own = tl.arange(0, HEADS)[:, None, None] == row_head[None, None, :]
-        p_t = tl.reshape(tl.where(own, p_t[None, :, :], 0.0), [HEADS * BLOCK_N, p_t.shape[1]])
+        # V of the HEADS heads: vᵀ side by side, [BLOCK_D, HEADS * BLOCK_N] (grouped), or their
+        # rows stacked, [HEADS * BLOCK_N, BLOCK_D] (V in rows: row h * BLOCK_N + n is token
+        # n0 + n's vector of head h, each a contiguous row of the pool as K's are)
+        if V_GROUPED:
+            vt = load_vt_heads(
+                v_head, slot_row, n0, end, stride_vn, stride_vh, HEAD_DIM, BLOCK_N, BLOCK_D, HEADS
+            )
+            if KV_FP8:
+                vt = vt.to(q.dtype)  # as k
+            v = tl.trans(vt)
+        else:
+            stacked_slots = tl.reshape(
+                tl.broadcast_to(slots[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
+            )
+            stacked_mask = tl.reshape(
+                tl.broadcast_to(mask_n[None, :], [HEADS, BLOCK_N]), [HEADS * BLOCK_N]
+            )
+            stacked_head = tl.arange(0, HEADS * BLOCK_N) // BLOCK_N
+            v = tl.load(
+                v_head
+                + stacked_slots[:, None] * stride_vn
+                + stacked_head[:, None] * stride_vh
+                + offs_d[None, :],
+                mask=stacked_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+                other=0.0,
+            )
+        # p block-diagonal over the heads, [rows, HEADS * BLOCK_N]: a row's own head's tokens,
+        # zeros elsewhere
+        own = tl.arange(0, HEADS)[None, :, None] == row_head[:, None, None]
+        pb = tl.reshape(tl.where(own, p[:, None, :], 0.0), [p.shape[0], HEADS * BLOCK_N])
+        pv = tl.dot(pb.to(v.dtype), v, input_precision=DOT_PRECISION)
+    elif V_GROUPED:
+        # vᵀ [BLOCK_D, BLOCK_N], tokens contiguous: into the dot as k is, no transposing copy
+        vt = load_vt_tile(v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        if USE_DOT:
+            if KV_FP8:
+                vt = vt.to(q.dtype)  # as k
+            pv = tl.dot(p.to(vt.dtype), tl.trans(vt), input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * tl.trans(vt)[None, :, :].to(tl.float32), axis=1)
     else:
-        vt = load_vt_tile(
-            v_head, slot_row, n0, end, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED
-        )  # fmt: skip
-    if PV_FP8:
-        # p <= 1 is in range: the hardware cast rounds it alone (no clamp), the interpreter's
-        # needs it on the grid first (kernels/fp8.py)
-        p8 = p_t * 448.0 if HW_CAST else on_fp8_grid(p_t * 448.0, 1.0, HW_CAST)
-        pv_t = tl.dot(vt, p8.to(vt.dtype))
-    else:
-        pv_t = tl.dot(vt.to(tl.float16), p_t.to(tl.float16))
-    return m_new, l_i, acc_t * alpha[None, :] + pv_t
+        if USE_DOT and KV_FP8:
+            v = load_fp8_rows_as_fp16(v_head, slots, stride_vn, mask_n, HEAD_DIM, BLOCK_D, KV_FP8)
+            v = v.to(q.dtype)  # as k: float16, or float32 in kernel tests
+        else:
+            v = tl.load(
+                v_head + slots[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -497,16 +365,12 @@ def _attend_rows(
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
     CAUSAL: tl.constexpr,
-    QK_FP8: tl.constexpr = False,
-    PV_FP8: tl.constexpr = False,
-    HW_CAST: tl.constexpr = False,
-    UNMASKED_BODY: tl.constexpr = False,
 ):
     """The online softmax of ROWS query rows over tokens [start, end) (start < end) of kv head
     ``kvh`` (of kv heads ``kvh ..`` with HEADS > 1: row r then is head ``kvh * G +
     group_rows[r]``) in [BLOCK_N, BLOCK_D] K/V tiles: (running max, running sum, unnormalised
     output ``[ROWS, BLOCK_D]``), log2 units; with KV_FP8 the output is still to be multiplied
-    by v_scale. QK_FP8 / PV_FP8: the float8 products (module docstring)."""
+    by v_scale."""
     if KV_FP8:
         # scores are q.(k8 * k_scale) = (q.k8) * k_scale: one multiply per program
         qk_scale = qk_scale * tl.load(KVScales)
@@ -530,22 +394,12 @@ def _attend_rows(
             mask=own & row_mask[:, None] & (offs_c % BLOCK_D < HEAD_DIM)[None, :],
             other=0.0,
         )
-    if QK_FP8:
-        # q in the cache's float8 with a scale per row (its largest magnitude over 448), folded
-        # into the scores' scale: (q8 * row_scale).(k8 * k_scale); a padding row is all zeros
-        q32 = q.to(tl.float32)
-        row_scale = fp8_scale(tl.max(tl.abs(q32), axis=1))
-        q = on_fp8_grid(q32, row_scale[:, None], HW_CAST).to(K.dtype.element_ty)
-        qk_scale = (qk_scale * row_scale)[None, :]  # (the scores come transposed)
-    elif KV_FP8 and USE_DOT:
+    if KV_FP8 and USE_DOT:
         q = fp16_dot_operand(q)  # the K/V tiles convert to float16 (kernels/kv_fp8.py)
 
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
-    if QK_FP8:
-        acc = tl.zeros([BLOCK_D, ROWS], dtype=tl.float32)  # transposed (_fp8_products_tile)
-    else:
-        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
 
     slot_row = ReqToToken + r2t_row * stride_r2t
     k_head = K + kvh.to(tl.int64) * stride_kh
@@ -556,47 +410,35 @@ def _attend_rows(
     first = start
     if V_GROUPED:
         first = start - start % 16  # a grouped V tile starts on a group (kernels/v_groups.py)
-    # Whole tiles in range load and score without masks, for the float8 products' tiles and
-    # with _UNMASKED_BODY for the engine's float8 ones: a first tile that starts before `start`
-    # (grouped V) and a last one past `end` keep them. (A verify step's rows mask their own
-    # tokens: it masks every tile.)
-    three_parts = (QK_FP8 or (UNMASKED_BODY and V_GROUPED and HEADS > 1)) and not CAUSAL
-    if three_parts and HEAD_DIM == BLOCK_D:
-        body = tl.minimum(first + BLOCK_N * (first < start).to(tl.int32), end)
-        body_end = body + (end - body) // BLOCK_N * BLOCK_N
-        if first < body:
-            m_i, l_i, acc = _stage1_tile(
-                q, m_i, l_i, acc, first, start, end, slot_row, k_head, v_head, stride_kn,
-                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, True, QK_FP8,
-                PV_FP8, HW_CAST,
-            )  # fmt: skip
-        for n0 in range(body, body_end, BLOCK_N):
-            m_i, l_i, acc = _stage1_tile(
-                q, m_i, l_i, acc, n0, start, end, slot_row, k_head, v_head, stride_kn,
-                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, False, QK_FP8,
-                PV_FP8, HW_CAST,
-            )  # fmt: skip
-        if body_end < end:
-            m_i, l_i, acc = _stage1_tile(
-                q, m_i, l_i, acc, body_end, start, end, slot_row, k_head, v_head, stride_kn,
-                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, True, QK_FP8,
-                PV_FP8, HW_CAST,
-            )  # fmt: skip
-    else:
-        for n0 in range(first, end, BLOCK_N):
-            m_i, l_i, acc = _stage1_tile(
-                q, m_i, l_i, acc, n0, start, end, slot_row, k_head, v_head, stride_kn,
-                stride_kh, stride_vn, stride_vh, row_head, row_end, qk_scale, HEAD_DIM, BLOCK_N,
-                BLOCK_D, USE_DOT, DOT_PRECISION, KV_FP8, V_GROUPED, HEADS, CAUSAL, True, QK_FP8,
-                PV_FP8, HW_CAST,
-            )  # fmt: skip
-    if QK_FP8:
-        acc = tl.trans(acc)
-    if PV_FP8:
-        acc = acc * (1.0 / 448.0)  # p went into p·v as p * 448
+    for n0 in range(first, end, BLOCK_N):
+        m_i, l_i, acc = _stage1_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            start,
+            end,
+            slot_row,
+            k_head,
+            v_head,
+            stride_kn,
+            stride_kh,
+            stride_vn,
+            stride_vh,
+            row_head,
+            row_end,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            USE_DOT,
+            DOT_PRECISION,
+            KV_FP8,
+            V_GROUPED,
+            HEADS,
+            CAUSAL,
+        )
     return m_i, l_i, acc
 
 
@@ -643,10 +485,6 @@ def _attend_split(
     V_GROUPED: tl.constexpr,
     HEADS: tl.constexpr,
     CAUSAL: tl.constexpr,
-    QK_FP8: tl.constexpr = False,
-    PV_FP8: tl.constexpr = False,
-    HW_CAST: tl.constexpr = False,
-    UNMASKED_BODY: tl.constexpr = False,
 ):
     """The work of one stage-1 program (one request's GQA group, or its verify rows) or of
     one shared-prefix program (the groups of an item's members): ``_attend_rows`` over tokens
@@ -663,7 +501,7 @@ def _attend_split(
         r2t_row, kvh, start, end, row_end,
         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
         G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS, USE_DOT, KV_FP8, V_GROUPED, HEADS,
-        CAUSAL, QK_FP8, PV_FP8, HW_CAST, UNMASKED_BODY,
+        CAUSAL,
     )  # fmt: skip
     if CAUSAL:
         l_i = tl.where(l_i > 0, l_i, 1.0)  # (acc is 0 there; m_i is -inf: the lse too)
@@ -731,10 +569,6 @@ def _decode_stage1(
     FINAL: tl.constexpr,  # one split: write the output, no stage 2 (module docstring)
     PREFIX_BLOCK_N: tl.constexpr,
     QN: tl.constexpr,  # queries per request: 1, or a verify step's most (module docstring)
-    QK_FP8: tl.constexpr,  # float8 products (module docstring)
-    PV_FP8: tl.constexpr,
-    HW_CAST: tl.constexpr,  # kernels/fp8.py: fp8_hw_cast
-    UNMASKED_BODY: tl.constexpr,  # _UNMASKED_BODY
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) * HEADS  # the first of the program's kv heads
@@ -775,7 +609,7 @@ def _decode_stage1(
                 row_mask, row, kvh, start, end, row_end,
                 stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
                 G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, BLOCK_H, USE_DOT, KV_FP8,
-                V_GROUPED, HEADS, QN > 1, QK_FP8, PV_FP8, HW_CAST, UNMASKED_BODY,
+                V_GROUPED, HEADS, QN > 1,
             )  # fmt: skip
         if HAS_START:
             prefix_len = tl.load(StartLens + b).to(tl.int32)  # (first, unclipped: stage 2's)
@@ -796,7 +630,6 @@ def _decode_stage1(
             stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
             G, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION, ROWS=BLOCK_H, REQ_PER_ROW=QN > 1,
             USE_DOT=USE_DOT, KV_FP8=KV_FP8, V_GROUPED=V_GROUPED, HEADS=HEADS, CAUSAL=QN > 1,
-            QK_FP8=QK_FP8, PV_FP8=PV_FP8, HW_CAST=HW_CAST, UNMASKED_BODY=UNMASKED_BODY,
         )  # fmt: skip
 
 
@@ -1022,7 +855,6 @@ class _Tiles:
     v_grouped: bool  # V in groups of 16 token-major slots (kernels/v_groups.py)
     num_warps: int = _NUM_WARPS
     heads: int = 1  # kv heads a stage-1 program reads side by side (packed heads)
-    fp8: str | None = None  # float8 products (module docstring): None, "qk" or "qk_pv"
 
 
 def _tiles(
@@ -1032,11 +864,9 @@ def _tiles(
     kv_dtype: torch.dtype,
     v_grouped: bool = False,
     queries: int = 1,
-    fp8: str | None = None,
 ) -> _Tiles:
     """``queries``: a program's queries per head of the group (a verify step's, module
-    docstring): its rows are ``group * queries``, and it packs no heads. ``fp8``: the float8
-    products (module docstring); ValueError where the cache or the path cannot take them."""
+    docstring): its rows are ``group * queries``, and it packs no heads."""
     D = q.shape[-1]
     BLOCK_D = max(16, triton.next_power_of_2(D))
     num_stages, num_warps = _SMALL_NUM_STAGES, _NUM_WARPS
@@ -1081,16 +911,6 @@ def _tiles(
     # fp32 inputs: exact fp32 products (the default would be TF32 on the GPU); ignored for
     # 16-bit inputs, whose products are exact in the fp32 accumulator anyway.
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if fp8 is not None:
-        check_fp8_products(fp8, D)
-        if kv_dtype != torch.float8_e4m3fn:
-            raise ValueError(f"fp8={fp8!r} multiplies a float8_e4m3fn cache, not {kv_dtype}")
-        if not v_grouped:
-            raise ValueError(f"fp8={fp8!r} reads V grouped (kernels/v_groups.py), not in rows")
-        if not use_dot:
-            raise ValueError(f"fp8={fp8!r} multiplies on the tensor cores: use_dot=False cannot")
-        BLOCK_N, num_stages, num_warps = _FP8_PRODUCTS_TILE
-        BLOCK_H = max(_FP8_PRODUCTS_MIN_ROWS, BLOCK_H)
     return _Tiles(
         BLOCK_H,
         BLOCK_N,
@@ -1102,7 +922,6 @@ def _tiles(
         v_grouped,
         num_warps,
         heads,
-        fp8,
     )
 
 
@@ -1250,10 +1069,6 @@ def _launch_stage1(
         FINAL=out is not None,
         PREFIX_BLOCK_N=prefix_block_n,
         QN=qn,
-        QK_FP8=tiles.fp8 is not None,
-        PV_FP8=tiles.fp8 == "qk_pv",
-        HW_CAST=fp8_hw_cast(q.device),
-        UNMASKED_BODY=_UNMASKED_BODY,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -1320,7 +1135,6 @@ def decode_attention(
     use_dot: bool | None = None,
     min_split_tokens: int | None = None,
     kv_scales: torch.Tensor | None = None,
-    fp8: str | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged K/V; returns [B, Hq, D] in q.dtype.
 
@@ -1335,9 +1149,6 @@ def decode_attention(
     padded to 16 rows, the default) or broadcast path (``False``). The buffers are in q's
     dtype, or float8 (e4m3fn / e5m2) holding K / k_scale and V / v_scale, with ``kv_scales``
     float32 [2] (k_scale, v_scale) on the device (None: both 1); others ignore ``kv_scales``.
-    ``fp8``: None, or over a float8_e4m3fn cache with V grouped "qk" (q rounded to float8 a
-    row at a time times K as stored) or "qk_pv" (also ``p * 448`` in float8 times V as
-    stored): the float8 products of the module docstring; ValueError for another cache.
     """
     q, k_buffer, v_buffer, req_to_token, out = _check_and_prepare(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out
@@ -1348,7 +1159,7 @@ def decode_attention(
         return out
     if use_dot is None:
         use_dot = True  # measured faster for every G, G == 1 included (module docstring)
-    tiles = _tiles(q, Hq // Hkv, use_dot, k_buffer.dtype, v_buffer.dim() == 4, fp8=fp8)
+    tiles = _tiles(q, Hq // Hkv, use_dot, k_buffer.dtype, v_buffer.dim() == 4)
     num_kv_splits, min_split_tokens = _kv_split_plan(
         num_kv_splits, max_seq_len, min_split_tokens, B, Hkv, tiles.heads, q.device
     )

@@ -230,7 +230,6 @@ def shared_prefix_decode_attention(
     kv_scales: torch.Tensor | None = None,
     min_split_tokens: int | None = None,
     suffix_tile: tuple[int, int, int] | None = None,
-    fp8: str | None = None,
 ) -> torch.Tensor:
     """decode_attention with shared prefixes read once per work item; [B, Hq, D] in q.dtype.
 
@@ -261,8 +260,7 @@ def shared_prefix_decode_attention(
     float32 [2] (k_scale, v_scale), as in decode_attention; both stages fold them in alike.
     ``suffix_tile`` (tokens per tile, stages, warps), e.g. SHORT_SUFFIX_TILE: stage 1's launch
     settings instead of decode_attention's, for a cache of q's dtype in rows (a float8 or
-    grouped cache keeps its own: ValueError). ``fp8``: stage 1's float8 products, as in
-    decode_attention (the prefix stage keeps 16-bit products).
+    grouped cache keeps its own: ValueError).
     """
     q, k_buffer, v_buffer, req_to_token, out = _check_and_prepare(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, out
@@ -279,9 +277,7 @@ def shared_prefix_decode_attention(
     if B == 0:
         return out
 
-    tiles = _tiles(
-        q, G, use_dot=True, kv_dtype=k_buffer.dtype, v_grouped=v_buffer.dim() == 4, fp8=fp8
-    )
+    tiles = _tiles(q, G, use_dot=True, kv_dtype=k_buffer.dtype, v_grouped=v_buffer.dim() == 4)
     stage1 = tiles  # the suffixes' (the prefix stage takes its tile from `tiles`, below)
     if suffix_tile is not None:
         if tiles.kv_fp8 or tiles.v_grouped or tiles.heads > 1:

@@ -73,55 +73,42 @@ def scatter(vg: torch.Tensor, slots: torch.Tensor, v: torch.Tensor) -> None:
 @triton.jit
 def load_vt_tile(
     v_head, slot_row, n0, end, stride_vg, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, MASKED: tl.constexpr = True,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_D, BLOCK_N] ``vᵀ`` of tokens ``n0 ..`` (``n0 % GROUP == 0``; BLOCK_N a multiple of
     GROUP) of a grouped buffer (``v_head``: its pointer at this kv head), one slot lookup per
     group. Groups that start at or past ``end`` load zeros; the rest load whole (module NOTE).
-    Rows past HEAD_DIM are 0. ``MASKED=False``: the tile is whole (``n0 + BLOCK_N <= end``) and
-    HEAD_DIM == BLOCK_D, so nothing is masked."""
+    Rows past HEAD_DIM are 0."""
     # NOTE: 16 is GROUP (a Python int is no constexpr inside a kernel); so in the kernels that
     # take a grouped buffer
     NUM_GROUPS: tl.constexpr = BLOCK_N // 16
     first = n0 + tl.arange(0, NUM_GROUPS) * 16
+    live = first < end
+    group = tl.load(slot_row + first, mask=live, other=0).to(tl.int64) // 16
     offs_d = tl.arange(0, BLOCK_D)
     offs_j = tl.arange(0, 16)
-    # NOTE: one return (kernels/kv_fp8.py: fp16_dot_operand says why)
-    if MASKED:
-        live = first < end
-        group = tl.load(slot_row + first, mask=live, other=0).to(tl.int64) // 16
-        ptrs = v_head + group[None, :, None] * stride_vg + offs_d[:, None, None] * 16 + offs_j
-        # NOTE: the mask is constant along the 16 contiguous tokens, so each row loads as one
-        # 16-byte vector (a per-token mask would cost a load instruction per byte)
-        mask = live[None, :, None] & (offs_d < HEAD_DIM)[:, None, None]
-        vt = tl.load(ptrs, mask=mask, other=0.0)
-    else:
-        group = tl.load(slot_row + first).to(tl.int64) // 16
-        vt = tl.load(
-            v_head + group[None, :, None] * stride_vg + offs_d[:, None, None] * 16 + offs_j
-        )
-    return tl.reshape(vt, [BLOCK_D, BLOCK_N])
+    ptrs = v_head + group[None, :, None] * stride_vg + offs_d[:, None, None] * 16 + offs_j
+    # NOTE: the mask is constant along the 16 contiguous tokens, so each row loads as one
+    # 16-byte vector (a per-token mask would cost a load instruction per byte)
+    mask = live[None, :, None] & (offs_d < HEAD_DIM)[:, None, None]
+    return tl.reshape(tl.load(ptrs, mask=mask, other=0.0), [BLOCK_D, BLOCK_N])
 
 
 @triton.jit
 def load_vt_heads(
     v_head, slot_row, n0, end, stride_vg, stride_vh, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr,
-    MASKED: tl.constexpr = True,
 ):  # fmt: skip
     """load_vt_tile for HEADS consecutive kv heads from ``v_head`` (``stride_vh`` apart), side by
     side: [BLOCK_D, HEADS * BLOCK_N], column ``h * BLOCK_N + n`` token ``n0 + n`` of head h.
-    (load_vt_tile's NOTEs and its ``MASKED`` hold here too.)"""
+    (load_vt_tile's NOTEs hold here too.)"""
     NUM_GROUPS: tl.constexpr = BLOCK_N // 16
     first = n0 + tl.arange(0, NUM_GROUPS) * 16
+    live = first < end
+    group = tl.load(slot_row + first, mask=live, other=0).to(tl.int64) // 16
     offs_d = tl.arange(0, BLOCK_D)
     offs_h = tl.arange(0, HEADS)
     offs_j = tl.arange(0, 16)
-    live = first < end
-    if MASKED:
-        group = tl.load(slot_row + first, mask=live, other=0).to(tl.int64) // 16
-    else:
-        group = tl.load(slot_row + first).to(tl.int64) // 16
     ptrs = (
         v_head
         + offs_d[:, None, None, None] * 16
@@ -130,8 +117,4 @@ def load_vt_heads(
         + offs_j[None, None, None, :]
     )
     mask = live[None, None, :, None] & (offs_d < HEAD_DIM)[:, None, None, None]
-    if MASKED:
-        vt = tl.load(ptrs, mask=mask, other=0.0)
-    else:
-        vt = tl.load(ptrs)
-    return tl.reshape(vt, [BLOCK_D, HEADS * BLOCK_N])
+    return tl.reshape(tl.load(ptrs, mask=mask, other=0.0), [BLOCK_D, HEADS * BLOCK_N])

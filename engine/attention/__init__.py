@@ -22,13 +22,11 @@ def create_backend(
     dtype: torch.dtype,
     shared_prefix: bool = False,
     prefill_fp8: str | None = None,
-    decode_fp8: str | None = None,
 ) -> AttentionBackend:
     """The backend `name` for a model whose attention layers look like `attn` (heads, scaling).
     `shared_prefix`: decode reads prefixes shared by groups of requests once per group
     (triton only; the others read every request's whole sequence, which is the same result).
-    `prefill_fp8`, `decode_fp8`: ServerArgs.prefill_attention_fp8 and decode_attention_fp8
-    (triton over a float8 cache only)."""
+    `prefill_fp8`: ServerArgs.prefill_attention_fp8 (triton over a float8 cache only)."""
     if name == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferAttnBackend
 
@@ -40,7 +38,7 @@ def create_backend(
             )
         from engine.attention.triton_backend import TritonAttnBackend
 
-        return TritonAttnBackend(attn, dtype, device, shared_prefix, prefill_fp8, decode_fp8)
+        return TritonAttnBackend(attn, dtype, device, shared_prefix, prefill_fp8)
     from engine.attention.torch_backend import TorchAttnBackend
 
     return TorchAttnBackend()

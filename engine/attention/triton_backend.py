@@ -25,8 +25,7 @@ CUDA graphs (engine/runner/prefill_graph.py) the four live in static buffers siz
 NOTE: over a float8 pool, a fresh prompt thus attends over its unquantized K/V (as FlashInfer's
 ragged prefill does in SGLang), and a cached prefix over the float8 one. With
 `prefill_attention_fp8` both kernels multiply on float8 tensor cores instead (q rounded to
-float8 per token and head; `_fp8_for` says what extend_attention takes of it), and with
-`decode_attention_fp8` decode's stage 1 does (kernels/decode_attention.py: float8 products).
+float8 per token and head; `_extend_fp8` says what extend_attention takes of it).
 
 A speculative verify step (ForwardBatch.verify: each request's last token and its few drafts)
 has the shape of a decode step, not of a prefill: it runs kernels/verify_attention.py (decode's
@@ -99,24 +98,22 @@ class TritonAttnBackend(AttentionBackend):
         device: torch.device,
         shared_prefix: bool = False,
         prefill_fp8: str | None = None,
-        decode_fp8: str | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
-        # prefill's and decode's products on float8 tensor cores over a float8 cache (ServerArgs.
-        # prefill_attention_fp8, decode_attention_fp8), or None
-        self.prefill_fp8, self.decode_fp8 = prefill_fp8, decode_fp8
-        for step, mode in (("prefill", prefill_fp8), ("decode", decode_fp8)):
-            if mode is not None and device.type == "cuda" and not fp8_hw_cast(device):
-                raise ValueError(
-                    f"{step}_attention_fp8={mode!r} needs float8 tensor cores (compute capability "
-                    f"8.9 or later), which {torch.cuda.get_device_name(device)} has not."
-                )
-            if mode is not None and attn.head_dim < FP8_MIN_K:
-                raise ValueError(
-                    f"{step}_attention_fp8={mode!r} needs a head_dim of at least {FP8_MIN_K} "
-                    f"(a float8 tensor-core dot's depth); this model's is {attn.head_dim}."
-                )
+        # fresh prompts' products on float8 tensor cores over a float8 cache (ServerArgs.
+        # prefill_attention_fp8; kernels/prefill_attention.py), or None
+        self.prefill_fp8 = prefill_fp8
+        if prefill_fp8 is not None and device.type == "cuda" and not fp8_hw_cast(device):
+            raise ValueError(
+                f"prefill_attention_fp8={prefill_fp8!r} needs float8 tensor cores (compute "
+                f"capability 8.9 or later), which {torch.cuda.get_device_name(device)} has not."
+            )
+        if prefill_fp8 is not None and attn.head_dim < FP8_MIN_K:
+            raise ValueError(
+                f"prefill_attention_fp8={prefill_fp8!r} needs a head_dim of at least {FP8_MIN_K} "
+                f"(a float8 tensor-core dot's depth); this model's is {attn.head_dim}."
+            )
         # queries per extend tile, with the kernel's packing of this layer's GQA heads
         # (kernels/extend_attention.py); the plans and the graphs' tile capacity count in them
         self.block_m = extend_block_m(
@@ -318,17 +315,17 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         pool = batch.kv_pool
         k, v = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
-        scales, fp8 = pool.layer_scales[layer.layer_id], _fp8_for(self.decode_fp8, k, v, None)
+        scales = pool.layer_scales[layer.layer_id]
         if self.prefix is not None:
             prefix_lens, prefix_items = self.prefix
             return shared_prefix_decode_attention(
                 q, k, v, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 layer.scaling, prefix_lens, prefix_items, max_seq_len=self.max_seq_len,
-                kv_scales=scales, suffix_tile=self.suffix_tile, fp8=fp8,
+                kv_scales=scales, suffix_tile=self.suffix_tile,
             )  # fmt: skip
         return decode_attention(
             q, k, v, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, layer.scaling,
-            max_seq_len=self.max_seq_len, kv_scales=scales, fp8=fp8,
+            max_seq_len=self.max_seq_len, kv_scales=scales,
         )  # fmt: skip
 
     def forward_extend(
@@ -367,9 +364,17 @@ class TritonAttnBackend(AttentionBackend):
                 q, k_buffer, v_buffer,
                 batch.req_to_token, batch.req_pool_indices, batch.seq_lens, extend_lens,
                 qo_indptr, layer.scaling, tiles, out=out, block_m=self.block_m,
-                kv_scales=pool.layer_scales[i], fp8=_fp8_for(self.prefill_fp8, k_buffer, v_buffer),
+                kv_scales=pool.layer_scales[i], fp8=self._extend_fp8(k_buffer, v_buffer),
             )  # fmt: skip
         return out
+
+    def _extend_fp8(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> str | None:
+        """prefill_fp8 as extend_attention can take it: its float8 products multiply the cache
+        as stored, so an e4m3 one (an e5m2 cache keeps 16-bit products there), and p·v a grouped
+        V (V in rows keeps p·v in 16 bits)."""
+        if self.prefill_fp8 is None or k_buffer.dtype != torch.float8_e4m3fn:
+            return None
+        return self.prefill_fp8 if is_grouped(k_buffer, v_buffer) else "qk"
 
     # ------------------------------------------------------------------ helpers
     def _extend_host(
@@ -439,11 +444,3 @@ def _longest_suffix(batch: ForwardBatch) -> int:
     request in no group: its whole length). O(batch)."""
     prefix_of = {m: g.length for g in batch.shared_prefixes for m in g.members}
     return max(n - prefix_of.get(i, 0) for i, n in enumerate(batch.seq_lens_cpu))
-
-
-def _fp8_for(mode: str | None, k_buffer, v_buffer, rows: str | None = "qk") -> str | None:
-    """A float8-products setting as the pool's kernels can take it: they multiply an e4m3 cache
-    as stored (e5m2: 16-bit products) with V grouped; V in rows takes `rows` (extend: "qk")."""
-    if mode is None or k_buffer.dtype != torch.float8_e4m3fn:
-        return None
-    return mode if is_grouped(k_buffer, v_buffer) else rows

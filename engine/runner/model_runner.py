@@ -98,7 +98,6 @@ class ModelRunner:
             config.dtype,
             args.shared_prefix_attention,
             args.prefill_attention_fp8,
-            args.decode_attention_fp8,
         )
         use_backend(self.model, self.attn_backend)
         self._logit_buckets = prefill_capture_sizes(args.max_prefill_tokens)

@@ -45,14 +45,13 @@ FLOAT16_TOL = {"torch": 1e-3, "triton": 0.06}
 # With "qk" (prefill_attention_fp8="qk") every prompt row multiplies q and k in float8 instead,
 # q rounded with a scale per (token, head): the first chunk's rows over k at the layer's scale
 # and v as it is, the later chunks' (the first "prompt" rows) over the float8 cache.
-_FRESH_ROWS = {"rows": 0, "qk": False, "prompt": 0, "decode_qk": False}
+_FRESH_ROWS = {"rows": 0, "qk": False, "prompt": 0}
 
 
 def fp8_rounded_attention(fp8: torch.dtype, scales: dict[int, tuple[float, float]]) -> str:
     """Register (once) an attention function that rounds K and V through ``fp8`` with each
     layer's (k_scale, v_scale) (1.0 where not given) before the eager attention, but for the
-    first ``_FRESH_ROWS["rows"]`` queries (and with ``"decode_qk"``, the queries from
-    ``"prompt"`` on, decode's, in float8 too); its name."""
+    first ``_FRESH_ROWS["rows"]`` queries; its name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -71,18 +70,15 @@ def fp8_rounded_attention(fp8: torch.dtype, scales: dict[int, tuple[float, float
         out, weights = eager_attention_forward(
             module, query, rounded(key, k_scale), rounded(value, v_scale), attention_mask, **kwargs
         )
-        fresh, prompt = _FRESH_ROWS["rows"], _FRESH_ROWS["prompt"]
-        # q in float8, a scale per (token, head) row ([B, H, T, D] in)
-        row_scale = (query.float().abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
-        q8 = (query.float() / row_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-        q8 = (q8.float() * row_scale).to(value.dtype)
-        key8, value8 = rounded(key, k_scale), rounded(value, v_scale)
-        if _FRESH_ROWS["decode_qk"]:  # decode's rows: float8 q over the float8 cache
-            steps, _ = eager_attention_forward(module, q8, key8, value8, attention_mask, **kwargs)
-            out = torch.cat([out[:, :prompt], steps[:, prompt:]], dim=1)
-        if fresh and _FRESH_ROWS["qk"]:  # the prompt's rows: float8 q
+        fresh = _FRESH_ROWS["rows"]
+        if fresh and _FRESH_ROWS["qk"]:  # the prompt's rows: float8 q ([B, H, T, D] in)
+            row_scale = (query.float().abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+            q8 = (query.float() / row_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            q8 = (q8.float() * row_scale).to(value.dtype)
+            key8, value8 = rounded(key, k_scale), rounded(value, v_scale)
             first, _ = eager_attention_forward(module, q8, key8, value, attention_mask, **kwargs)
             later, _ = eager_attention_forward(module, q8, key8, value8, attention_mask, **kwargs)
+            prompt = _FRESH_ROWS["prompt"]
             out = torch.cat([first[:, :fresh], later[:, fresh:prompt], out[:, prompt:]], dim=1)
         elif fresh:  # those queries attend over the unrounded K/V ([B, T, H, D] out)
             plain, _ = eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -287,64 +283,6 @@ def test_fresh_prompts_on_float8_products_equal_transformers_on_rounded_q_and_k(
             ties.append(r.max().item() - r[token].item())
     tol = FLOAT16_TOL["triton"]
     assert max(gaps) <= tol and max(ties) <= tol, (max(gaps), max(ties))
-
-
-def test_decode_steps_on_float8_products_equal_transformers_on_rounded_q(tmp_path, monkeypatch):
-    """decode_attention_fp8="qk" (float16 model, float8_e4m3fn cache, triton under the
-    interpreter): every decode step multiplies q, rounded to float8 per head, by the cache's K
-    as stored; the prompts attend as without it. Teacher-forced against transformers rounding
-    the decode rows' q the same, and farther from transformers keeping it in 16 bits."""
-    import engine.attention.triton_backend as triton_backend
-
-    model_dir = make_tiny_model(tmp_path, "llama", head_dim=32, seed=16)
-    seen: list = []
-    for name in ("decode_attention", "shared_prefix_decode_attention"):
-        real = getattr(triton_backend, name)
-
-        def call(*args, _real=real, **kwargs):
-            seen.append(kwargs.get("fp8"))
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(triton_backend, name, call)
-    core = InProcessCore(
-        model_dir, dtype="float16", attention_backend="triton", kv_cache_dtype="fp8_e4m3",
-        max_total_tokens=1024, decode_attention_fp8="qk",
-    )  # fmt: skip
-    prompts = random_prompts(512, [1, 23, 40], seed=17, avoid_ids=special_token_ids())
-    reqs = [core.generate([p], GREEDY, return_logprob=True)[0] for p in prompts]
-    assert seen and set(seen) == {"qk"}, set(seen)
-
-    fp8_attn = fp8_rounded_attention(torch.float8_e4m3fn, {})
-    gaps, ties, q16_gaps = [], [], []
-    for prompt, req in zip(prompts, reqs):
-        monkeypatch.setitem(_FRESH_ROWS, "rows", len(prompt))  # one chunk: over its own K/V
-        monkeypatch.setitem(_FRESH_ROWS, "prompt", len(prompt))
-        monkeypatch.setitem(_FRESH_ROWS, "decode_qk", True)
-        ref = teacher_forced(model_dir, prompt, req.output_ids, torch.float16, fp8_attn)
-        monkeypatch.setitem(_FRESH_ROWS, "decode_qk", False)
-        q16 = teacher_forced(model_dir, prompt, req.output_ids, torch.float16, fp8_attn)
-        for token, lp, r, p in zip(req.output_ids, req.output_logprobs, ref, q16):
-            gaps.append(abs(lp - r[token].item()))
-            ties.append(r.max().item() - r[token].item())
-            q16_gaps.append(abs(lp - p[token].item()))
-    # The float16 forwards differ by up to the tolerance at any step (the other tests' bound);
-    # q's rounding moves decode's logprobs by several times that, so the engine must sit far
-    # nearer the reference that rounds it, step by step on average
-    tol = FLOAT16_TOL["triton"]
-    assert max(gaps) <= 2 * tol and max(ties) <= tol, (max(gaps), max(ties))
-    assert sum(q16_gaps) > 3 * sum(gaps), (sum(q16_gaps), sum(gaps))
-
-
-def test_float8_decode_products_need_a_float8_cache_on_triton():
-    from engine.server_args import _TABLE, ServerArgs
-    from kernels.extend_attention import FP8_MODES
-
-    assert _TABLE["decode_attention_fp8"].choices == FP8_MODES
-    with pytest.raises(ValueError, match="decode_attention_fp8 needs a float8 kv_cache_dtype"):
-        ServerArgs(model_path="m", decode_attention_fp8="qk", kv_cache_dtype="fp8_e4m3",
-                   attention_backend="torch")  # fmt: skip
-    with pytest.raises(ValueError, match="did you mean 'qk_pv'"):
-        ServerArgs(model_path="m", decode_attention_fp8="qkpv", kv_cache_dtype="fp8_e4m3")
 
 
 def test_float8_prefill_products_need_a_float8_cache_on_triton():

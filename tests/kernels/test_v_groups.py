@@ -21,7 +21,6 @@ from kernels.kv_store import store_kv, store_kv_reference
 from kernels.shared_prefix_attention import shared_prefix_decode_attention
 from kernels.v_groups import GROUP, gather, grouped_shape, is_grouped, scatter, to_grouped
 from tests.kernels.conftest import DEVICE, rel_err
-from tests.kernels.decode_batch import run_into_nan_out
 from tests.kernels.test_decode_attention import make_batch as make_decode_batch
 from tests.kernels.test_extend_attention import make_batch as make_extend_batch
 from tests.kernels.test_fp8_kv import TOL_16BIT, TOL_FP32, check_against_dequantized, fp8_batch
@@ -178,22 +177,6 @@ def test_decode_packs_kv_heads(hq, hkv, heads, num_kv_splits, monkeypatch):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("num_kv_splits", [3, 1, None], ids=["s3", "s1", "graph"])
-def test_decode_walks_whole_tiles_unmasked(num_kv_splits, monkeypatch):
-    """_UNMASKED_BODY: the engine's float8 stage 1 (two kv heads a program, 16-bit products)
-    walks a range's whole tiles without masks, a first tile before a grouped start and a last
-    one past the end with them. Lengths of whole tiles, of none and between (a shared prefix's
-    mid-group suffixes: test_shared_prefix_suffixes_in_packed_programs)."""
-    monkeypatch.setattr(decode_module, "_UNMASKED_BODY", True)
-    assert tiles_of(8, 4, 32).heads == 2
-    batch = make_decode_batch([1, 33, 300, 17, 128], 8, 4, 32, dtype=torch.float16, seed=62)
-    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.02, v_scale=0.5)
-    check_against_dequantized(
-        decode_attention, decode_attention_ref, regrouped(quantized), ref_args, TOL_16BIT,
-        num_kv_splits=num_kv_splits,
-    )  # fmt: skip
-
-
 def test_packing_needs_whole_head_pairs_and_few_rows():
     """Two heads a program only where the kv heads pair up, the rows fit, and the grouped
     float8 path runs; a packed program walks half the tokens per split (the same bytes)."""
@@ -222,17 +205,14 @@ def test_shared_prefix_over_grouped_fp8_v():
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("unmasked", [False, True], ids=["masked", "unmasked-body"])
 @pytest.mark.parametrize("splits", [2, 1])
-def test_shared_prefix_suffixes_in_packed_programs(splits, unmasked, monkeypatch):
+def test_shared_prefix_suffixes_in_packed_programs(splits):
     """float16 q, GQA group 2 over 4 kv heads: stage 1 walks each suffix two heads a program
     from its own first token (mid-group), the prefix stage one head a program; with one split
-    stage 1 merges the prefix's columns of both heads into the output. A 200-token suffix has
-    whole tiles, which _UNMASKED_BODY walks without masks."""
-    monkeypatch.setattr(decode_module, "_UNMASKED_BODY", unmasked)
+    stage 1 merges the prefix's columns of both heads into the output."""
     assert tiles_of(8, 4, 32).heads == 2
     batch = make_shared_batch(
-        [(70, [3, 20, 200, 1])], [15], 8, 4, 32, item_size=2, dtype=torch.float16, seed=56
+        [(70, [3, 20, 1])], [15], 8, 4, 32, item_size=2, dtype=torch.float16, seed=56
     )
     quantized, ref_args = fp8_batch(batch, E4M3, k_scale=4.0, v_scale=0.2)
     check_against_dequantized(
@@ -295,76 +275,6 @@ def test_extend_float8_products_need_an_e4m3_cache_v_grouped_and_head_dim_32():
         extend_attention(**small, fp8="qk")
 
 
-FP8_PRODUCT_TOL = {"qk": 2e-3, "qk_pv": 3e-2}  # as extend's: p * 448 in float8 is 2^-4 relative
-
-
-@pytest.mark.parametrize("mode", ["qk", "qk_pv"])
-@pytest.mark.parametrize("heads", [1, 2])
-@pytest.mark.parametrize("hq", [8, 16], ids=["G2", "G4"])
-@pytest.mark.parametrize("num_kv_splits", [3, 1, None], ids=["s3", "s1", "graph"])
-def test_decode_with_float8_products(mode, heads, hq, num_kv_splits, monkeypatch):
-    """decode_attention(fp8=...): q rounded to float8 a (request, head) row at a time times K as
-    stored; "qk_pv" also p * 448 in float8 times grouped V as stored; the tiles transposed.
-    Against the float64 reference on the float8 values with q rounded as the kernel rounds it:
-    exact but for p's rounding. GQA groups of 2 and 4 over 4 kv heads (rows padded to 16), one
-    and two kv heads a program, lengths off the groups and tiles (300: whole 128-token tiles
-    walked unmasked, then a masked last one), fixed splits, one split (stage 1 writes the
-    output) and the graph launch."""
-    monkeypatch.setattr(decode_module, "_PACKED_HEADS", heads)
-    batch = make_decode_batch([1, 33, 300, 17], hq, 4, 32, dtype=torch.float16, seed=58)
-    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=1.0, v_scale=0.5)
-    exact = decode_attention_ref(**ref_args)
-    ref_args = dict(ref_args, q=q_on_fp8_rows(batch["q"]))
-    # scores large enough that q's rounding moves the output past the tolerance: a kernel
-    # that kept q in 16 bits would fail
-    assert rel_err(decode_attention_ref(**ref_args), exact.double()) > 4 * FP8_PRODUCT_TOL["qk"]
-    check_against_dequantized(
-        decode_attention, decode_attention_ref, regrouped(quantized), ref_args,
-        FP8_PRODUCT_TOL[mode], num_kv_splits=num_kv_splits, fp8=mode,
-    )  # fmt: skip
-
-
-@pytest.mark.parametrize("mode", ["qk", "qk_pv"])
-@pytest.mark.parametrize("splits", [2, 1])
-def test_shared_prefix_suffixes_with_float8_products(mode, splits):
-    """Stage 1 multiplies the suffixes in float8, the prefix stage the shared prefix in 16 bits,
-    and the two merge. Only the suffixes' scores see q rounded, so the result lies within p's
-    rounding of both references, the one with q rounded and the one without."""
-    batch = make_shared_batch(
-        [(70, [3, 20, 1])], [15], 8, 4, 32, item_size=2, dtype=torch.float16, seed=60
-    )
-    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.02, v_scale=0.5)
-    exact = decode_attention_ref(**plain(ref_args)).double()
-    rounded_q = decode_attention_ref(**plain(dict(ref_args, q=q_on_fp8_rows(batch["q"]))))
-    spread = rel_err(rounded_q, exact)
-    got = run_into_nan_out(
-        shared_prefix_decode_attention, regrouped(quantized), num_kv_splits=splits,
-        prefix_splits=2, fp8=mode,
-    )  # fmt: skip
-    assert rel_err(got, exact) < spread + FP8_PRODUCT_TOL[mode]
-
-
-def test_decode_float8_products_need_an_e4m3_cache_the_dot_path_and_head_dim_32():
-    batch = make_decode_batch([5, 40], 4, 2, 32, dtype=torch.float16, seed=61)
-    e5m2, _ = fp8_batch(batch, E5M2, k_scale=1.0, v_scale=1.0)
-    with pytest.raises(ValueError, match="multiplies a float8_e4m3fn cache"):
-        decode_attention(**regrouped(e5m2), fp8="qk")
-    e4m3, _ = fp8_batch(batch, E4M3, k_scale=1.0, v_scale=1.0)
-    for mode in ("qk", "qk_pv"):  # (its tiles run transposed over vᵀ)
-        with pytest.raises(ValueError, match=f"fp8='{mode}' reads V grouped"):
-            decode_attention(**e4m3, fp8=mode)  # V in rows
-    with pytest.raises(ValueError, match="use_dot=False cannot"):
-        decode_attention(**regrouped(e4m3), fp8="qk", use_dot=False)
-    with pytest.raises(ValueError, match="fp8='e4m3': one of None, 'qk', 'qk_pv'"):
-        decode_attention(**regrouped(e4m3), fp8="e4m3")
-    small, _ = fp8_batch(make_decode_batch([5], 2, 1, 16, seed=61), E4M3, 1.0, 1.0)
-    with pytest.raises(ValueError, match="needs head_dim >= 32, not 16"):
-        decode_attention(**regrouped(small), fp8="qk")
-    fp16 = make_decode_batch([5], 4, 2, 32, dtype=torch.float16, seed=61)
-    with pytest.raises(ValueError, match="multiplies a float8_e4m3fn cache, not torch.float16"):
-        decode_attention(**fp16, fp8="qk")
-
-
 def test_the_engine_pages_whole_groups():
     """ServerArgs' default page for a grouped V (it imports no kernels) is the kernels' group."""
     from engine.server_args import GROUPED_V_PAGE
@@ -411,26 +321,6 @@ def test_gpu_extend_bf16_grouped_float8_products(mode):
     check_against_dequantized(
         extend_attention, extend_attention_ref, regrouped(quantized), ref_args, tol, fp8=mode
     )
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["qk", "qk_pv"])
-@pytest.mark.parametrize("num_kv_splits", [2, None], ids=["s2", "graph"])
-@pytest.mark.parametrize("batch_size", [64, 400])
-def test_gpu_decode_bf16_grouped_float8_products(mode, num_kv_splits, batch_size):
-    """Llama-3.1-8B's heads (two kv heads a program), bf16 q, the hardware's float8 casts;
-    400 requests take one split in the graph launch (stage 1 writes the output)."""
-    from tests.kernels.test_decode_attention import gpu_lens
-
-    batch = make_decode_batch(
-        gpu_lens(batch_size, 4096, seed=4), 32, 8, 128, dtype=torch.bfloat16, device="cuda"
-    )
-    quantized, ref_args = fp8_batch(batch, E4M3, k_scale=0.05, v_scale=2.0)
-    ref_args = dict(ref_args, q=q_on_fp8_rows(batch["q"]))
-    check_against_dequantized(
-        decode_attention, decode_attention_ref, regrouped(quantized), ref_args,
-        FP8_PRODUCT_TOL[mode] + TOL_16BIT, num_kv_splits=num_kv_splits, fp8=mode,
-    )  # fmt: skip
 
 
 @pytest.mark.gpu
