@@ -284,3 +284,49 @@ def test_a_request_that_fits_waits_at_most_max_wait_steps(llama_dir, prompts, mo
         steps += 1
     assert steps == prefill_module.MAX_WAIT_STEPS + 1
     assert first.finish_reason is None  # it was still decoding all along
+
+
+@pytest.mark.parametrize("long_prompt", [40, 41])
+def test_a_long_fresh_prompt_waits_for_the_next_step_rather_than_start_in_its_rest(
+    llama_dir, long_prompt, monkeypatch
+):
+    """96-token prefill steps, 64-token chunks, 40-token prompts, LONG_FRESH_PROMPT 40: a step
+    takes two prompts, and a third with nothing cached waits for the next step instead of
+    computing 16 tokens in this one and its other 24 over the pool in the next. Prompts that find
+    a 30-token stem cached still fill a step's rest (they attend over the pool either way), and
+    so do fresh ones shorter than LONG_FRESH_PROMPT (41). Brute force over every plan; the tokens
+    are those of steps no prompt is cut in."""
+    monkeypatch.setattr(prefill_module, "LONG_FRESH_PROMPT", long_prompt)
+    rng = random.Random(5)
+    vocab = sorted(set(range(512)) - set(special_token_ids()))
+    stem = [rng.choice(vocab) for _ in range(30)]
+    fresh = [[rng.choice(vocab) for _ in range(40)] for _ in range(9)]
+    stemmed = [stem + [rng.choice(vocab) for _ in range(10)] for _ in range(9)]
+    prompts = [p for pair in zip(fresh, stemmed) for p in pair]
+    params = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+
+    def run(**kwargs) -> tuple[list, list[list[tuple[int, int, int]]]]:
+        core = InProcessCore(llama_dir, dtype="float32", **kwargs)
+        plans: list[list[tuple[int, int, int]]] = []  # (prompt length, start, new tokens)
+        plan = core.scheduler.prefill.plan
+
+        def planned():
+            batch = plan()
+            if batch is not None:
+                rows = zip(batch.reqs, batch.starts, batch.extend_lens)
+                plans.append([(r.fill_len, int(s), n) for r, s, n in rows])
+            return batch
+
+        core.scheduler.prefill.plan = planned
+        return core.run(prompts, params), plans
+
+    out, plans = run(max_prefill_tokens=96, chunked_prefill_size=64)
+    fresh_firsts = [(i, n, length) for p in plans for i, (length, s, n) in enumerate(p) if s == 0]
+    whole_firsts = all(n == length for _, n, length in fresh_firsts)
+    assert whole_firsts == (long_prompt == 40), plans
+    assert sum(i > 0 for i, _, _ in fresh_firsts) > 0  # fresh prompts did join others' steps
+    cut = [(length, s, n) for p in plans for length, s, n in p[-1:] if 0 < s and s + n < length]
+    assert cut or long_prompt == 41, plans  # (with the rule) a stemmed prompt was cut by a rest
+    whole, whole_plans = run(max_prefill_tokens=4096)
+    assert all(s + n == length for p in whole_plans for length, s, n in p)
+    assert out == whole
