@@ -11,6 +11,7 @@ row; and prefill_attention with its products on float8 tensor cores (qÂ·k, or qÂ
 its quantizing pass included. Each call runs in a CUDA graph where it captures.
 
     python -m bench.prefill_attention
+    python -m bench.prefill_attention --batches 1x20000 2x5000 --only "64x64, 4 warps, 3" cudnn
 """
 
 from __future__ import annotations
@@ -108,15 +109,32 @@ def variants(b: int, n: int) -> tuple[dict, int]:
     return calls, flops
 
 
+def _batch(text: str) -> tuple[int, int]:
+    b, _, n = text.partition("x")
+    if not (b.isdigit() and n.isdigit()):
+        raise argparse.ArgumentTypeError(f"a batch is REQUESTSxTOKENS, e.g. 8x2048; got {text!r}")
+    return int(b), int(n)
+
+
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="python -m bench.prefill_attention", description=__doc__.split("\n\n")[0]
-    ).parse_args(argv)
+    )
+    parser.add_argument("--batches", nargs="+", type=_batch, metavar="BxN",
+                        help="fresh prompts: B requests of N tokens each (default: "
+                        + ", ".join(BATCHES) + ")")  # fmt: skip
+    parser.add_argument("--only", nargs="+", metavar="TEXT",
+                        help="the kernels whose row names contain one of these (the first row, "
+                        "the reference, always runs)")  # fmt: skip
+    args = parser.parse_args(argv)
+    batches = {f"{b} x {n}": (b, n) for b, n in args.batches} if args.batches else BATCHES
     rows: dict[str, list[str]] = {}
-    for b, n in BATCHES.values():
+    for b, n in batches.values():
         calls, flops = variants(b, n)
         ref = None
-        for label, fn in calls.items():
+        for i, (label, fn) in enumerate(calls.items()):
+            if i and args.only and not any(t in label for t in args.only):
+                continue
             try:
                 out = fn().float()
                 ref = out if ref is None else ref
@@ -124,8 +142,8 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # a backend this torch or this shape lacks
                 cell = f"{type(e).__name__}: {str(e)[:60]}"
             rows.setdefault(label, []).append(cell)
-    print("| kernel: TFLOP/s (max abs diff to the first row's) | " + " | ".join(BATCHES) + " |")
-    print("| --- |" + " --- |" * len(BATCHES))
+    print("| kernel: TFLOP/s (max abs diff to the first row's) | " + " | ".join(batches) + " |")
+    print("| --- |" + " --- |" * len(batches))
     for label, cells in rows.items():
         print(f"| {label} | " + " | ".join(cells) + " |")
 

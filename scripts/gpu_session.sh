@@ -2,7 +2,7 @@
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|spec|spec-adaptive|spec-copier|spec-copier-tpN|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
-#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-steps-long|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-chunks:SIZE,SIZE|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill-attn-long|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-steps-long|trtllm-steps-20k|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-fifth:SHAPE,SHAPE|trtllm-chunks:SIZE,SIZE|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -109,8 +109,10 @@ run_step() {
                 128/4096 --json "$OUT/trtllm-decode.json" 2>&1 | per_shape ;;
       # shapes at TensorRT-LLM's full request counts, e.g. trtllm-full:1000/2000,2048/2048 (a
       # decode-heavy shape at full count is 3-6 minutes of an H200: one or two a call)
-      trtllm-full:*) python3 -m bench --preset trtllm --shapes $(echo "${s#trtllm-full:}" | tr , " ") \
-                --json "$OUT/trtllm-full.json" 2>&1 | per_shape ;;
+      # (trtllm-fifth:SHAPE,SHAPE: the same at a fifth of the counts)
+      trtllm-full:*|trtllm-fifth:*) local scale=1; [ "${s%%:*}" = trtllm-fifth ] && scale=0.2
+                python3 -m bench --preset trtllm --scale $scale --shapes $(echo "${s#*:}" | tr , " ") \
+                --json "$OUT/${s%%:*}.json" 2>&1 | per_shape ;;
       # the preset's dummy weights are a per-tensor static FP8 checkpoint (TensorRT-LLM's layout);
       # this is quantization="fp8" instead (per-channel and per-token scales), to set beside it
       trtllm-per-token) python3 -m bench --preset trtllm --scale 0.2 --fp8-checkpoint none \
@@ -163,11 +165,14 @@ run_step() {
       # TensorRT-LLM's shapes (its FP8 checkpoint layout, FP8 K/V, fewer requests): each step's
       # device time against its floor, and the kernels of the first prefills and of 10 decodes;
       # trtllm-steps-long: the two nearest 1.0 that are not there yet
-      trtllm-steps|trtllm-steps-long) shapes=("300 1000 1000" "3000 128 128")
+      # (trtllm-steps-20k: one wave of 20000/2000, the 83 requests the H200's pool holds at once)
+      trtllm-steps|trtllm-steps-long|trtllm-steps-20k) shapes=("300 1000 1000" "3000 128 128")
                 [ "$s" = trtllm-steps-long ] && shapes=("500 2048 2048" "300 5000 500")
+                local kv='"kv_cache_dtype": "fp8_e4m3"'
+                [ "$s" = trtllm-steps-20k ] && shapes=("83 20000 2000") && kv="$kv, \"mem_fraction_static\": 0.9"
                 for shape in "${shapes[@]}"; do set -- $shape
                 python3 -m bench.profile_w1 --model-config llama-3.1-8b --num-prompts "$1" --input-len "$2" \
-                  --output-len "$3" --fp8-checkpoint per-tensor-static --engine-args '{"kv_cache_dtype": "fp8_e4m3"}' \
+                  --output-len "$3" --fp8-checkpoint per-tensor-static --engine-args "{$kv}" \
                   --kernels 0:3,200:210 2>&1 | grep -v "^Loading\|Writing\|WARNING\|UserWarning\|_warn_once" | tail -70; done ;;
       # the shared-prefix pair's decode attention, one layer, by variant (bench/prefix_decode.py)
       prefix-decode) tests tests/kernels/test_shared_prefix_attention.py tests/kernels/test_decode_attention.py \
@@ -201,6 +206,9 @@ run_step() {
       extend-tiles) python3 -m bench.extend_tiles 2>&1 | grep "^|\|Error" ;;
       extend-fp8) python3 -m bench.extend_tiles --fp8 2>&1 | grep "^|\|Error" ;;
       prefill-attn) python3 -m bench.prefill_attention 2>&1 | grep "^|\|Error" ;;
+      # ...on the long shapes' prompts: the engine's tile, the tutorial's, cuDNN and flash
+      prefill-attn-long) python3 -m bench.prefill_attention --batches 1x20000 1x8192 2x5000 1x5000 \
+                --only "64x64, 4 warps, 3 stages" "128x128, 8 warps, 2" cudnn flash 2>&1 | grep "^|\|Error" ;;
       prefill) tests tests/kernels/test_prefill_attention.py tests/kernels/test_extend_attention.py -m gpu ;;
       trtllm-two) python3 -m bench --preset trtllm --scale 0.2 --shapes 2048/128 1000/1000 \
                 --json "$OUT/trtllm-two.json" 2>&1 | per_shape ;;
