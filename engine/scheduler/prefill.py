@@ -49,9 +49,10 @@ MAX_WAIT_STEPS = 64
 # start in what others left of this one: its first piece attends over its own K/V
 # (prefill_attention), every later piece over the pool (extend_attention, about 0.6 of that rate
 # over a float8 pool on an H200); from this length attention is an eighth of a Llama-3.1-8B
-# prefill's FLOPs, growing with the length. On an H200 (trtllm-chunks:20480, a tenth of the counts) 20000/2000 went from 141.4 s
-# to 131.5 s; 5000/500 at the default chunk, waiting for every fresh prompt, from 40.8 s to 41.8
-# s (a fifth of the counts, one machine): short prompts still fill the step's rest.
+# prefill's FLOPs, growing with the length. On an H200 (trtllm-chunks:20480, a tenth of the
+# counts) 20000/2000 went from 141.4 s to 131.5 s; 5000/500 at the default chunk, waiting for
+# every fresh prompt, from 40.8 s to 41.8 s (a fifth of the counts, one machine): short prompts
+# still fill the step's rest.
 LONG_FRESH_PROMPT = 8192
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 
