@@ -59,7 +59,8 @@ def _prefill_tiles(
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     PV_FP8: tl.constexpr, HW_CAST: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax of the query tile over the request's keys [start, end). ``qk_scale``:
+    """Online softmax of the query tile over the request's keys [start, end) (rows ``row0 +``
+    of k and v; ``offs_m``: each query's own key position, for the causal mask). ``qk_scale``:
     a number, or a [BLOCK_M, 1] column (float8 q: a scale per row). PV_FP8: ``desc_v`` holds
     vᵀ in float8 (the request's tokens from column ``v_row0``) and p enters the product as
     ``p * 448`` in float8."""
@@ -90,9 +91,11 @@ def _prefill_attention_kernel(
     QScale,  # float32 [T, Hq] of float8 q (QK_FP8), else unused
     KVScales,  # float32 (k_scale, v_scale) (QK_FP8), else unused
     VtIndptr,  # [B + 1] each request's first column of vᵀ (PV_FP8), else unused
+    KvIndptr,  # [B + 1] each request's first row of k and v (PREFIXED), else unused
+    PrefixLens,  # [B] the keys before each request's first query (PREFIXED), else unused
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
-    HW_CAST: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
+    HW_CAST: tl.constexpr, NUM_Q_HEADS: tl.constexpr, PREFIXED: tl.constexpr,
 ):  # fmt: skip
     # the query heads of one kv head are neighbours in launch order: they share its K/V in L2
     h = tl.program_id(0)
@@ -117,13 +120,25 @@ def _prefill_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # NOTE: m_start is a multiple of BLOCK_M, itself a multiple of BLOCK_N: keys [0, m_start)
     # are whole unmasked tiles, and the diagonal starts on a tile
+    if PREFIXED:
+        # the request's keys are rows kv_row0 .. of k and v, `prefix` of them before its first
+        # query: query m sits at key position prefix + m; the diagonal starts on a key tile
+        prefix = tl.load(PrefixLens + b).to(tl.int32)
+        kv_row0 = tl.load(KvIndptr + b).to(tl.int32)
+        pos_m = prefix + offs_m
+        diag = (prefix + m_start) // BLOCK_N * BLOCK_N
+        end = prefix + tl.minimum(m_start + BLOCK_M, n)
+    else:
+        kv_row0 = row0
+        pos_m = offs_m
+        diag = m_start
+        end = tl.minimum(m_start + BLOCK_M, n)
     acc, l_i, m_i = _prefill_tiles(
-        acc, l_i, m_i, q, desc_k, desc_v, row0, v_row0, kv_col, offs_m, 0, m_start, qk_scale,
+        acc, l_i, m_i, q, desc_k, desc_v, kv_row0, v_row0, kv_col, pos_m, 0, diag, qk_scale,
         BLOCK_N, False, INPUT_PRECISION, PV_FP8, HW_CAST,
     )  # fmt: skip
-    end = tl.minimum(m_start + BLOCK_M, n)
     acc, l_i, m_i = _prefill_tiles(
-        acc, l_i, m_i, q, desc_k, desc_v, row0, v_row0, kv_col, offs_m, m_start, end, qk_scale,
+        acc, l_i, m_i, q, desc_k, desc_v, kv_row0, v_row0, kv_col, pos_m, diag, end, qk_scale,
         BLOCK_N, True, INPUT_PRECISION, PV_FP8, HW_CAST,
     )  # fmt: skip
 
@@ -234,6 +249,8 @@ def prefill_attention(
     num_stages: int | None = None,
     fp8: str | None = None,
     kv_scales: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
+    kv_indptr: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's rows of q over its own rows of k and v.
 
@@ -244,10 +261,19 @@ def prefill_attention(
     ``fp8``: None (16-bit products), "qk" or "qk_pv" (those products on float8 tensor cores,
     module docstring), with ``kv_scales`` the layer's float32 [2] (k_scale, v_scale) on the
     device (None: both 1). Returns out [T, Hq, D] in q.dtype.
+
+    With ``prefix_lens`` [B] and ``kv_indptr`` [B + 1] (16-bit products only), request b's keys
+    are rows kv_indptr[b] : kv_indptr[b + 1] of k and v instead ([K, Hkv, D], K rows in all):
+    ``prefix_lens[b]`` cached keys then one per query (kernels/context_gather.py gathers them),
+    and its tiles are ``extend_tiles(lens, prefix_lens + lens, block_m)``.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)
+    prefixed = prefix_lens is not None
+    assert prefixed == (kv_indptr is not None), "prefix_lens and kv_indptr go together"
+    assert not (prefixed and fp8), "a prefix's keys multiply in 16 bits"
+    rows = k.shape[0] if prefixed else num_tokens
+    assert k.shape == v.shape == (rows, num_kv_heads, head_dim)
     assert num_q_heads % num_kv_heads == 0, "GQA needs Hq to be a multiple of Hkv"
     assert q.dtype == k.dtype == v.dtype, "q, k and v of one dtype"
     assert prefill_supported(head_dim, q.dtype, q.device), f"head dim {head_dim}, {q.dtype}"
@@ -264,7 +290,8 @@ def prefill_attention(
     assert bm % bn == 0, "the diagonal starts on a key tile"
     if tiles is None:
         lens = extend_lens.tolist()
-        tiles = torch.from_numpy(extend_tiles(lens, lens, bm)).to(q.device)
+        keys = (prefix_lens + extend_lens).tolist() if prefixed else lens
+        tiles = torch.from_numpy(extend_tiles(lens, keys, bm)).to(q.device)
     assert tiles.dim() == 2 and tiles.shape[1] == 2 and tiles.is_contiguous()
     if tiles.shape[0] == 0:
         return out
@@ -281,11 +308,13 @@ def prefill_attention(
     _prefill_attention_kernel[(num_q_heads, tiles.shape[0])](
         *descs, out, qo_indptr, extend_lens, tiles, scaling * _LOG2E, out.stride(0),
         out.stride(1), q_scale, scales, vt_indptr,
+        *(kv_indptr, prefix_lens) if prefixed else (out, out),  # (never read unless PREFIXED)
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
         # float32 stays float32 (no tf32 on the tensor cores); for 16-bit inputs it is ignored
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         QK_FP8=fp8 is not None, PV_FP8=fp8 == "qk_pv", HW_CAST=fp8_hw_cast(q.device),
-        NUM_Q_HEADS=num_q_heads, num_warps=num_warps or warps, num_stages=num_stages or stages,
+        NUM_Q_HEADS=num_q_heads, PREFIXED=prefixed, num_warps=num_warps or warps,
+        num_stages=num_stages or stages,
     )  # fmt: skip
     return out
 

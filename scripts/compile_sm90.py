@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kernels.activation as activation
+import kernels.context_gather as context_gather
 import kernels.decode_attention as decode
 import kernels.extend_attention as extend
 import kernels.fp8 as fp8
@@ -48,17 +49,34 @@ def compile_sm90(fn, types: dict, constexprs: dict, warps: int, stages: int):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def prefill_launch(mode: str | None, bm: int = 64, bn: int = 64, warps: int = 4, stages: int = 3):
+def prefill_launch(
+    mode: str | None,
+    bm: int = 64,
+    bn: int = 64,
+    warps: int = 4,
+    stages: int = 3,
+    prefixed: bool = False,
+):
     qk = F8 if mode else "bf16"
     v = f"tensordesc<{F8}[{D},{bn}]>" if mode == "qk_pv" else f"tensordesc<bf16[{bn},{D}]>"
     types = dict(
         desc_q=f"tensordesc<{qk}[{bm},{D}]>", desc_k=f"tensordesc<{qk}[{bn},{D}]>", desc_v=v,
         Out="*bf16", QoIndptr="*i64", ExtendLens="*i64", Tiles="*i64", qk_scale="fp32",
-        QScale="*fp32", KVScales="*fp32", VtIndptr="*i64",
+        QScale="*fp32", KVScales="*fp32", VtIndptr="*i64", KvIndptr="*i64", PrefixLens="*i64",
     )  # fmt: skip
     cx = dict(GROUP=4, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, INPUT_PRECISION="tf32",
-              QK_FP8=mode is not None, PV_FP8=mode == "qk_pv", HW_CAST=True, NUM_Q_HEADS=32)  # fmt: skip
+              QK_FP8=mode is not None, PV_FP8=mode == "qk_pv", HW_CAST=True, NUM_Q_HEADS=32,
+              PREFIXED=prefixed)  # fmt: skip
     return prefill._prefill_attention_kernel, types, cx, warps, stages
+
+
+def gather_launch(cache: str):
+    types = dict(KBuf=f"*{cache}", VBuf=f"*{cache}", K="*bf16", V="*bf16", KOut="*bf16",
+                 VOut="*bf16", ReqToToken="*i32", ReqPoolIndices="*i64", PrefixLens="*i64",
+                 ExtendLens="*i64", QoIndptr="*i64", KvIndptr="*i64", Reqs="*i64",
+                 KVScales="*fp32")  # fmt: skip
+    cx = dict(HEAD_DIM=D, BLOCK_T=context_gather.BLOCK_T, KV_FP8=cache == F8, V_GROUPED=cache == F8)
+    return context_gather._gather_context_kernel, types, cx, 4, 1
 
 
 def quantize_launch(pv: bool):
@@ -123,6 +141,9 @@ LAUNCHES: dict[str, Callable[[], tuple]] = {
     "prefill_attention, fp8 q.k and p.v, 128 x 128, 8 warps": lambda: prefill_launch(
         "qk_pv", 128, 128, 8, 3
     ),
+    "prefill_attention, bf16, over gathered runs": lambda: prefill_launch(None, prefixed=True),
+    "gather_context, float8 pool, grouped V": lambda: gather_launch(F8),
+    "gather_context, bf16 pool": lambda: gather_launch("bf16"),
     "prefill quantize pass, q and k": lambda: quantize_launch(False),
     "prefill quantize pass, q, k and vT": lambda: quantize_launch(True),
     "extend_attention, bf16 cache": lambda: extend_launch("bf16", None),
