@@ -77,6 +77,10 @@ class AttentionBackend(ABC):
         request that owns the padded tokens."""
         raise NotImplementedError
 
+    def prefill_graph_takes(self, extend_lens: list[int], seq_lens: list[int]) -> bool:
+        """Whether a prefill graph may run the step of these requests (else it runs eagerly)."""
+        return True
+
     def init_verify_graph_capture(self, max_bs: int, max_tokens: int, max_queries: int) -> None:
         """Before the verify graphs are captured: their batches have at most `max_bs` requests,
         `max_tokens` tokens, and `max_queries` tokens a request."""

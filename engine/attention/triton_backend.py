@@ -19,8 +19,12 @@ Extend (prefill) attention runs two kernels over two tile tables planned on the 
 (kernels/extend_attention.py: `extend_tiles`), shipped with the batch's extend lengths and query
 offsets in one copy: a request with nothing cached (prefix 0) attends over this step's own
 contiguous K/V (kernels/prefill_attention.py, TMA), one with a cached prefix over the pool
-(kernels/extend_attention.py); each table holds only its requests' tiles. Under the prefill
-CUDA graphs (engine/runner/prefill_graph.py) the four live in static buffers sized for
+(kernels/extend_attention.py); each table holds only its requests' tiles. In an eager step, a
+request with a cached prefix and at least GATHER_MIN_NEW new tokens (a long prompt's later
+chunk) goes to prefill_attention too, a third table: each layer first gathers its prefix out of
+the pool and its new K/V into one run of rows (kernels/context_gather.py), which the kernel
+reads as it reads a fresh prompt's (`prefill_graph_takes` keeps such steps out of the graphs:
+a run's size is its prefix's). engine/attention/extend_plan.py plans the three. Under the prefill CUDA graphs (engine/runner/prefill_graph.py) the four live in static buffers sized for
 `max_requests` and the most tiles of the graph's token count; each replay refills them.
 NOTE: over a float8 pool, a fresh prompt thus attends over its unquantized K/V (as FlashInfer's
 ragged prefill does in SGLang), and a cached prefix over the float8 one. With
@@ -46,15 +50,16 @@ import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionLayer
+from engine.attention.extend_plan import ExtendPlan, ExtendPlanner
 from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.batch.prefix_groups import MAX_SHARED_PREFIXES, SharedPrefix
 from engine.transfer import to_device
+from kernels.context_gather import gather_context
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import (
     FP8_MIN_K,
     extend_attention,
     extend_block_m,
-    extend_tiles,
     tile_capacity,
 )
 from kernels.fp8 import fp8_hw_cast
@@ -126,9 +131,10 @@ class TritonAttnBackend(AttentionBackend):
             if prefill_supported(attn.head_dim, dtype, device)
             else 0
         )
-        # this extend batch's (extend_lens [B], qo_indptr [B + 1], tiles over the pool [N, 2],
-        # tiles of fresh prompts [N', 2])
-        self.extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        # (runs of a cached prefix multiply in 16 bits: not with prefill_attention_fp8)
+        self.planner = ExtendPlanner(self.block_m, self.prefill_block_m, prefill_fp8 is None)
+        self.extend: ExtendPlan | None = None  # this extend batch's
         self.graph_extend: torch.Tensor | None = None  # the prefill graphs' flat static buffer
         # a verify step's (q_starts [B], q_lens [B], most queries, each row's request length
         # [T] under a graph, else None), or None
@@ -169,7 +175,9 @@ class TritonAttnBackend(AttentionBackend):
             elif batch.seq_lens_cpu is None:  # captured: the graph reads the static buffers
                 assert self.graph_extend is not None
                 tiles = self._graph_tiles(batch.positions.shape[0])
-                self.extend = self._split_extend(self.graph_extend, self.graph_max_requests, tiles)
+                self.extend = ExtendPlanner.split(
+                    self.graph_extend, self.graph_max_requests, (*tiles, 0), None
+                )
             elif batch.verify:
                 lens = np.asarray(batch.extend_lens_cpu, dtype=np.int64)
                 host = np.concatenate([np.cumsum(lens) - lens, lens])  # q_starts, q_lens
@@ -177,9 +185,9 @@ class TritonAttnBackend(AttentionBackend):
                 self.verify = (flat[: len(lens)], flat[len(lens) :], int(lens.max()), None)
             else:
                 lens = batch.extend_lens_cpu
-                host, tiles = self._extend_host(lens, batch.seq_lens_cpu, len(lens), None)
+                host, tiles, runs = self.planner.host(lens, batch.seq_lens_cpu, len(lens), None)
                 flat = to_device(host, torch.int64, batch.seq_lens.device)
-                self.extend = self._split_extend(flat, len(lens), tiles)
+                self.extend = ExtendPlanner.split(flat, len(lens), tiles, runs)
         elif batch.seq_lens_cpu is None:  # captured: the graph reads the static buffers
             if self.graph_prefix is not None:
                 bs = batch.batch_size
@@ -275,11 +283,17 @@ class TritonAttnBackend(AttentionBackend):
         self, extend_lens: list[int], seq_lens: list[int], padded_tokens: int
     ) -> None:
         assert self.graph_extend is not None
-        host, _ = self._extend_host(
+        host, _, _ = self.planner.host(
             extend_lens, seq_lens, self.graph_max_requests, self._graph_tiles(padded_tokens)
         )
         flat = to_device(host, torch.int64, self.graph_extend.device)
         self.graph_extend[: len(host)].copy_(flat)
+
+    def prefill_graph_takes(self, extend_lens: list[int], seq_lens: list[int]) -> bool:
+        """Whether a prefill graph may run this step: not when a request attends over a
+        gathered run (GATHER_MIN_NEW), which only eager steps plan. O(batch)."""
+        planner = self.planner
+        return not (planner.gathers and planner.gathered(extend_lens, seq_lens).any())
 
     def init_verify_graph_capture(self, max_bs: int, max_tokens: int, max_queries: int) -> None:
         self.graph_verify_shape = (max_bs, max_tokens, max_queries)
@@ -348,9 +362,25 @@ class TritonAttnBackend(AttentionBackend):
                 kv_scales=pool.layer_scales[i], row_seq_lens=row_lens,
             )  # fmt: skip
         assert self.extend is not None
-        extend_lens, qo_indptr, tiles, fresh_tiles = self.extend
-        # NOTE: the two tables name disjoint requests, so each row of out is written once
+        extend_lens, qo_indptr, tiles, fresh_tiles, runs = self.extend
+        # NOTE: the tables name disjoint requests, so each row of out is written once
         out = torch.empty_like(q)
+        if runs is not None:
+            # NOTE: the runs are packed and written in full: a tile's rows past its request's
+            # run are another run's (finite) or past the buffer's end (the descriptor's zeros)
+            shape = (runs.rows, self.num_kv_heads, self.head_dim)
+            k_runs = torch.empty(shape, dtype=q.dtype, device=q.device)
+            v_runs = torch.empty_like(k_runs)
+            gather_context(
+                pool.k_buffers[i], pool.v_buffers[i], k, v, batch.req_to_token,
+                batch.req_pool_indices, runs.prefix_lens, extend_lens, qo_indptr, runs.kv_indptr,
+                runs.reqs, runs.longest, k_runs, v_runs, kv_scales=pool.layer_scales[i],
+            )  # fmt: skip
+            prefill_attention(
+                q, k_runs, v_runs, extend_lens, qo_indptr, layer.scaling, runs.tiles, out=out,
+                block_m=self.prefill_block_m, prefix_lens=runs.prefix_lens,
+                kv_indptr=runs.kv_indptr,
+            )  # fmt: skip
         if fresh_tiles.shape[0]:
             # NOTE: float8 products only over a float8 cache (ServerArgs checks), at its scales
             prefill_attention(
@@ -377,48 +407,6 @@ class TritonAttnBackend(AttentionBackend):
         return self.prefill_fp8 if is_grouped(k_buffer, v_buffer) else "qk"
 
     # ------------------------------------------------------------------ helpers
-    def _extend_host(
-        self,
-        lens: list[int],
-        seq_lens: list[int],
-        rows: int,
-        capacity: tuple[int, int] | None,
-    ) -> tuple[np.ndarray, tuple[int, int]]:
-        """extend_lens [rows] then qo_indptr [rows + 1] then the tile tables over the pool and of
-        fresh prompts, flat (one copy), and the tables' rows. Rows past the batch's requests have
-        no tokens (and no tiles). O(batch + tiles)."""
-        n = len(lens)
-        ext = np.asarray(lens, dtype=np.int64)
-        total = np.asarray(seq_lens, dtype=np.int64)
-        fresh = (total == ext) if self.prefill_block_m else np.zeros(n, dtype=bool)
-        cached_cap, fresh_cap = (None, None) if capacity is None else capacity
-        tiles = extend_tiles(np.where(fresh, 0, ext), total, self.block_m, cached_cap)
-        fresh_tiles = extend_tiles(
-            np.where(fresh, ext, 0), total, self.prefill_block_m or 1, fresh_cap
-        )
-        tiles = np.concatenate([tiles, fresh_tiles])
-        flat = np.empty(2 * rows + 1 + tiles.size, dtype=np.int64)
-        flat[:n] = lens
-        flat[n:rows] = 0
-        flat[rows] = 0
-        np.cumsum(lens, out=flat[rows + 1 : rows + 1 + n])
-        flat[rows + 1 + n : 2 * rows + 1] = flat[rows + n]
-        flat[2 * rows + 1 :] = tiles.ravel()
-        return flat, (len(tiles) - len(fresh_tiles), len(fresh_tiles))
-
-    @staticmethod
-    def _split_extend(
-        flat: torch.Tensor, rows: int, tiles: tuple[int, int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        cached, fresh = tiles
-        table = flat[2 * rows + 1 :].view(-1, 2)
-        return (
-            flat[:rows],
-            flat[rows : 2 * rows + 1],
-            table[:cached],
-            table[cached : cached + fresh],
-        )
-
     def _prefix_host(self, groups: list[SharedPrefix], bs: int, num_items: int | None) -> list[int]:
         """prefix_lens [bs] then the items [num_items (or as many as needed), 2 + item_size],
         flat: one host-to-device copy. O(batch)."""

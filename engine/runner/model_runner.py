@@ -212,7 +212,9 @@ class ModelRunner:
             return False
         # (a backend with a verify kernel runs verify steps on it: the prefill graphs hold the
         # extend kernel)
-        return not (batch.verify and self.attn_backend.has_verify_kernel)
+        if batch.verify and self.attn_backend.has_verify_kernel:
+            return False
+        return self.attn_backend.prefill_graph_takes(batch.extend_lens_cpu, batch.seq_lens_cpu)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None) -> torch.Tensor:

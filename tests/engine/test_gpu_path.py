@@ -65,6 +65,25 @@ def test_gpu_greedy_equals_cpu_reference(llama_dir, workload, cpu_reference, fla
         assert out["output_ids"] == ref, f"prompt {i} ({len(prompts[i])} tokens)"
 
 
+@pytest.mark.gpu
+def test_gpu_long_prompts_over_gathered_runs(tmp_path_factory):
+    """Prompts of 1,200-3,100 tokens in chunks of 1024 (GATHER_MIN_NEW): each later chunk
+    attends over its earlier chunks gathered out of the pool (kernels/context_gather.py), in
+    eager steps between graph-replayed ones; greedy tokens as the CPU reference's."""
+    from engine.attention.extend_plan import GATHER_MIN_NEW
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path_factory.mktemp("llama_8k"), "llama",
+                            max_position_embeddings=8192)  # fmt: skip
+    prompts = random_prompts(512, [2500, 3100, 1200], seed=5, avoid_ids=special_token_ids())
+    params = [{"temperature": 0.0, "max_new_tokens": 4 + i, "ignore_eos": True} for i in range(3)]
+    ref = InProcessCore(model, dtype="float32").run(prompts, params)
+    flags = {"chunked_prefill_size": GATHER_MIN_NEW, "max_prefill_tokens": 2 * GATHER_MIN_NEW}
+    with Engine(model_path=str(model), dtype="float32", max_total_tokens=16384, **flags) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [out["output_ids"] for out in outs] == ref
+
+
 def test_graph_sizes_cover_the_batch():
     from engine.runner.cuda_graph import capture_sizes
 
