@@ -12,6 +12,8 @@ pairs' two products; `*` marks the kernel's default.
     python -m bench.extend_tiles
     python -m bench.extend_tiles --fp8   # the float8 cache's batches by fp8 mode (16-bit, q·k,
                                          # q·k and p·v), with long cached prefixes as chunks have
+    python -m bench.extend_tiles --gathered  # those chunks over the pool against over gathered
+                                             # runs (kernels/context_gather.py), bf16 and float8
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import torch
 
 from bench.decode_splits import graph_time
+from kernels.context_gather import gather_context
 from kernels.extend_attention import (
     FP8_MODES,
     _default_blocks,
@@ -29,6 +32,7 @@ from kernels.extend_attention import (
     extend_tiles,
 )
 from kernels.kv_fp8 import quantize
+from kernels.prefill_attention import prefill_attention, prefill_block_m
 from kernels.v_groups import GROUP, to_grouped
 
 # name: (requests, cached prefix, new tokens, Hq, Hkv, float8 cache)
@@ -113,12 +117,76 @@ def tflops(
     return flops / t / 1e12
 
 
+def gathered_ms(args: dict) -> tuple[float, float]:
+    """ms of gather_context and of prefill_attention over the gathered runs, for `args`' batch."""
+    q, lens = args["q"], args["extend_lens"]
+    prefix = args["seq_lens"] - lens
+    hkv, d = args["k_buffer"].shape[1], args["k_buffer"].shape[2]
+    k, v = torch.randn(2, q.shape[0], hkv, d, device="cuda", dtype=q.dtype)
+    runs = args["seq_lens"].to(torch.int64)
+    kv_indptr = torch.zeros(len(runs) + 1, dtype=torch.int64, device="cuda")
+    kv_indptr[1:] = runs.cumsum(0)
+    k_runs = torch.empty(int(runs.sum()), hkv, d, device="cuda", dtype=q.dtype)
+    v_runs = torch.empty_like(k_runs)
+    reqs = torch.arange(len(runs), device="cuda")
+    longest = int(runs.max())  # (a host int: no sync inside the captured graph)
+    gather = graph_time(
+        lambda: gather_context(
+            args["k_buffer"], args["v_buffer"], k, v, args["req_to_token"],
+            args["req_pool_indices"], prefix, lens, args["qo_indptr"], kv_indptr, reqs, longest,
+            k_runs, v_runs, kv_scales=args.get("kv_scales"),
+        )
+    )  # fmt: skip
+    tiles = torch.from_numpy(
+        extend_tiles(lens.tolist(), runs.tolist(), prefill_block_m(d, q.dtype, q.device))
+    ).cuda()
+    attend = graph_time(
+        lambda: prefill_attention(
+            q, k_runs, v_runs, lens, args["qo_indptr"], args["scaling"], tiles,
+            prefix_lens=prefix, kv_indptr=kv_indptr,
+        )
+    )  # fmt: skip
+    return gather * 1e3, attend * 1e3
+
+
+def gathered_table() -> None:
+    """The long chunks over the pool (extend_attention's default tile) against over gathered
+    runs, TFLOP/s of the attention (the gather's time counted), and the gather's ms."""
+    shapes = {name: shape for name, shape in FP8_BATCHES.items() if shape[1]}
+    print("| cache | kernel | " + " | ".join(shapes) + " |")
+    print("| --- | --- |" + " --- |" * len(shapes))
+    default = _default_blocks(128, torch.bfloat16, torch.device("cuda"))
+    for fp8 in (False, True):
+        cases = [batch(*shape[:5], fp8) for shape in shapes.values()]
+        times = [gathered_ms(args) for args, _ in cases]
+        cache = "float8" if fp8 else "bf16"
+        rows = {
+            "extend_attention over the pool": [
+                f"{tflops(args, flops, default):.0f}" for args, flops in cases
+            ],
+            "gather + prefill_attention over the runs": [
+                f"{flops / (g + a) / 1e9:.0f}" for (_, flops), (g, a) in zip(cases, times)
+            ],
+            "prefill_attention over the runs alone": [
+                f"{flops / a / 1e9:.0f}" for (_, flops), (_, a) in zip(cases, times)
+            ],
+            "the gather, ms a layer": [f"{g:.3f}" for g, _ in times],
+        }
+        for label, cells in rows.items():
+            print(f"| {cache} | {label} | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m bench.extend_tiles", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--fp8", action="store_true", help="the float8 cache's batches by fp8 mode")
+    ap.add_argument(
+        "--gathered", action="store_true", help="long chunks over the pool or gathered runs"
+    )
     opts = ap.parse_args(argv)
+    if opts.gathered:
+        return gathered_table()
     default = _default_blocks(128, torch.bfloat16, torch.device("cuda"))
     batches = FP8_BATCHES if opts.fp8 else BATCHES
     modes = (None, *FP8_MODES) if opts.fp8 else (None,)

@@ -205,11 +205,13 @@ run_step() {
       # extend attention's tiles on the workloads' prefill batches (bench/extend_tiles.py)
       extend-tiles) python3 -m bench.extend_tiles 2>&1 | grep "^|\|Error" ;;
       extend-fp8) python3 -m bench.extend_tiles --fp8 2>&1 | grep "^|\|Error" ;;
+      extend-gathered) python3 -m bench.extend_tiles --gathered 2>&1 | grep "^|\|Error" ;;
       prefill-attn) python3 -m bench.prefill_attention 2>&1 | grep "^|\|Error" ;;
       # ...on the long shapes' prompts: the engine's tile, the tutorial's, cuDNN and flash
       prefill-attn-long) python3 -m bench.prefill_attention --batches 1x20000 1x8192 2x5000 1x5000 \
                 --only "64x64, 4 warps, 3 stages" "128x128, 8 warps, 2" cudnn flash 2>&1 | grep "^|\|Error" ;;
-      prefill) tests tests/kernels/test_prefill_attention.py tests/kernels/test_extend_attention.py -m gpu ;;
+      prefill) tests tests/kernels/test_prefill_attention.py tests/kernels/test_extend_attention.py \
+                tests/kernels/test_context_gather.py -m gpu ;;
       trtllm-two) python3 -m bench --preset trtllm --scale 0.2 --shapes 2048/128 1000/1000 \
                 --json "$OUT/trtllm-two.json" 2>&1 | per_shape ;;
       fp8-act) python3 -m bench.fp8_gemm --activation --rows 256 1280 4096 16384 2>&1 | grep "^|\|silu\|Error" ;;
