@@ -43,18 +43,26 @@ def prompts():
 
 
 def _busiest_coming_step(sched) -> int:
-    """Brute force: the pages the admitted requests will hold at the busiest decode step to
-    come, if nobody else were admitted. Each takes one more slot a step until its last draw
-    and is given back a step later (with overlap, its last step is read while the next runs);
-    none shares a prefix, so each holds its pages alone; a chunked prompt's rest comes at once."""
-    pages = sched.kv.pages_for
-    holding = [
-        (r.fill_len if r is sched.queues.chunked else r.kv_len, r.draw_limit - r.drawn)
-        for r in sched.queues.admitted()
-    ]
-    longest = max((left for _, left in holding), default=0)
+    """Brute force: the distinct pages the admitted requests will hold at the busiest decode
+    step to come, if nobody else were admitted. Each takes one more slot a step until its last
+    draw and is given back a step later (with overlap, its last step is read while the next
+    runs); a page of a cached prefix that several hold (random prompts share a first token now
+    and then) counts once while any of them holds it; a chunked prompt's rest comes at once."""
+    kv, table = sched.kv, sched.kv.req_to_token.table
+    pages = kv.pages_for
+    last_holder: dict[int, int] = {}  # page -> the most steps any holder still takes
+    growth = []  # (pages it holds now, its length once its prompt is in, steps it still takes)
+    for r in sched.queues.admitted():
+        left = r.draw_limit - r.drawn
+        for page in set((table[r.pool_row, : r.kv_len] // kv.page_size).tolist()):
+            last_holder[page] = max(last_holder.get(page, -1), left)
+        full = r.fill_len if r is sched.queues.chunked else r.kv_len
+        growth.append((pages(r.kv_len), full, left))
+    held = np.fromiter(last_holder.values(), np.int64, len(last_holder))
+    longest = max((left for _, _, left in growth), default=0)
     return max(
-        sum(pages(kv_len + min(t, left)) for kv_len, left in holding if left >= t - 1)
+        int((held >= t - 1).sum())
+        + sum(pages(full + min(t, left)) - now for now, full, left in growth if left >= t - 1)
         for t in range(longest + 3)
     )
 
@@ -265,6 +273,27 @@ def test_admission_waits_for_room_to_make_large_prefill_steps(llama_dir, prompts
     assert waited == eager
     assert len(waiting_steps) < len(eager_steps), (waiting_steps, eager_steps)
     assert sum(waiting_steps) == sum(eager_steps)  # the same prompts, no recomputation
+
+
+@pytest.mark.parametrize("mix", [1, 3, 5])
+def test_eager_admission_fills_the_pool_to_its_exact_peak(llama_dir, mix, monkeypatch):
+    """With no waiting for room, admission takes requests as soon as the exact peak of what the
+    running ones will hold leaves room: the busiest step to come reaches the pool's last page
+    and never passes it (brute force, shared pages counted once), with no retraction."""
+    monkeypatch.setattr(prefill_module, "MIN_PREFILL_FRACTION", 0.0)
+    prompts = random_prompts(512, LENGTHS * 3, seed=43, avoid_ids=special_token_ids())
+    params = [
+        {"temperature": 0.0, "max_new_tokens": 16 + (3 + mix) * (i % (5 + mix)), "ignore_eos": True}
+        for i in range(len(prompts))
+    ]
+    core = InProcessCore(llama_dir, dtype="float32", max_total_tokens=2048, max_prefill_tokens=1024)
+    core.submit(prompts, params)
+    sched, busiest = core.scheduler, 0
+    while sched.has_work():
+        busiest = max(busiest, _busiest_coming_step(sched))
+        sched.step()
+    assert busiest == sched.kv.pool.num_pages
+    assert sched.stats.retractions == 0
 
 
 def test_a_request_that_fits_waits_at_most_max_wait_steps(llama_dir, prompts, monkeypatch):
