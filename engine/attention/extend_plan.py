@@ -19,17 +19,18 @@ import torch
 
 from kernels.extend_attention import extend_tiles
 
-# A request with a cached prefix and at least this many new tokens attends over its K/V gathered
-# into one run (kernels/context_gather.py) in an eager step. The gather moves each prefix token's K/V once
-# a layer (3 bytes an element from a float8 pool); extend_attention's reads of the pool cost
-# each new token more than that per prefix token from a few dozen new tokens on (Llama-3.1-8B's
-# heads: extend over the float8 pool about 270 TFLOP/s, prefill_attention about 460, on an
-# H200). 1024 leaves short suffixes over a shared prefix (the pair's 50 tokens, which the packed
-# extend kernel reads the prefix once a tile for) and the prefill graphs' steps as they were.
+# A request with a cached prefix and at least this many new tokens attends over its K/V
+# gathered into one run (kernels/context_gather.py) in an eager step. The gather moves each
+# prefix token's K/V once a layer (3 bytes an element from a float8 pool); extend_attention's
+# reads of the pool cost each new token more than that per prefix token from a few dozen new
+# tokens on (Llama-3.1-8B's heads: extend over the float8 pool about 270 TFLOP/s,
+# prefill_attention about 460, on an H200). 1024 leaves short suffixes over a shared prefix
+# (the pair's 50 tokens, which the packed extend kernel reads the prefix once a tile for) and
+# the prefill graphs' steps as they were.
 GATHER_MIN_NEW = 1024
-# ...and at most this many rows of runs a step (K and V of Llama-3.1-8B's heads: 256 MB in
-# bf16), whose buffers live only during a layer's attention
-GATHER_MAX_ROWS = 65536
+# ...and the runs of a step take at most this many bytes (K and V in q's dtype), which live only
+# during a layer's attention: 65,536 rows of Llama-3.1-8B's 8 kv heads of 128 in bf16
+GATHER_MAX_BYTES = 256 << 20
 
 
 class ContextRuns(NamedTuple):
@@ -56,22 +57,24 @@ class ExtendPlan(NamedTuple):
 class ExtendPlanner:
     """Plans extend steps for one layer shape: ``block_m`` queries a tile of extend_attention,
     ``prefill_block_m`` of prefill_attention (0: the layer's shape is not one it takes, and
-    every request goes to extend_attention), ``gathers``: whether runs may be gathered."""
+    every request goes to extend_attention), ``gathers``: whether runs may be gathered, and
+    ``row_bytes``: a run's row (K and V of every kv head)."""
 
-    def __init__(self, block_m: int, prefill_block_m: int, gathers: bool) -> None:
+    def __init__(self, block_m: int, prefill_block_m: int, gathers: bool, row_bytes: int) -> None:
         self.block_m = block_m
         self.prefill_block_m = prefill_block_m
         self.gathers = gathers and bool(prefill_block_m)
+        self.max_rows = GATHER_MAX_BYTES // row_bytes  # rows of runs a step
 
     def gathered(self, lens: list[int], seq_lens: list[int]) -> np.ndarray:
         """Which requests attend over gathered runs, in an eager step: a cached prefix, at least
-        GATHER_MIN_NEW new tokens, and room within GATHER_MAX_ROWS (in batch order). O(batch)."""
+        GATHER_MIN_NEW new tokens, and room within `max_rows` (in batch order). O(batch)."""
         ext = np.asarray(lens, dtype=np.int64)
         total = np.asarray(seq_lens, dtype=np.int64)
         want = (total > ext) & (ext >= GATHER_MIN_NEW)
         if not want.any():
             return want
-        return want & (np.cumsum(np.where(want, total, 0)) <= GATHER_MAX_ROWS)
+        return want & (np.cumsum(np.where(want, total, 0)) <= self.max_rows)
 
     def host(
         self,

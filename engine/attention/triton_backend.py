@@ -133,7 +133,10 @@ class TritonAttnBackend(AttentionBackend):
         )
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         # (runs of a cached prefix multiply in 16 bits: not with prefill_attention_fp8)
-        self.planner = ExtendPlanner(self.block_m, self.prefill_block_m, prefill_fp8 is None)
+        row_bytes = 2 * attn.num_kv_heads * attn.head_dim * dtype.itemsize  # a run's K and V
+        self.planner = ExtendPlanner(
+            self.block_m, self.prefill_block_m, prefill_fp8 is None, row_bytes
+        )
         self.extend: ExtendPlan | None = None  # this extend batch's
         self.graph_extend: torch.Tensor | None = None  # the prefill graphs' flat static buffer
         # a verify step's (q_starts [B], q_lens [B], most queries, each row's request length

@@ -57,15 +57,17 @@ def test_extend_plan_sends_each_request_to_one_kernel(seed, graph, monkeypatch):
     """The extend plan's tile tables, against brute force: every query row of a fresh request
     (nothing cached) is in exactly one tile of the prefill_attention table; of a request with
     a cached prefix and at least GATHER_MIN_NEW new tokens, in an eager step and within
-    GATHER_MAX_ROWS, in exactly one tile of the gathered runs' table, whose runs are packed in
+    GATHER_MAX_BYTES, in exactly one tile of the gathered runs' table, whose runs are packed in
     batch order with its prefix lengths; of every other request, in exactly one tile of the
     extend_attention table. No tile names a request of another kind, a graph's tables keep
     their captured capacities, and a graph runs a step only when nothing is gathered."""
     monkeypatch.setattr(extend_plan, "GATHER_MIN_NEW", 20)
-    monkeypatch.setattr(extend_plan, "GATHER_MAX_ROWS", 150)
+    # runs of at most 150 rows: K and V of 2 kv heads of 16 in float32 are 256 bytes a row
+    monkeypatch.setattr(extend_plan, "GATHER_MAX_BYTES", 150 * 256 + 255)
     rng = np.random.default_rng(seed)
     layer = SimpleNamespace(layer_id=0, num_heads=4, num_kv_heads=2, head_dim=16, scaling=0.25)
     backend = TritonAttnBackend(layer, torch.float32, torch.device("cpu"))
+    assert backend.planner.max_rows == 150
     n = int(rng.integers(1, 9))
     lens = rng.integers(1, 80, n).tolist()
     prefixes = [int(p) if rng.random() < 0.5 else 0 for p in rng.integers(1, 50, n)]
