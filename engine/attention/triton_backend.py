@@ -24,8 +24,10 @@ request with a cached prefix and at least GATHER_MIN_NEW new tokens (a long prom
 chunk) goes to prefill_attention too, a third table: each layer first gathers its prefix out of
 the pool and its new K/V into one run of rows (kernels/context_gather.py), which the kernel
 reads as it reads a fresh prompt's (`prefill_graph_takes` keeps such steps out of the graphs:
-a run's size is its prefix's). engine/attention/extend_plan.py plans the three. Under the prefill CUDA graphs (engine/runner/prefill_graph.py) the four live in static buffers sized for
-`max_requests` and the most tiles of the graph's token count; each replay refills them.
+a run's size is its prefix's). engine/attention/extend_plan.py plans the three. Under the
+prefill CUDA graphs (engine/runner/prefill_graph.py) the lengths, offsets and first two tables
+live in static buffers sized for `max_requests` and the most tiles of the graph's token count;
+each replay refills them.
 NOTE: over a float8 pool, a fresh prompt thus attends over its unquantized K/V (as FlashInfer's
 ragged prefill does in SGLang), and a cached prefix over the float8 one. With
 `prefill_attention_fp8` both kernels multiply on float8 tensor cores instead (q rounded to
