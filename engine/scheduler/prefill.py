@@ -52,7 +52,9 @@ MAX_WAIT_STEPS = 64
 # prefill's FLOPs, growing with the length. On an H200 (trtllm-chunks:20480, a tenth of the
 # counts) 20000/2000 went from 141.4 s to 131.5 s; 5000/500 at the default chunk, waiting for
 # every fresh prompt, from 40.8 s to 41.8 s (a fifth of the counts, one machine): short prompts
-# still fill the step's rest.
+# still fill the step's rest. NOTE: measured before later pieces of 1024 tokens or more attended
+# over gathered runs at about the first piece's rate (engine/attention/extend_plan.py); whether
+# the wait still pays has not been measured since.
 LONG_FRESH_PROMPT = 8192
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 
