@@ -123,8 +123,8 @@ run_step() {
       trtllm-long) python3 -m bench --preset trtllm --scale 0.2 --shapes 5000/500 20000/2000 \
                 --json "$OUT/trtllm-long.json" 2>&1 | per_shape ;;
       # the long prompts by chunk size, e.g. trtllm-chunks:8192,20480 (a tenth of the counts): a
-      # chunk after the first attends over the float8 pool (extend_attention), the first over its
-      # own K/V (prefill_attention, about 1.3-1.4 times the rate); a step's budget at least the chunk
+      # chunk after the first attends over its earlier chunks gathered out of the float8 pool
+      # (kernels/context_gather.py), the first over its own K/V; a step's budget at least the chunk
       trtllm-chunks:*) for chunk in $(echo "${s#trtllm-chunks:}" | tr , " "); do
                 local budget=$(( chunk > 16384 ? chunk : 16384 ))
                 python3 -m bench --preset trtllm --scale 0.1 --shapes 5000/500 20000/2000 --engine-args \
@@ -173,7 +173,8 @@ run_step() {
                 for shape in "${shapes[@]}"; do set -- $shape
                 python3 -m bench.profile_w1 --model-config llama-3.1-8b --num-prompts "$1" --input-len "$2" \
                   --output-len "$3" --fp8-checkpoint per-tensor-static --engine-args "{$kv}" \
-                  --kernels 0:3,200:210 2>&1 | grep -v "^Loading\|Writing\|WARNING\|UserWarning\|_warn_once" | tail -70; done ;;
+                  --kernels 0:3,200:210 2>&1 | grep -v "^Loading\|Writing\|WARNING\|UserWarning\|_warn_once" \
+                  | tee -a "$OUT/$s.log" | tail -70; done ;;
       # the shared-prefix pair's decode attention, one layer, by variant (bench/prefix_decode.py)
       prefix-decode) tests tests/kernels/test_shared_prefix_attention.py tests/kernels/test_decode_attention.py \
                 tests/engine/test_shared_prefix_decode.py -m gpu
