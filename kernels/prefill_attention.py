@@ -57,21 +57,28 @@ def _tile(Tiles, ExtendLens, tile):
 def _prefill_tiles(
     acc, l_i, m_i, q, desc_k, desc_v, row0, v_row0, col, offs_m, start, end, qk_scale,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    PV_FP8: tl.constexpr, HW_CAST: tl.constexpr,
+    PV_FP8: tl.constexpr, HW_CAST: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the query tile over the request's keys [start, end) (rows ``row0 +``
     of k and v; ``offs_m``: each query's own key position, for the causal mask). ``qk_scale``:
-    a number, or a [BLOCK_M, 1] column (float8 q: a scale per row). PV_FP8: ``desc_v`` holds
-    vᵀ in float8 (the request's tokens from column ``v_row0``) and p enters the product as
-    ``p * 448`` in float8."""
+    a positive number, or (ROW_SCALE) a [BLOCK_M, 1] column (float8 q: a scale per row).
+    PV_FP8: ``desc_v`` holds vᵀ in float8 (the request's tokens from column ``v_row0``) and p
+    enters the product as ``p * 448`` in float8."""
     offs_n = tl.arange(0, BLOCK_N)
     for s in range(start, end, BLOCK_N):
         k = desc_k.load([row0 + s, col])
-        qk = tl.dot(q, k.T, input_precision=INPUT_PRECISION) * qk_scale
-        if MASK:
-            qk = tl.where(offs_m[:, None] >= (s + offs_n)[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
+        qk = tl.dot(q, k.T, input_precision=INPUT_PRECISION)
+        if MASK or ROW_SCALE:
+            qk = qk * qk_scale
+            if MASK:
+                qk = tl.where(offs_m[:, None] >= (s + offs_n)[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+        else:
+            # the scale applies to the row maximum, and to each score inside one fused
+            # multiply-add with the subtraction: one instruction a score fewer
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if PV_FP8:
@@ -135,11 +142,11 @@ def _prefill_attention_kernel(
         end = tl.minimum(m_start + BLOCK_M, n)
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, desc_k, desc_v, kv_row0, v_row0, kv_col, pos_m, 0, diag, qk_scale,
-        BLOCK_N, False, INPUT_PRECISION, PV_FP8, HW_CAST,
+        BLOCK_N, False, INPUT_PRECISION, PV_FP8, HW_CAST, QK_FP8,
     )  # fmt: skip
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, desc_k, desc_v, kv_row0, v_row0, kv_col, pos_m, diag, end, qk_scale,
-        BLOCK_N, True, INPUT_PRECISION, PV_FP8, HW_CAST,
+        BLOCK_N, True, INPUT_PRECISION, PV_FP8, HW_CAST, QK_FP8,
     )  # fmt: skip
 
     rows = (row0 + offs_m).to(tl.int64)
