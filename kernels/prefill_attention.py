@@ -22,6 +22,10 @@ Numerics as extend_attention's on a cache of q's dtype (float32 in IEEE products
 2048 tokens at Llama-3.1-8B's heads run at about 380 TFLOP/s where extend_attention reads the
 float8 pool at about 210 (bench.prefill_attention).
 
+On Hopper the default launch is kernels/prefill_attention_ws.py's instead: the same function,
+warp-specialized in Gluon (a producer warp and two consumer warpgroups, so one's softmax runs
+under the other's products), 1.1× this kernel on long prompts.
+
 Float8 products (``fp8="qk"`` or ``"qk_pv"``; for a model whose cache is float8 anyway, as
 TensorRT-LLM's FP8 context attention). Hopper's tensor cores multiply float8 at twice the
 16-bit rate. One pass (``_quantize_qkv_kernel``) writes q in float8 with a scale per (token,
@@ -44,6 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.extend_attention import _LOG2E, FP8_MIN_K, check_fp8_products, extend_tiles
 from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid
+from kernels.prefill_attention_ws import WS_BLOCK_M, prefill_attention_ws, ws_supported
 
 
 @triton.jit
@@ -225,8 +230,13 @@ def prefill_supported(head_dim: int, dtype: torch.dtype, device: torch.device) -
     return dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
-def prefill_block_m(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
-    """The queries per tile of `prefill_attention` by default: plan its tiles with it."""
+def prefill_block_m(
+    head_dim: int, dtype: torch.dtype, device: torch.device, fp8: str | None = None
+) -> int:
+    """The queries per tile of `prefill_attention` by default (with ``fp8`` products if given):
+    plan its tiles with it. On Hopper that is the warp-specialized kernel's, WS_BLOCK_M."""
+    if fp8 is None and ws_supported(head_dim, dtype, device):
+        return WS_BLOCK_M
     return _default_blocks(head_dim, dtype, device)[0]
 
 
@@ -273,6 +283,11 @@ def prefill_attention(
     are rows kv_indptr[b] : kv_indptr[b + 1] of k and v instead ([K, Hkv, D], K rows in all):
     ``prefix_lens[b]`` cached keys then one per query (kernels/context_gather.py gathers them),
     and its tiles are ``extend_tiles(lens, prefix_lens + lens, block_m)``.
+
+    ``block_m`` … ``num_stages`` name a tile of the Triton kernel (None: its default). On an
+    sm_90 GPU with 16-bit products and head dim 128, a launch that names no Triton tile (block_m
+    None or WS_BLOCK_M, the rest None) runs the warp-specialized kernel instead
+    (kernels/prefill_attention_ws.py): plan ``tiles`` at ``prefill_block_m(...)`` queries.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -289,9 +304,27 @@ def prefill_attention(
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
     if num_tokens == 0 or extend_lens.shape[0] == 0:
         return out
+    check_fp8_products(fp8, head_dim)
+    # NOTE: the default launch on Hopper (no Triton tile named, 16-bit products) is the
+    # warp-specialized kernel's, whose tiles are WS_BLOCK_M queries
+    triton_tile = block_n is not None or num_warps is not None or num_stages is not None
+    if (
+        fp8 is None
+        and not triton_tile
+        and block_m in (None, WS_BLOCK_M)
+        and ws_supported(head_dim, q.dtype, q.device)
+    ):
+        if tiles is None:
+            keys = (prefix_lens + extend_lens).tolist() if prefixed else extend_lens.tolist()
+            tiles = torch.from_numpy(extend_tiles(extend_lens.tolist(), keys, WS_BLOCK_M))
+            tiles = tiles.to(q.device)
+        if tiles.shape[0]:
+            prefill_attention_ws(
+                q, k, v, extend_lens, qo_indptr, scaling, tiles, out, prefix_lens, kv_indptr
+            )
+        return out
     bm, bn, warps, stages = _default_blocks(head_dim, q.dtype, q.device)
     bm, bn = block_m or bm, block_n or bn
-    check_fp8_products(fp8, head_dim)
     if fp8 == "qk_pv":
         bn = max(bn, FP8_MIN_K)  # p.v's K is the key tile
     assert bm % bn == 0, "the diagonal starts on a key tile"

@@ -31,6 +31,7 @@ import kernels.extend_attention as extend
 import kernels.fp8 as fp8
 import kernels.norm as norm
 import kernels.prefill_attention as prefill
+import kernels.prefill_attention_ws as prefill_ws
 from kernels.shared_prefix_attention import SHORT_SUFFIX_TILE
 
 D = 128  # Llama-3.1-8B's and Qwen3's head dim
@@ -44,6 +45,12 @@ def compile_sm90(fn, types: dict, constexprs: dict, warps: int, stages: int):
     # an int argument divisible by 16 so; without it every gathered load is a byte load)
     aligned = [i for i, (a, t) in enumerate(sig.items()) if t[0] == "*" or a.startswith("stride")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    if getattr(fn, "is_gluon", lambda: False)():  # Gluon: its own source kind, no pipeliner
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": warps}
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     source = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -68,6 +75,26 @@ def prefill_launch(
               QK_FP8=mode is not None, PV_FP8=mode == "qk_pv", HW_CAST=True, NUM_Q_HEADS=32,
               PREFIXED=prefixed)  # fmt: skip
     return prefill._prefill_attention_kernel, types, cx, warps, stages
+
+
+def ws_launch(dtype: str = "bf16", prefixed: bool = False):
+    """The warp-specialized Gluon kernel: its descriptors carry wgmma's shared layout."""
+    from triton.experimental.gluon import language as gl
+
+    half, bn = prefill_ws.WS_BLOCK_M // 2, prefill_ws.WS_BLOCK_N
+    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+
+    def desc(rows: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, D], element)
+        return f"tensordesc<{dtype}[{rows}, {D}],{layout}>"
+
+    types = dict(desc_q=desc(half), desc_k=desc(bn), desc_v=desc(bn), Out=f"*{dtype}",
+                 QoIndptr="*i64", ExtendLens="*i64", Tiles="*i64", qk_scale="fp32",
+                 KvIndptr="*i64", PrefixLens="*i64")  # fmt: skip
+    cx = dict(GROUP=4, HEAD_DIM=D, BLOCK_M=prefill_ws.WS_BLOCK_M, BLOCK_N=bn,
+              STAGES=prefill_ws.WS_STAGES, PREFIXED=prefixed,
+              CONSUMER_REGS=prefill_ws._CONSUMER_REGS)  # fmt: skip
+    return prefill_ws._prefill_ws_kernel, types, cx, 4, 0
 
 
 def gather_launch(cache: str):
@@ -135,7 +162,11 @@ def fp8_rows_launches() -> dict[str, tuple]:
 
 
 LAUNCHES: dict[str, Callable[[], tuple]] = {
-    "prefill_attention, bf16 (the engine's)": lambda: prefill_launch(None),
+    "prefill_attention, warp-specialized, bf16 (the engine's on sm_90)": lambda: ws_launch(),
+    "prefill_attention, warp-specialized, fp16, over gathered runs": lambda: ws_launch(
+        "fp16", prefixed=True
+    ),
+    "prefill_attention, bf16 (the Triton kernel)": lambda: prefill_launch(None),
     "prefill_attention, fp8 q.k": lambda: prefill_launch("qk"),
     "prefill_attention, fp8 q.k and p.v": lambda: prefill_launch("qk_pv"),
     "prefill_attention, fp8 q.k and p.v, 128 x 128, 8 warps": lambda: prefill_launch(

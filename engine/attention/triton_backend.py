@@ -129,7 +129,7 @@ class TritonAttnBackend(AttentionBackend):
         # queries per tile of the fresh prompts' kernel; 0: the layer's shape is not one it takes
         # (every request then goes to extend_attention)
         self.prefill_block_m = (
-            prefill_block_m(attn.head_dim, dtype, device)
+            prefill_block_m(attn.head_dim, dtype, device, prefill_fp8)
             if prefill_supported(attn.head_dim, dtype, device)
             else 0
         )

@@ -14,10 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.prefill_attention as prefill_module
 from kernels.extend_attention import extend_attention_ref, extend_tiles, tile_capacity
 from kernels.fp8 import quantize_per_token_ref
 from kernels.kv_fp8 import quantize
 from kernels.prefill_attention import prefill_attention, prefill_block_m, prefill_supported
+from kernels.prefill_attention_ws import WS_BLOCK_M, ws_supported
 from tests.kernels.conftest import DEVICE, rel_err
 
 
@@ -111,6 +113,75 @@ def test_supported_shapes():
     assert not prefill_supported(80, torch.float16, cuda)  # not a power of two
     assert not prefill_supported(8, torch.float16, cuda)
     assert prefill_block_m(128, torch.bfloat16, cuda) % 16 == 0
+
+
+# --- the warp-specialized kernel (Hopper) -----------------------------------------------------
+
+
+def test_warp_specialized_kernel_takes_only_hopper_16_bit_head_dim_128():
+    cpu = torch.device("cpu")
+    assert not ws_supported(128, torch.float16, cpu)  # Gluon has no interpreter
+    assert prefill_block_m(128, torch.float16, cpu) != WS_BLOCK_M
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert ws_supported(128, torch.bfloat16, cuda) == hopper
+        assert not ws_supported(64, torch.bfloat16, cuda)
+        assert not ws_supported(128, torch.float32, cuda)
+        assert (prefill_block_m(128, torch.bfloat16, cuda) == WS_BLOCK_M) == hopper
+        assert prefill_block_m(128, torch.bfloat16, cuda, fp8="qk") != WS_BLOCK_M
+
+
+def test_default_launch_goes_to_the_warp_specialized_kernel_where_it_applies(monkeypatch):
+    """Routing, with the Hopper check forced: a launch naming no Triton tile goes to the
+    warp-specialized kernel with tiles planned at its WS_BLOCK_M (here computed by the Triton
+    kernel at that tile, standing in for it); a named tile or float8 products go to Triton."""
+    calls = []
+
+    def stand_in(q, k, v, lens, indptr, scaling, tiles, out, prefix_lens, kv_indptr):
+        calls.append(tiles.clone())
+        return prefill_attention(
+            q, k, v, lens, indptr, scaling, tiles, out=out, block_m=WS_BLOCK_M, block_n=32,
+            prefix_lens=prefix_lens, kv_indptr=kv_indptr,
+        )  # fmt: skip
+
+    monkeypatch.setattr(prefill_module, "ws_supported", lambda *a: True)
+    monkeypatch.setattr(prefill_module, "prefill_attention_ws", stand_in)
+    lens = [200, 1, 130]
+    q, k, v, lens_t, indptr = make_batch(lens, 4, 2, 32, torch.float32)
+    ref = reference(q, k, v, lens_t, indptr, 32**-0.5)
+    out = run(q, k, v, lens_t, indptr)
+    assert len(calls) == 1 and calls[0].tolist() == extend_tiles(lens, lens, WS_BLOCK_M).tolist()
+    assert rel_err(out, ref) < 1e-5
+    run(q, k, v, lens_t, indptr, block_m=WS_BLOCK_M)  # the kernel's own tile: still it
+    assert len(calls) == 2
+    for tile in [dict(block_m=64), dict(block_n=32), dict(num_stages=2)]:
+        assert rel_err(run(q, k, v, lens_t, indptr, **tile), ref) < 1e-5
+    q16, k16, v16, *_ = make_batch(lens, 4, 2, 32, torch.float16)
+    run(q16, k16, v16, lens_t, indptr, fp8="qk")
+    assert len(calls) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens", [[4100, 64, 63, 65, 1], [6000, 40], [127, 129, 128, 256, 255]])
+def test_gpu_warp_specialized_kernel_over_a_graphs_table(lens, dtype):
+    """The default launch on an H100/H200 (the warp-specialized kernel elsewhere is skipped) at
+    Llama-3.1-8B's heads, over a table with filler rows past the batch (a CUDA graph's), tile
+    edges on and off a request's end; rows of requests without tiles stay as they were."""
+    if not ws_supported(128, dtype, torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU")
+    q, k, v, lens_t, indptr = make_batch(lens, 32, 8, 128, dtype, device="cuda", seed=len(lens))
+    planned = [n if b != 1 else 0 for b, n in enumerate(lens)]  # the second request: no tiles
+    cap = tile_capacity(sum(lens), len(lens) + 3, WS_BLOCK_M)
+    tiles = torch.from_numpy(extend_tiles(planned, planned, WS_BLOCK_M, cap)).cuda()
+    out = run(q, k, v, lens_t, indptr, tiles=tiles)
+    ref = reference(q, k, v, lens_t, indptr, 128**-0.5)
+    second = slice(lens[0], lens[0] + lens[1])
+    assert out[second].isnan().all()
+    mine = torch.ones(sum(lens), dtype=torch.bool, device="cuda")
+    mine[second] = False
+    assert rel_err(out[mine], ref[mine]) < TOL[dtype]
 
 
 # --- float8 products (fp8="qk" / "qk_pv") ------------------------------------------------------
