@@ -2,16 +2,18 @@
 
 Fresh prompts (nothing cached) attend over this step's own K/V. The engine's extend kernel
 (kernels/extend_attention.py) reads it through the slot table from the (perhaps float8) pool;
-kernels/prefill_attention.py reads the layer's own k and v rows through TMA descriptors. This
-times both on the same batches (Llama-3.1-8B's heads, D 128, bf16; k and v slices of one qkv
-product as the layers pass them), the latter at several tiles, beside torch's variable-length
+kernels/prefill_attention.py reads the layer's own k and v rows through TMA descriptors: its
+default launch (on Hopper the warp-specialized kernel, kernels/prefill_attention_ws.py), and
+its Triton kernel at several tiles. This times them on the same batches (Llama-3.1-8B's heads,
+D 128, bf16; k and v slices of one qkv product as the layers pass them), beside torch's
+variable-length
 flash attention (`torch.nn.attention.varlen.varlen_attn`) and `scaled_dot_product_attention`'s
 cuDNN and flash backends on the batch padded to one length, each checked against the first
 row; and prefill_attention with its products on float8 tensor cores (q·k, or q·k and p·v),
 its quantizing pass included. Each call runs in a CUDA graph where it captures.
 
     python -m bench.prefill_attention
-    python -m bench.prefill_attention --batches 1x20000 2x5000 --only "64x64, 4 warps, 3" cudnn
+    python -m bench.prefill_attention --batches 1x20000 2x5000 --only default "64x64, 4 warps, 3" cudnn
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from bench.decode_splits import graph_time
 from bench.extend_tiles import batch as paged_batch
 from kernels.extend_attention import extend_attention, extend_tiles
-from kernels.prefill_attention import prefill_attention
+from kernels.prefill_attention import prefill_attention, prefill_block_m
+from kernels.prefill_attention_ws import WS_BLOCK_M
 
 # name: (requests, new tokens)
 BATCHES = {"8 x 2048": (8, 2048), "16 x 1000": (16, 1000), "128 x 128": (128, 128)}
@@ -39,6 +42,9 @@ PREFILL_TILES = [
     (128, 64, 8, 3), (128, 32, 4, 4), (128, 32, 8, 4), (32, 32, 4, 3),
     # Triton's fused-attention tutorial's tiles for D 128 on Hopper: 128-query tiles of 8 warps
     (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3),
+    # two stages of 64-row tiles take 83 KB of shared memory where three take 116: two programs
+    # fit on a multiprocessor, and one's softmax can run while the other's products do
+    (64, 64, 4, 2), (64, 32, 4, 2),
 ]  # fmt: skip
 FP8_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2)]
 
@@ -86,6 +92,13 @@ def variants(b: int, n: int) -> tuple[dict, int]:
         "extend_attention, float8 cache": lambda: extend_attention(**args8),
         "varlen_attn (flash)": lambda: varlen(q, k, v, cu, n),
     }
+    # the default launch: on Hopper the warp-specialized kernel (kernels/prefill_attention_ws.py)
+    bm = prefill_block_m(D, q.dtype, q.device)
+    tiles = torch.from_numpy(extend_tiles([n] * b, [n] * b, bm)).cuda()
+    default = "warp-specialized" if bm == WS_BLOCK_M else "the Triton kernel's tile"
+    calls[f"prefill_attention, default launch ({default})"] = lambda: prefill_attention(
+        q, k, v, lens, cu, D**-0.5, tiles
+    )
     for bm, bn, warps, stages in PREFILL_TILES:
         tiles = torch.from_numpy(extend_tiles([n] * b, [n] * b, bm)).cuda()
         tile = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
