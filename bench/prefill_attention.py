@@ -30,7 +30,7 @@ from bench.decode_splits import graph_time
 from bench.extend_tiles import batch as paged_batch
 from kernels.extend_attention import extend_attention, extend_tiles
 from kernels.prefill_attention import prefill_attention, prefill_block_m
-from kernels.prefill_attention_ws import WS_BLOCK_M
+from kernels.prefill_attention_ws import WS_BLOCK_M, prefill_attention_ws
 
 # name: (requests, new tokens)
 BATCHES = {"8 x 2048": (8, 2048), "16 x 1000": (16, 1000), "128 x 128": (128, 128)}
@@ -99,6 +99,11 @@ def variants(b: int, n: int) -> tuple[dict, int]:
     calls[f"prefill_attention, default launch ({default})"] = lambda: prefill_attention(
         q, k, v, lens, cu, D**-0.5, tiles
     )
+    if bm == WS_BLOCK_M:  # FlashAttention-3's turn-taking between the two consumers
+        out = torch.empty_like(q)
+        calls["prefill_attention, warp-specialized, ping-pong"] = lambda: prefill_attention_ws(
+            q, k, v, lens, cu, D**-0.5, tiles, out, pingpong=True
+        )
     for bm, bn, warps, stages in PREFILL_TILES:
         tiles = torch.from_numpy(extend_tiles([n] * b, [n] * b, bm)).cuda()
         tile = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)

@@ -49,7 +49,12 @@ import torch
 try:  # Gluon: Triton 3.5+
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernel takes every launch
     gluon = None
@@ -126,8 +131,9 @@ if gluon is not None:
     @gluon.jit
     def _consumer(
         q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, Out, qk_scale, row0,
-        m_start, n, prefix, h, stride_ot, stride_oh, num_tiles, WG: gl.constexpr,
+        m_start, n, prefix, h, stride_ot, stride_oh, num_tiles, turn, WG: gl.constexpr,
         HALF: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+        PINGPONG: gl.constexpr,
     ):  # fmt: skip
         """One warpgroup: queries [WG * HALF, (WG + 1) * HALF) of the tile over every key tile,
         then its rows of the output (those of the request's queries)."""
@@ -150,20 +156,63 @@ if gluon is not None:
         o = gl.full([HALF, HEAD_DIM], 0.0, gl.float32, layout=o_layout)
         mbarrier.wait(q_bar, 0)
         q = q_smem.index(WG)
-        # NOTE: both halves walk the whole tile's keys (the producer loads each tile once for
-        # both); the first half's last tile may lie wholly past its queries, masked to zero
-        for j in range(num_tiles):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(k_ready.index(slot), phase)
-            s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False)
-            mbarrier.arrive(k_empty.index(slot))
-            p, alpha, m_i, l_i = _softmax(s, qk_scale, m_i, l_i, pos_m, offs_n, j * BLOCK_N, diag)
+        if PINGPONG:
+            # FlashAttention-3's schedule: a consumer issues its scores and its previous p.v
+            # back to back in its turn, hands the turn to the other, then runs its softmax
+            # under both products and under the other's
+            p_layout16: gl.constexpr = p_layout
+            mbarrier.wait(turn.index(WG), 0)
+            mbarrier.wait(k_ready.index(0), 0)
+            s_tok = warpgroup_mma(
+                q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            mbarrier.arrive(turn.index(1 - WG))
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(0))
+            p, alpha, m_i, l_i = _softmax(s, qk_scale, m_i, l_i, pos_m, offs_n, 0, diag)
+            p = gl.convert_layout(p.to(v_smem.dtype), p_layout16)
+            for j in range(1, num_tiles):
+                slot = j % STAGES
+                prev = (j - 1) % STAGES
+                mbarrier.wait(turn.index(WG), j & 1)
+                mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+                s_tok = warpgroup_mma(
+                    q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True
+                )
+                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+                o_tok = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+                mbarrier.arrive(turn.index(1 - WG))
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                mbarrier.arrive(k_empty.index(slot))
+                p_next, alpha, m_i, l_i = _softmax(
+                    s, qk_scale, m_i, l_i, pos_m, offs_n, j * BLOCK_N, diag
+                )
+                p_next = gl.convert_layout(p_next.to(v_smem.dtype), p_layout16)
+                o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+                mbarrier.arrive(v_empty.index(prev))
+                p = p_next
+            last = (num_tiles - 1) % STAGES
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            mbarrier.wait(v_ready.index(slot), phase)
-            p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-            o = warpgroup_mma(p, v_smem.index(slot), o)
-            mbarrier.arrive(v_empty.index(slot))
+            mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // STAGES) & 1)
+            o = warpgroup_mma(p, v_smem.index(last), o)
+        else:
+            # NOTE: both halves walk the whole tile's keys (the producer loads each tile once
+            # for both); the first half's last tile may lie wholly past its queries, masked
+            for j in range(num_tiles):
+                slot = j % STAGES
+                phase = (j // STAGES) & 1
+                mbarrier.wait(k_ready.index(slot), phase)
+                s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False)
+                mbarrier.arrive(k_empty.index(slot))
+                p, alpha, m_i, l_i = _softmax(
+                    s, qk_scale, m_i, l_i, pos_m, offs_n, j * BLOCK_N, diag
+                )
+                o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                mbarrier.wait(v_ready.index(slot), phase)
+                p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+                o = warpgroup_mma(p, v_smem.index(slot), o)
+                mbarrier.arrive(v_empty.index(slot))
         offs_m = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         out = o / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
@@ -178,7 +227,7 @@ if gluon is not None:
         PrefixLens,  # [B] the keys before each request's first query (PREFIXED), else unused
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFIXED: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     ):  # fmt: skip
         # the query heads of one kv head are neighbours in launch order: they share its K/V in L2
         h = gl.program_id(0)
@@ -215,14 +264,19 @@ if gluon is not None:
                 # from the two consumers frees a slot
                 mbarrier.init(k_empty.index(i), count=2)
                 mbarrier.init(v_empty.index(i), count=2)
+            # ping-pong: each consumer's turn to issue its products; the first starts
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+            mbarrier.init(turn.index(0), count=1)
+            mbarrier.init(turn.index(1), count=1)
+            mbarrier.arrive(turn.index(0))
             gl.warp_specialize(
                 [
                     (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                                  Out, qk_scale, row0, m_start, n, prefix, h, stride_ot, stride_oh,
-                                 num_tiles, 0, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+                                 num_tiles, turn, 0, HALF, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
                     (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                                  Out, qk_scale, row0, m_start, n, prefix, h, stride_ot, stride_oh,
-                                 num_tiles, 1, HALF, BLOCK_N, HEAD_DIM, STAGES)),
+                                 num_tiles, turn, 1, HALF, BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
                     (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready,
                                  k_empty, v_ready, v_empty, row0 + m_start, h * HEAD_DIM, kv_row0,
                                  kv_col, num_tiles, HALF, BLOCK_N, HEAD_DIM, STAGES)),
@@ -255,6 +309,7 @@ def prefill_attention_ws(
     out: torch.Tensor,
     prefix_lens: torch.Tensor | None = None,
     kv_indptr: torch.Tensor | None = None,
+    pingpong: bool = False,
 ) -> torch.Tensor:
     """The launch (shapes checked by kernels/prefill_attention.py: prefill_attention, whose
     arguments these are; ``tiles`` at ``WS_BLOCK_M`` queries)."""
@@ -267,6 +322,6 @@ def prefill_attention_ws(
         *(kv_indptr, prefix_lens) if prefixed else (out, out),  # (never read unless PREFIXED)
         GROUP=num_q_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_M=WS_BLOCK_M,
         BLOCK_N=WS_BLOCK_N, STAGES=WS_STAGES, PREFIXED=prefixed,
-        CONSUMER_REGS=_CONSUMER_REGS, num_warps=4,
+        CONSUMER_REGS=_CONSUMER_REGS, PINGPONG=pingpong, num_warps=4,
     )  # fmt: skip
     return out
