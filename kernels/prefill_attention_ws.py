@@ -20,10 +20,11 @@ Here a program is three partitions (``gl.warp_specialize``) over one 128-query t
   from shared memory), the online softmax (float32, exp2), the rescaled output, p·v (p from
   registers).
 
-The consumers share nothing but the ring, so no barrier makes them wait for each other: one's
-softmax runs while the other's products do, the overlap FlashAttention-3 schedules by hand.
-Products whose result is read at once are synchronous (wgmma with an immediate wait): a
-consumer's own products overlapping its own softmax measured slower (below).
+The consumers take turns (FlashAttention-3's ping-pong, an mbarrier pair): in its turn a
+consumer issues its next scores and its previous tile's p·v back to back, hands the turn over,
+then runs its softmax under both products and under the other's. Without the turns (``pingpong
+=False``) the consumers share only the ring, the products are synchronous, and the overlap is
+whatever the warp schedulers find: 3-4% slower (below).
 
 Numerics as prefill_attention's: scores ``q·k * scaling`` (the scale folded into the row
 maximum and one fused multiply-add, as there), softmax in float32, p rounded to q's dtype for
@@ -32,14 +33,15 @@ p·v, output in q's dtype. ``extend_attention_ref`` (float64) is the reference o
 the Triton kernel.
 
 Measured on an H200 (2026-11-29, `python -m bench.prefill_attention`, TFLOP/s of the causal
-products, Llama-3.1-8B's heads, against the Triton kernel's default tile): one 20,000-token
-prompt 562 against 476 (cuDNN 589), 1 x 8192 538 against 458 (cuDNN 548), 2 x 5000 482
-against 429, 8 x 2048 413 against 382; 16 x 1000 312 against 315; 128 x 128 72 against 93,
-where attention is a thousandth of a step. Over gathered runs (`bench.extend_tiles
---gathered`) a chunk of 8192 queries over 16,384 keys 551 against 462. Variants that lost:
-64-key tiles (3-4 stages) 10-15% slower; a consumer's p·v left in flight under its next
-scores 4% slower; and without warp specialization, the next tile's scores issued under the
-softmax of one warpgroup gained nothing (ptxas waits for the products before the first exp2).
+products, Llama-3.1-8B's heads): one 20,000-token prompt 584, without the turns 562, the Triton
+kernel's default tile 476, cuDNN 589; 1 x 8192 562 / 544 / 458 / cuDNN 556; 2 x 5000 503 / 488
+/ 429 / 532; 8 x 2048 427 / 417 / 382 / 500; 16 x 1000 323 / 314 / 315 / 421; 128 x 128 (no
+turns) 72 against the Triton kernel's 93, where attention is a thousandth of a step. Over
+gathered runs (`bench.extend_tiles --gathered`, no turns) a chunk of 8192 queries over 16,384
+keys 551 against 462. Variants that lost: 64-key tiles (3-4 stages) 10-15% slower; without the
+turns, a consumer's p·v left in flight under its next scores 4% slower; and without warp
+specialization, the next tile's scores issued under the softmax of one warpgroup gained
+nothing (ptxas waits for the products before the first exp2).
 """
 
 from __future__ import annotations
@@ -309,7 +311,7 @@ def prefill_attention_ws(
     out: torch.Tensor,
     prefix_lens: torch.Tensor | None = None,
     kv_indptr: torch.Tensor | None = None,
-    pingpong: bool = False,
+    pingpong: bool = True,
 ) -> torch.Tensor:
     """The launch (shapes checked by kernels/prefill_attention.py: prefill_attention, whose
     arguments these are; ``tiles`` at ``WS_BLOCK_M`` queries)."""

@@ -77,7 +77,7 @@ def prefill_launch(
     return prefill._prefill_attention_kernel, types, cx, warps, stages
 
 
-def ws_launch(dtype: str = "bf16", prefixed: bool = False, pingpong: bool = False):
+def ws_launch(dtype: str = "bf16", prefixed: bool = False, pingpong: bool = True):
     """The warp-specialized Gluon kernel: its descriptors carry wgmma's shared layout."""
     from triton.experimental.gluon import language as gl
 
@@ -166,7 +166,7 @@ LAUNCHES: dict[str, Callable[[], tuple]] = {
     "prefill_attention, warp-specialized, fp16, over gathered runs": lambda: ws_launch(
         "fp16", prefixed=True
     ),
-    "prefill_attention, warp-specialized, ping-pong": lambda: ws_launch(pingpong=True),
+    "prefill_attention, warp-specialized, no turns": lambda: ws_launch(pingpong=False),
     "prefill_attention, bf16 (the Triton kernel)": lambda: prefill_launch(None),
     "prefill_attention, fp8 q.k": lambda: prefill_launch("qk"),
     "prefill_attention, fp8 q.k and p.v": lambda: prefill_launch("qk_pv"),

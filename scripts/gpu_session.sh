@@ -210,7 +210,7 @@ run_step() {
       prefill-attn) python3 -m bench.prefill_attention 2>&1 | grep "^|\|Error" ;;
       # ...on the long shapes' prompts: the default launch (Hopper: warp-specialized), two Triton tiles, cuDNN, flash
       prefill-attn-long) python3 -m bench.prefill_attention --batches 1x20000 1x8192 2x5000 1x5000 \
-                --only default "64x64, 4 warps, 3 stages" "128x128, 8 warps, 2" cudnn flash 2>&1 | grep "^|\|Error" ;;
+                --only default "no turns" "64x64, 4 warps, 3 stages" "128x128, 8 warps, 2" cudnn flash 2>&1 | grep "^|\|Error" ;;
       prefill) tests tests/kernels/test_prefill_attention.py tests/kernels/test_extend_attention.py \
                 tests/kernels/test_context_gather.py -m gpu ;;
       trtllm-two) python3 -m bench --preset trtllm --scale 0.2 --shapes 2048/128 1000/1000 \

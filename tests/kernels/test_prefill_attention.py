@@ -176,11 +176,11 @@ def test_gpu_warp_specialized_kernel_over_a_graphs_table(lens, dtype, pingpong):
     planned = [n if b != 1 else 0 for b, n in enumerate(lens)]  # the second request: no tiles
     cap = tile_capacity(sum(lens), len(lens) + 3, WS_BLOCK_M)
     tiles = torch.from_numpy(extend_tiles(planned, planned, WS_BLOCK_M, cap)).cuda()
-    if pingpong:
-        out = torch.full_like(q, float("nan"))
-        prefill_attention_ws(q, k, v, lens_t, indptr, 128**-0.5, tiles, out, pingpong=True)
-    else:
+    if pingpong:  # the default launch: the consumers take turns to issue their products
         out = run(q, k, v, lens_t, indptr, tiles=tiles)
+    else:
+        out = torch.full_like(q, float("nan"))
+        prefill_attention_ws(q, k, v, lens_t, indptr, 128**-0.5, tiles, out, pingpong=False)
     ref = reference(q, k, v, lens_t, indptr, 128**-0.5)
     second = slice(lens[0], lens[0] + lens[1])
     assert out[second].isnan().all()
