@@ -12,6 +12,7 @@ needs.
     python -m bench.fp8_decode --splits  # _GRAPH_SPLIT_TOKENS, each cache
     python -m bench.fp8_decode --one-split  # the graph launch's split count at large batches
     python -m bench.fp8_decode --large --hq 32  # the sweep at 1000/1000's decode batches
+    python -m bench.fp8_decode --long --hq 32  # split counts at 20000/2000's decode batches
 """
 
 from __future__ import annotations
@@ -128,9 +129,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--large", action="store_true", help="the sweep at B 320-768 of 1000-2000 tokens"
     )
+    parser.add_argument(
+        "--long", action="store_true", help="split counts at B 8-83 of 21,000 tokens"
+    )
     opts = parser.parse_args(argv)
     if opts.one_split:
         return compare_split_counts(opts.hq)
+    if opts.long:
+        return compare_split_counts(opts.hq, LONG, (None, 16, 32, 64), min_split_tokens=256)
     global SHAPES
     if opts.mix:
         SHAPES = MIXES
@@ -222,20 +228,37 @@ LARGE = [(b, (1000, 2000)) for b in (256, 320, 384, 512, 640, 768, 1024)] + [
 ]
 
 
-def compare_split_counts(hqs: list[int]) -> None:
+# 20000/2000's decode batches: a full wave of an H200's pool at 0.9 (83 requests) and the
+# smaller last waves of a run at a fraction of the count
+LONG = [(b, 21000) for b in (8, 17, 34, 83)]
+
+
+def compare_split_counts(
+    hqs: list[int],
+    shapes: list = LARGE,
+    counts: tuple = (None, 1, 2, 4, 8),
+    min_split_tokens: int = 512,
+) -> None:
     """µs a layer of the graph launch at its split count (graph_kv_splits) against fixed
-    counts, each split at least _GRAPH_SPLIT_TOKENS tokens; one split writes the output itself
-    (no scratch, no stage 2)."""
+    counts, each split at least ``min_split_tokens`` tokens; one split writes the output itself
+    (no scratch, no stage 2). The float8 rows also give the K/V bytes' TB/s."""
     for hq in hqs:
         print(f"\nHq={hq} Hkv=8 D=128, µs a layer by stage-1 splits (the graph launch's: auto)")
-        heads = [f"B={b},{'x'.join(map(str, n)) if isinstance(n, tuple) else n}" for b, n in LARGE]
+        heads = [f"B={b},{'x'.join(map(str, n)) if isinstance(n, tuple) else n}" for b, n in shapes]
         print("| cache, splits | " + " | ".join(heads) + " |")
-        print("| --- |" + " --- |" * len(LARGE))
-        cases = [case(b, n, hq) for b, n in LARGE]
+        print("| --- |" + " --- |" * len(shapes))
+        cases = [case(b, n, hq) for b, n in shapes]
         for name, which in (("bf16", 0), ("fp8 grouped", 2)):
-            for splits in (None, 1, 2, 4, 8):
-                extra = {} if splits is None else {"num_kv_splits": splits, "min_split_tokens": 512}
-                cells = [f"{graph_seconds(dict(c[which], **extra)) * 1e6:.1f}" for c in cases]
+            for splits in counts:
+                extra = {} if splits is None else {
+                    "num_kv_splits": splits, "min_split_tokens": min_split_tokens
+                }  # fmt: skip
+                times = [graph_seconds(dict(c[which], **extra)) for c in cases]
+                cells = [
+                    f"{t * 1e6:.1f}"
+                    + (f" ({2 * c[3] * 8 * 128 / t / 1e12:.2f} TB/s)" if which else "")
+                    for t, c in zip(times, cases)
+                ]
                 print(f"| {name}, {splits or 'auto'} | " + " | ".join(cells) + " |")
         del cases
         torch.cuda.empty_cache()

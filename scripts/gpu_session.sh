@@ -2,7 +2,7 @@
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|spec|spec-adaptive|spec-copier|spec-copier-tpN|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
-#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill-attn-long|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-steps-long|trtllm-steps-20k|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-fifth:SHAPE,SHAPE|trtllm-chunks:SIZE,SIZE|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill-attn-long|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-steps-long|trtllm-steps-20k|trtllm-steps-tail|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-fifth:SHAPE,SHAPE|trtllm-chunks:SIZE,SIZE|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|fp8-long|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -166,10 +166,12 @@ run_step() {
       # device time against its floor, and the kernels of the first prefills and of 10 decodes;
       # trtllm-steps-long: the two nearest 1.0 that are not there yet
       # (trtllm-steps-20k: one wave of 20000/2000, the 83 requests the H200's pool holds at once)
-      trtllm-steps|trtllm-steps-long|trtllm-steps-20k) shapes=("300 1000 1000" "3000 128 128")
+      trtllm-steps|trtllm-steps-long|trtllm-steps-20k|trtllm-steps-tail) shapes=("300 1000 1000" "3000 128 128")
                 [ "$s" = trtllm-steps-long ] && shapes=("500 2048 2048" "300 5000 500")
                 local kv='"kv_cache_dtype": "fp8_e4m3"'
                 [ "$s" = trtllm-steps-20k ] && shapes=("83 20000 2000") && kv="$kv, \"mem_fraction_static\": 0.9"
+                # 20000/2000's last wave at a fifth of its count (200 = 2 x 83 + 34)
+                [ "$s" = trtllm-steps-tail ] && shapes=("34 20000 2000") && kv="$kv, \"mem_fraction_static\": 0.9"
                 for shape in "${shapes[@]}"; do set -- $shape
                 python3 -m bench.profile_w1 --model-config llama-3.1-8b --num-prompts "$1" --input-len "$2" \
                   --output-len "$3" --fp8-checkpoint per-tensor-static --engine-args "{$kv}" \
@@ -245,6 +247,7 @@ run_step() {
       fp8-kernels) tests tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_quant.py tests/kernels/test_v_groups.py ;;
       fp8-one-split) python3 -m bench.fp8_decode --one-split --hq 32 2>&1 | grep "^|" ;;
       fp8-large) python3 -m bench.fp8_decode --large --hq 32 2>&1 | tail -24 ;;
+      fp8-long) python3 -m bench.fp8_decode --long --hq 32 2>&1 | grep "^|" ;;
       fp8-splits) python3 -m bench.fp8_decode --splits --hq 16 2>&1 | tail -12 ;;
       fp8-accuracy) tests tests/engine/test_fp8_gpu.py -s
            grep "^|\|prompts," "$OUT/$s.log" ;;
