@@ -68,7 +68,8 @@ class ExtendPlanner:
 
     def gathered(self, lens: list[int], seq_lens: list[int]) -> np.ndarray:
         """Which requests attend over gathered runs, in an eager step: a cached prefix, at least
-        GATHER_MIN_NEW new tokens, and room within `max_rows` (in batch order). O(batch)."""
+        GATHER_MIN_NEW new tokens, and room within `max_rows` in batch order (the first such
+        request whose run would not fit, and every later one, stay over the pool). O(batch)."""
         ext = np.asarray(lens, dtype=np.int64)
         total = np.asarray(seq_lens, dtype=np.int64)
         want = (total > ext) & (ext >= GATHER_MIN_NEW)
