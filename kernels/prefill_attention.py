@@ -48,7 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.extend_attention import _LOG2E, FP8_MIN_K, check_fp8_products, extend_tiles
 from kernels.fp8 import FP8, fp8_hw_cast, fp8_scale, on_fp8_grid
-from kernels.prefill_attention_ws import WS_BLOCK_M, prefill_attention_ws, ws_supported
+from kernels.prefill_attention_ws import WS_BLOCK_M, prefill_attention_ws, tma_rows, ws_supported
 
 
 @triton.jit
@@ -241,13 +241,9 @@ def prefill_block_m(
 
 
 def _rows(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A [T, H, D] tensor as a 2D [T, H * D] descriptor of `block` rectangles. A descriptor needs
-    the heads contiguous within a row, 16-byte aligned rows and base: else this reads a copy."""
-    rows, heads, d = t.shape
-    aligned = t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-    if not (t.stride(2) == 1 and t.stride(1) == d and aligned):
-        t = t.contiguous()
-    return TensorDescriptor(t, [rows, heads * d], [t.stride(0), 1], block)
+    """A [T, H, D] tensor as a 2D [T, H * D] descriptor of `block` rectangles (tma_rows)."""
+    t = tma_rows(t)
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], block)
 
 
 def prefill_attention(
@@ -308,26 +304,20 @@ def prefill_attention(
     # NOTE: the default launch on Hopper (no Triton tile named, 16-bit products) is the
     # warp-specialized kernel's, whose tiles are WS_BLOCK_M queries
     triton_tile = block_n is not None or num_warps is not None or num_stages is not None
-    if (
+    warp_specialized = (
         fp8 is None
         and not triton_tile
         and block_m in (None, WS_BLOCK_M)
         and ws_supported(head_dim, q.dtype, q.device)
-    ):
-        if tiles is None:
-            keys = (prefix_lens + extend_lens).tolist() if prefixed else extend_lens.tolist()
-            tiles = torch.from_numpy(extend_tiles(extend_lens.tolist(), keys, WS_BLOCK_M))
-            tiles = tiles.to(q.device)
-        if tiles.shape[0]:
-            prefill_attention_ws(
-                q, k, v, extend_lens, qo_indptr, scaling, tiles, out, prefix_lens, kv_indptr
-            )
-        return out
-    bm, bn, warps, stages = _default_blocks(head_dim, q.dtype, q.device)
-    bm, bn = block_m or bm, block_n or bn
-    if fp8 == "qk_pv":
-        bn = max(bn, FP8_MIN_K)  # p.v's K is the key tile
-    assert bm % bn == 0, "the diagonal starts on a key tile"
+    )
+    if warp_specialized:
+        bm = WS_BLOCK_M
+    else:
+        bm, bn, warps, stages = _default_blocks(head_dim, q.dtype, q.device)
+        bm, bn = block_m or bm, block_n or bn
+        if fp8 == "qk_pv":
+            bn = max(bn, FP8_MIN_K)  # p.v's K is the key tile
+        assert bm % bn == 0, "the diagonal starts on a key tile"
     if tiles is None:
         lens = extend_lens.tolist()
         keys = (prefix_lens + extend_lens).tolist() if prefixed else lens
@@ -335,6 +325,10 @@ def prefill_attention(
     assert tiles.dim() == 2 and tiles.shape[1] == 2 and tiles.is_contiguous()
     if tiles.shape[0] == 0:
         return out
+    if warp_specialized:
+        return prefill_attention_ws(
+            q, k, v, extend_lens, qo_indptr, scaling, tiles, out, prefix_lens, kv_indptr
+        )
     if fp8 is None:
         descs = _rows(q, [bm, head_dim]), _rows(k, [bn, head_dim]), _rows(v, [bn, head_dim])
         q_scale = scales = vt_indptr = out  # (never read)

@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.extend_attention import _LOG2E
+
 try:  # Gluon: Triton 3.5+
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -61,7 +63,6 @@ try:  # Gluon: Triton 3.5+
 except ImportError:  # pragma: no cover - an older Triton: the Triton kernel takes every launch
     gluon = None
 
-_LOG2E = 1.4426950408889634
 WS_BLOCK_M = 128  # queries a program: two warpgroups of 64
 WS_BLOCK_N = 128  # keys a tile
 WS_STAGES = 2  # ring slots: 32 KB of q and 2 x 64 KB of K/V, 164 KB of shared memory
@@ -294,16 +295,23 @@ if gluon is not None:
             )  # fmt: skip
 
 
+def tma_rows(t: torch.Tensor) -> torch.Tensor:
+    """A [T, H, D] tensor a 2D [T, H * D] TMA descriptor can read: the heads contiguous within
+    a row, 16-byte aligned rows and base (else a contiguous copy)."""
+    d = t.shape[2]
+    aligned = t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+    return t if t.stride(2) == 1 and t.stride(1) == d and aligned else t.contiguous()
+
+
 def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A [T, H, D] tensor as a 2D [T, H * D] descriptor of `block` rectangles in the swizzled
-    layout wgmma reads (a copy where the heads are not contiguous within a row)."""
-    rows, heads, d = t.shape
-    aligned = t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-    if not (t.stride(2) == 1 and t.stride(1) == d and aligned):
-        t = t.contiguous()
+    layout wgmma reads (tma_rows)."""
+    t = tma_rows(t)
     dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(t, [rows, heads * d], [t.stride(0), 1], block, layout)
+    return TensorDescriptor(
+        t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], block, layout
+    )
 
 
 def prefill_attention_ws(
