@@ -32,13 +32,6 @@ from kernels.extend_attention import extend_attention, extend_tiles
 from kernels.prefill_attention import prefill_attention, prefill_block_m
 from kernels.prefill_attention_ws import WS_BLOCK_M, prefill_attention_ws
 
-# the warp-specialized kernel's variants beside its default launch: name, keyword arguments
-WS_VARIANTS = {
-    "no turns": dict(pingpong=False),  # its consumers without FlashAttention-3's turn-taking
-    "table order": dict(longest_first=False),  # tiles in the table's order, shortest first
-    "3 stages": dict(stages=3),  # a third K/V slot in the ring: 224 KB of shared memory
-}
-
 # name: (requests, new tokens)
 BATCHES = {"8 x 2048": (8, 2048), "16 x 1000": (16, 1000), "128 x 128": (128, 128)}
 HQ, HKV, D = 32, 8, 128
@@ -106,12 +99,11 @@ def variants(b: int, n: int) -> tuple[dict, int]:
     calls[f"prefill_attention, default launch ({default})"] = lambda: prefill_attention(
         q, k, v, lens, cu, D**-0.5, tiles
     )
-    if bm == WS_BLOCK_M:  # the warp-specialized kernel with one of its choices undone
+    if bm == WS_BLOCK_M:  # its consumers without FlashAttention-3's turn-taking
         out = torch.empty_like(q)
-        for name, kw in WS_VARIANTS.items():
-            calls[f"prefill_attention, warp-specialized, {name}"] = lambda kw=kw: (
-                prefill_attention_ws(q, k, v, lens, cu, D**-0.5, tiles, out, **kw)
-            )
+        calls["prefill_attention, warp-specialized, no turns"] = lambda: prefill_attention_ws(
+            q, k, v, lens, cu, D**-0.5, tiles, out, pingpong=False
+        )
     for bm, bn, warps, stages in PREFILL_TILES:
         tiles = torch.from_numpy(extend_tiles([n] * b, [n] * b, bm)).cuda()
         tile = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)

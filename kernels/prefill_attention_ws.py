@@ -230,17 +230,13 @@ if gluon is not None:
         PrefixLens,  # [B] the keys before each request's first query (PREFIXED), else unused
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFIXED: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     ):  # fmt: skip
         # the query heads of one kv head are neighbours in launch order: they share its K/V in L2
         h = gl.program_id(0)
+        # tiles in the table's order, a request's shortest causal tile first: taking the longest
+        # first (FlashAttention-3's order, 9aab95a) ran 3-4% slower on one long prompt on an H200
         tile = gl.program_id(1)
-        if LONGEST_FIRST:
-            # NOTE: the table lists a request's tiles from its first queries on, the shortest
-            # causal tile first; taken from its end, the last programs to start are the
-            # shortest, so the multiprocessors run out of work together (FlashAttention-3's
-            # order). Filler rows past the batch start first and return at once.
-            tile = gl.num_programs(1) - 1 - tile
         b = gl.load(Tiles + 2 * tile)
         m_start = gl.load(Tiles + 2 * tile + 1).to(gl.int32)
         n = gl.load(ExtendLens + b).to(gl.int32)
@@ -326,8 +322,6 @@ def prefill_attention_ws(
     prefix_lens: torch.Tensor | None = None,
     kv_indptr: torch.Tensor | None = None,
     pingpong: bool = True,
-    longest_first: bool = True,
-    stages: int = WS_STAGES,
 ) -> torch.Tensor:
     """The launch (shapes checked by kernels/prefill_attention.py: prefill_attention, whose
     arguments these are; ``tiles`` at ``WS_BLOCK_M`` queries)."""
@@ -339,7 +333,7 @@ def prefill_attention_ws(
         qo_indptr, extend_lens, tiles, scaling * _LOG2E, out.stride(0), out.stride(1),
         *(kv_indptr, prefix_lens) if prefixed else (out, out),  # (never read unless PREFIXED)
         GROUP=num_q_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_M=WS_BLOCK_M,
-        BLOCK_N=WS_BLOCK_N, STAGES=stages, PREFIXED=prefixed, CONSUMER_REGS=_CONSUMER_REGS,
-        PINGPONG=pingpong, LONGEST_FIRST=longest_first, num_warps=4,
+        BLOCK_N=WS_BLOCK_N, STAGES=WS_STAGES, PREFIXED=prefixed,
+        CONSUMER_REGS=_CONSUMER_REGS, PINGPONG=pingpong, num_warps=4,
     )  # fmt: skip
     return out

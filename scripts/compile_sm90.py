@@ -77,7 +77,7 @@ def prefill_launch(
     return prefill._prefill_attention_kernel, types, cx, warps, stages
 
 
-def ws_launch(dtype: str = "bf16", prefixed: bool = False, pingpong: bool = True, stages: int = 0):
+def ws_launch(dtype: str = "bf16", prefixed: bool = False, pingpong: bool = True):
     """The warp-specialized Gluon kernel: its descriptors carry wgmma's shared layout."""
     from triton.experimental.gluon import language as gl
 
@@ -92,9 +92,8 @@ def ws_launch(dtype: str = "bf16", prefixed: bool = False, pingpong: bool = True
                  QoIndptr="*i64", ExtendLens="*i64", Tiles="*i64", qk_scale="fp32",
                  KvIndptr="*i64", PrefixLens="*i64")  # fmt: skip
     cx = dict(GROUP=4, HEAD_DIM=D, BLOCK_M=prefill_ws.WS_BLOCK_M, BLOCK_N=bn,
-              STAGES=stages or prefill_ws.WS_STAGES, PREFIXED=prefixed,
-              CONSUMER_REGS=prefill_ws._CONSUMER_REGS, PINGPONG=pingpong,
-              LONGEST_FIRST=True)  # fmt: skip
+              STAGES=prefill_ws.WS_STAGES, PREFIXED=prefixed,
+              CONSUMER_REGS=prefill_ws._CONSUMER_REGS, PINGPONG=pingpong)  # fmt: skip
     return prefill_ws._prefill_ws_kernel, types, cx, 4, 0
 
 
@@ -168,7 +167,6 @@ LAUNCHES: dict[str, Callable[[], tuple]] = {
         "fp16", prefixed=True
     ),
     "prefill_attention, warp-specialized, no turns": lambda: ws_launch(pingpong=False),
-    "prefill_attention, warp-specialized, 3 stages": lambda: ws_launch(stages=3),
     "prefill_attention, bf16 (the Triton kernel)": lambda: prefill_launch(None),
     "prefill_attention, fp8 q.k": lambda: prefill_launch("qk"),
     "prefill_attention, fp8 q.k and p.v": lambda: prefill_launch("qk_pv"),
