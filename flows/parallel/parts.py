@@ -95,14 +95,16 @@ def generate_part(
                 store,
             )
         )
+        # NOTE: said before the engine's shutdown, which can take seconds on a loaded machine:
+        # a stopping run waits STOP_GRACE_SECONDS for its parts, and the rows are written by now
+        report.rows = progress.rows
+        if store.stop_requested():
+            logger.info("part %d: stopped by the run's Ctrl-C, its finished rows written", index)
+        else:
+            logger.info("part %d: generated %s", index, progress.line())
     finally:
         engine.shutdown()
         slots.give_back()
-    report.rows = progress.rows
-    if store.stop_requested():
-        logger.info("part %d: stopped by the run's Ctrl-C, its finished rows written", index)
-    else:
-        logger.info("part %d: generated %s", index, progress.line())
     return report
 
 
