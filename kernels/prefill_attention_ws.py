@@ -234,8 +234,9 @@ if gluon is not None:
     ):  # fmt: skip
         # the query heads of one kv head are neighbours in launch order: they share its K/V in L2
         h = gl.program_id(0)
-        # tiles in the table's order, a request's shortest causal tile first: taking the longest
-        # first (FlashAttention-3's order, 9aab95a) ran 3-4% slower on one long prompt on an H200
+        # NOTE: extend_tiles lists the tiles that read the most keys first (FlashAttention-3's
+        # order for causal tiles); taking them from the table's end instead, shortest first
+        # (9aab95a), ran 3-4% slower on one long prompt on an H200
         tile = gl.program_id(1)
         b = gl.load(Tiles + 2 * tile)
         m_start = gl.load(Tiles + 2 * tile + 1).to(gl.int32)
