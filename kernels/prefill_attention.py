@@ -105,9 +105,11 @@ def _prefill_attention_kernel(
     VtIndptr,  # [B + 1] each request's first column of vᵀ (PV_FP8), else unused
     KvIndptr,  # [B + 1] each request's first row of k and v (PREFIXED), else unused
     PrefixLens,  # [B] the keys before each request's first query (PREFIXED), else unused
+    Lse,  # float32 [T, Hq]: each row's log2 of its softmax's sum (WRITE_LSE), else unused
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, QK_FP8: tl.constexpr, PV_FP8: tl.constexpr,
     HW_CAST: tl.constexpr, NUM_Q_HEADS: tl.constexpr, PREFIXED: tl.constexpr,
+    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     # the query heads of one kv head are neighbours in launch order: they share its K/V in L2
     h = tl.program_id(0)
@@ -145,6 +147,16 @@ def _prefill_attention_kernel(
         pos_m = offs_m
         diag = m_start
         end = tl.minimum(m_start + BLOCK_M, n)
+    if not CAUSAL:
+        # every query sees all of its request's keys (PREFIXED: the whole run): whole tiles
+        # unmasked, then the last one cut at the run's end (the mask's "key <= position" with
+        # every query at the last key)
+        if PREFIXED:
+            end = tl.load(KvIndptr + b + 1).to(tl.int32) - kv_row0
+        else:
+            end = n
+        diag = end // BLOCK_N * BLOCK_N
+        pos_m = tl.full([BLOCK_M], 0, tl.int32) + (end - 1)
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, desc_k, desc_v, kv_row0, v_row0, kv_col, pos_m, 0, diag, qk_scale,
         BLOCK_N, False, INPUT_PRECISION, PV_FP8, HW_CAST, QK_FP8,
@@ -160,6 +172,8 @@ def _prefill_attention_kernel(
     if PV_FP8:
         l_i = l_i * (448.0 / tl.load(KVScales + 1))  # p went in as p * 448, v as v / v_scale
     tl.store(o_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=(offs_m < n)[:, None])
+    if WRITE_LSE:  # (the scores are in log2 units: qk_scale carries log2(e))
+        tl.store(Lse + rows * NUM_Q_HEADS + h, m_i + tl.math.log2(l_i), mask=offs_m < n)
 
 
 @triton.jit
@@ -231,11 +245,17 @@ def prefill_supported(head_dim: int, dtype: torch.dtype, device: torch.device) -
 
 
 def prefill_block_m(
-    head_dim: int, dtype: torch.dtype, device: torch.device, fp8: str | None = None
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp8: str | None = None,
+    triton_kernel: bool = False,
 ) -> int:
-    """The queries per tile of `prefill_attention` by default (with ``fp8`` products if given):
-    plan its tiles with it. On Hopper that is the warp-specialized kernel's, WS_BLOCK_M."""
-    if fp8 is None and ws_supported(head_dim, dtype, device):
+    """The queries per tile of `prefill_attention` by default (with ``fp8`` products if given;
+    ``triton_kernel``: for a launch that only the Triton kernel takes, one with ``causal=False``
+    or ``lse``): plan its tiles with it. On Hopper that is otherwise the warp-specialized
+    kernel's, WS_BLOCK_M."""
+    if fp8 is None and not triton_kernel and ws_supported(head_dim, dtype, device):
         return WS_BLOCK_M
     return _default_blocks(head_dim, dtype, device)[0]
 
@@ -264,6 +284,8 @@ def prefill_attention(
     kv_scales: torch.Tensor | None = None,
     prefix_lens: torch.Tensor | None = None,
     kv_indptr: torch.Tensor | None = None,
+    causal: bool = True,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's rows of q over its own rows of k and v.
 
@@ -280,16 +302,28 @@ def prefill_attention(
     ``prefix_lens[b]`` cached keys then one per query (kernels/context_gather.py gathers them),
     and its tiles are ``extend_tiles(lens, prefix_lens + lens, block_m)``.
 
+    ``causal=False``: each query attends to all of its request's keys (with ``prefix_lens``:
+    the whole run, whatever the prefix length says; the queries of a shared prefix's members
+    over that prefix alone). ``lse`` float32 [T, Hq]: each computed row's log2 of its softmax's
+    sum, the scores in log2 units (``scaling * log2(e) * q·k``), for merging two partial
+    attentions of one query (kernels/merge_attention.py). Both only in 16-bit products, and
+    only the Triton kernel takes them: plan ``tiles`` at ``prefill_block_m(...,
+    triton_kernel=True)``.
+
     ``block_m`` … ``num_stages`` name a tile of the Triton kernel (None: its default). On an
     sm_90 GPU with 16-bit products and head dim 128, a launch that names no Triton tile (block_m
-    None or WS_BLOCK_M, the rest None) runs the warp-specialized kernel instead
-    (kernels/prefill_attention_ws.py): plan ``tiles`` at ``prefill_block_m(...)`` queries.
+    None or WS_BLOCK_M, the rest None) and is causal without ``lse`` runs the warp-specialized
+    kernel instead (kernels/prefill_attention_ws.py): plan ``tiles`` at ``prefill_block_m(...)``
+    queries.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     prefixed = prefix_lens is not None
     assert prefixed == (kv_indptr is not None), "prefix_lens and kv_indptr go together"
     assert not (prefixed and fp8), "a prefix's keys multiply in 16 bits"
+    assert fp8 is None or (causal and lse is None), "causal=False and lse: 16-bit products"
+    assert lse is None or (lse.shape == q.shape[:2] and lse.dtype == torch.float32)
+    assert lse is None or lse.is_contiguous()
     rows = k.shape[0] if prefixed else num_tokens
     assert k.shape == v.shape == (rows, num_kv_heads, head_dim)
     assert num_q_heads % num_kv_heads == 0, "GQA needs Hq to be a multiple of Hkv"
@@ -306,6 +340,8 @@ def prefill_attention(
     triton_tile = block_n is not None or num_warps is not None or num_stages is not None
     warp_specialized = (
         fp8 is None
+        and causal
+        and lse is None
         and not triton_tile
         and block_m in (None, WS_BLOCK_M)
         and ws_supported(head_dim, q.dtype, q.device)
@@ -343,11 +379,13 @@ def prefill_attention(
         *descs, out, qo_indptr, extend_lens, tiles, scaling * _LOG2E, out.stride(0),
         out.stride(1), q_scale, scales, vt_indptr,
         *(kv_indptr, prefix_lens) if prefixed else (out, out),  # (never read unless PREFIXED)
+        out if lse is None else lse,  # (never written without WRITE_LSE)
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
         # float32 stays float32 (no tf32 on the tensor cores); for 16-bit inputs it is ignored
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         QK_FP8=fp8 is not None, PV_FP8=fp8 == "qk_pv", HW_CAST=fp8_hw_cast(q.device),
-        NUM_Q_HEADS=num_q_heads, PREFIXED=prefixed, num_warps=num_warps or warps,
+        NUM_Q_HEADS=num_q_heads, PREFIXED=prefixed, CAUSAL=causal, WRITE_LSE=lse is not None,
+        num_warps=num_warps or warps,
         num_stages=num_stages or stages,
     )  # fmt: skip
     return out

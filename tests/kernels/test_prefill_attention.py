@@ -11,6 +11,8 @@ cases run bfloat16 at Llama-3.1-8B's heads.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ import kernels.prefill_attention as prefill_module
 from kernels.extend_attention import extend_attention_ref, extend_tiles, tile_capacity
 from kernels.fp8 import quantize_per_token_ref
 from kernels.kv_fp8 import quantize
+from kernels.merge_attention import merge_attention, merge_attention_ref
 from kernels.prefill_attention import prefill_attention, prefill_block_m, prefill_supported
 from kernels.prefill_attention_ws import WS_BLOCK_M, prefill_attention_ws, ws_supported
 from tests.kernels.conftest import DEVICE, rel_err
@@ -103,6 +106,97 @@ def test_tiles_of_some_requests_leave_the_others_alone():
     assert out[20:50].isnan().all()
     mine = torch.cat([torch.arange(0, 20), torch.arange(50, 60)]).to(q.device)
     assert rel_err(out[mine], ref[mine]) < 1e-5
+
+
+def shared_prefix_case(prefixes, members, hq, hkv, d, dtype, seed=0):
+    """Groups of queries over one run of keys each: group g has prefixes[g] keys (its run) and
+    members[g] queries, each with its own new key, rows contiguous per group."""
+    gen = torch.Generator().manual_seed(seed)
+    runs = [torch.randn(p, 2, hkv, d, generator=gen).to(dtype).to(DEVICE) for p in prefixes]
+    k_runs = torch.cat([r[:, 0] for r in runs]) if runs else None
+    v_runs = torch.cat([r[:, 1] for r in runs]) if runs else None
+    q, k, v, _, _ = make_batch([sum(members)], hq, hkv, d, dtype, seed=seed)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    starts = [sum(members[:g]) for g in range(len(members))]
+    kv_indptr = t([0, *torch.tensor(prefixes).cumsum(0).tolist()])
+    return q, k, v, k_runs, v_runs, t(members), t(starts), t(prefixes), kv_indptr
+
+
+def softmax_ref(q, k, v, scaling):
+    """Full attention of q [n, Hq, D] over k, v [L, Hkv, D] in float64: (out, lse in log2)."""
+    group = q.shape[1] // k.shape[1]
+    k64 = k.double().repeat_interleave(group, dim=1)
+    v64 = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k64) * scaling
+    out = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v64)
+    return out, (scores.logsumexp(-1) / math.log(2)).t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_non_causal_queries_over_whole_runs_with_their_lse(dtype):
+    """causal=False over runs (prefix_lens, kv_indptr): each query sees all of its run's keys,
+    none past it (runs that end inside a key tile, one shorter than a tile), and ``lse`` is the
+    log2 of each row's softmax sum."""
+    prefixes, members, (hq, hkv, d) = [45, 7, 64], [70, 33, 1], (4, 2, 32)
+    q, _, _, k_runs, v_runs, lens, starts, prefix, kv_indptr = shared_prefix_case(
+        prefixes, members, hq, hkv, d, dtype
+    )
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=DEVICE)
+    bm = prefill_block_m(d, dtype, q.device, triton_kernel=True)
+    tiles = torch.from_numpy(extend_tiles(members, [p + m for p, m in zip(prefixes, members)], bm))
+    prefill_attention(
+        q, k_runs, v_runs, lens, starts, d**-0.5, tiles.to(DEVICE), out=out, block_m=bm,
+        prefix_lens=prefix, kv_indptr=kv_indptr, causal=False, lse=lse,
+    )  # fmt: skip
+    for g, (p, m) in enumerate(zip(prefixes, members)):
+        rows, keys = slice(starts[g], starts[g] + m), slice(kv_indptr[g], kv_indptr[g] + p)
+        ref_out, ref_lse = softmax_ref(q[rows], k_runs[keys], v_runs[keys], d**-0.5)
+        assert rel_err(out[rows], ref_out) < TOL[dtype], g
+        assert (lse[rows].double() - ref_lse).abs().max() < 1e-3 * (1 + ref_lse.abs().max()), g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_prefix_and_own_tokens_merged_equal_the_causal_attention_over_both(dtype):
+    """What the triton backend does for a shared prefix's members: their queries over the
+    prefix alone (causal=False, lse) and over their own new K/V (causal, lse), merged
+    (kernels/merge_attention.py), give the causal attention over prefix + own tokens."""
+    prefix, members, (hq, hkv, d) = 50, [37, 5, 64, 1], (4, 2, 32)
+    q, k, v, k_run, v_run, _, _, _, _ = shared_prefix_case([prefix], [sum(members)], hq, hkv, d, dtype)
+    lens, indptr = torch.tensor(members, device=DEVICE), torch.zeros(5, dtype=torch.int64, device=DEVICE)
+    indptr[1:] = lens.cumsum(0)
+    scaling, bm = d**-0.5, prefill_block_m(d, dtype, q.device, triton_kernel=True)
+    total = torch.tensor([sum(members)], device=DEVICE)
+    pre, pre_lse = torch.empty_like(q), torch.empty(q.shape[:2], device=DEVICE)
+    zero = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    prefill_attention(
+        q, k_run, v_run, total, zero, scaling, out=pre, block_m=bm,
+        prefix_lens=torch.tensor([prefix], device=DEVICE),
+        kv_indptr=torch.tensor([0, prefix], device=DEVICE), causal=False, lse=pre_lse,
+    )  # fmt: skip
+    own, own_lse = torch.empty_like(q), torch.empty(q.shape[:2], device=DEVICE)
+    prefill_attention(q, k, v, lens, indptr, scaling, out=own, block_m=bm, lse=own_lse)
+    spans = torch.tensor([[0, sum(members)]], device=DEVICE)
+    merge_attention(own, own_lse, pre, pre_lse, spans, sum(members))
+    for b, n in enumerate(members):
+        r = slice(int(indptr[b]), int(indptr[b]) + n)
+        keys_k, keys_v = torch.cat([k_run, k[r]]), torch.cat([v_run, v[r]])
+        # causal over prefix + own: query i sees the prefix and own keys 0..i
+        ref = torch.stack([
+            softmax_ref(q[r][i : i + 1], keys_k[: prefix + i + 1], keys_v[: prefix + i + 1], scaling)[0][0]
+            for i in range(n)
+        ])  # fmt: skip
+        assert rel_err(own[r], ref) < TOL[dtype], b
+
+
+def test_merge_matches_its_float64_reference():
+    gen = torch.Generator().manual_seed(3)
+    out, other = torch.randn(2, 40, 3, 16, generator=gen).to(DEVICE)
+    lse, other_lse = (torch.randn(2, 40, 3, generator=gen) * 20).to(DEVICE)
+    spans = [(2, 17), (25, 1), (30, 0)]
+    ref = merge_attention_ref(out, lse, other, other_lse, spans)
+    merge_attention(out, lse, other, other_lse, torch.tensor(spans, device=DEVICE), 17)
+    assert rel_err(out, ref) < 1e-6  # rows outside the spans stay as they were (ref keeps them)
 
 
 def test_supported_shapes():
