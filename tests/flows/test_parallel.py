@@ -326,10 +326,12 @@ def test_ctrl_c_stops_a_2_worker_run_the_workers_quietly_and_a_rerun_finishes(
         # may take longer than the run waits for its parts (STOP_GRACE_SECONDS) on a loaded CI
         # machine, and this test is about parts stopping mid-generation
         wait_until(
-            lambda: proc.poll() is not None
-            or (
-                any(out.glob("questions/*/shards/*.parquet"))
-                and all(f"part {i}: on " in stderr.read_text() for i in (0, 1))
+            lambda: (
+                proc.poll() is not None
+                or (
+                    any(out.glob("questions/*/shards/*.parquet"))
+                    and all(f"part {i}: on " in stderr.read_text() for i in (0, 1))
+                )
             ),
             240,
             "both parts' engines and the run's first shard",
