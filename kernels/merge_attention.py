@@ -86,6 +86,6 @@ def merge_attention_ref(
         r = slice(first, first + count)
         w_a, w_b = torch.exp2(lse[r].double()), torch.exp2(other_lse[r].double())
         total = (w_a + w_b).unsqueeze(-1)
-        merged[r] = (out[r].double() * w_a.unsqueeze(-1) + other[r].double() * w_b.unsqueeze(-1))
+        merged[r] = out[r].double() * w_a.unsqueeze(-1) + other[r].double() * w_b.unsqueeze(-1)
         merged[r] /= total
     return merged

@@ -77,8 +77,8 @@ class AttentionBackend(ABC):
         request that owns the padded tokens."""
         raise NotImplementedError
 
-    def prefill_graph_takes(self, extend_lens: list[int], seq_lens: list[int]) -> bool:
-        """Whether a prefill graph may run the step of these requests (else it runs eagerly)."""
+    def prefill_graph_takes(self, batch: ForwardBatch) -> bool:
+        """Whether a prefill graph may run the step of `batch` (else it runs eagerly)."""
         return True
 
     def init_verify_graph_capture(self, max_bs: int, max_tokens: int, max_queries: int) -> None:

@@ -83,18 +83,24 @@ class ExtendPlanner:
         seq_lens: list[int],
         rows: int,
         capacity: tuple[int, int] | None,
+        skip: np.ndarray | None = None,
     ) -> tuple[np.ndarray, tuple[int, int, int], tuple[int, int, int] | None]:
         """extend_lens [rows] then qo_indptr [rows + 1] then the tile tables over the pool, of
         fresh prompts and (eager steps, `capacity` None, with any) of gathered runs, flat (one
         copy); then, with runs, prefix_lens [rows], kv_indptr [rows + 1] and the gathered
         requests. Returns it, the tables' rows, and (requests, longest run, rows of runs) or
-        None. Rows past the batch's requests have no tokens (and no tiles). O(batch + tiles)."""
+        None. Rows past the batch's requests have no tokens (and no tiles). ``skip`` [B]: requests
+        in no table (an eager step's shared-prefix members: engine/attention/shared_extend.py).
+        O(batch + tiles)."""
         n = len(lens)
         ext = np.asarray(lens, dtype=np.int64)
         total = np.asarray(seq_lens, dtype=np.int64)
         fresh = (total == ext) if self.prefill_block_m else np.zeros(n, dtype=bool)
         gathered = self.gathered(lens, seq_lens) if capacity is None and self.gathers else None
         over_pool = ~fresh if gathered is None else ~fresh & ~gathered
+        if skip is not None:
+            fresh, over_pool = fresh & ~skip, over_pool & ~skip
+            gathered = None if gathered is None else gathered & ~skip
         cached_cap, fresh_cap = (None, None) if capacity is None else capacity
         tables = [
             extend_tiles(np.where(over_pool, ext, 0), total, self.block_m, cached_cap),

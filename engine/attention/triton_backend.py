@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.attention import shared_extend
 from engine.attention.backend import AttentionBackend, AttentionLayer
 from engine.attention.extend_plan import ExtendPlan, ExtendPlanner
 from engine.batch.forward_batch import ForwardBatch, ForwardMode
@@ -140,6 +141,14 @@ class TritonAttnBackend(AttentionBackend):
             self.block_m, self.prefill_block_m, prefill_fp8 is None, row_bytes
         )
         self.extend: ExtendPlan | None = None  # this extend batch's
+        # an eager extend step's shared-prefix members (engine/attention/shared_extend.py), or
+        # None; their tiles' queries (0: this layer's shape is not one the kernels take)
+        self.shared_extend: shared_extend.SharedExtend | None = None
+        self.shared_block_m = (
+            prefill_block_m(attn.head_dim, dtype, device, triton_kernel=True)
+            if shared_prefix and prefill_fp8 is None and self.prefill_block_m
+            else 0
+        )
         self.graph_extend: torch.Tensor | None = None  # the prefill graphs' flat static buffer
         # a verify step's (q_starts [B], q_lens [B], most queries, each row's request length
         # [T] under a graph, else None), or None
@@ -170,6 +179,7 @@ class TritonAttnBackend(AttentionBackend):
         self.prefix = None
         self.suffix_tile = None
         self.verify = None
+        self.shared_extend = None
         if batch.mode is ForwardMode.EXTEND:
             if batch.seq_lens_cpu is None and batch.verify:  # a verify graph's static buffers
                 assert self.graph_verify is not None
@@ -190,9 +200,16 @@ class TritonAttnBackend(AttentionBackend):
                 self.verify = (flat[: len(lens)], flat[len(lens) :], int(lens.max()), None)
             else:
                 lens = batch.extend_lens_cpu
-                host, tiles, runs = self.planner.host(lens, batch.seq_lens_cpu, len(lens), None)
+                groups, skip = self._shared_members(batch)
+                host, tiles, runs = self.planner.host(
+                    lens, batch.seq_lens_cpu, len(lens), None, skip
+                )
                 flat = to_device(host, torch.int64, batch.seq_lens.device)
                 self.extend = ExtendPlanner.split(flat, len(lens), tiles, runs)
+                if groups:
+                    self.shared_extend = shared_extend.plan(
+                        groups, lens, batch.seq_lens_cpu, self.shared_block_m, flat.device
+                    )
         elif batch.seq_lens_cpu is None:  # captured: the graph reads the static buffers
             if self.graph_prefix is not None:
                 bs = batch.batch_size
@@ -294,11 +311,24 @@ class TritonAttnBackend(AttentionBackend):
         flat = to_device(host, torch.int64, self.graph_extend.device)
         self.graph_extend[: len(host)].copy_(flat)
 
-    def prefill_graph_takes(self, extend_lens: list[int], seq_lens: list[int]) -> bool:
+    def prefill_graph_takes(self, batch: ForwardBatch) -> bool:
         """Whether a prefill graph may run this step: not when a request attends over a
-        gathered run (GATHER_MIN_NEW), which only eager steps plan. O(batch)."""
-        planner = self.planner
-        return not (planner.gathers and planner.gathered(extend_lens, seq_lens).any())
+        gathered run (GATHER_MIN_NEW) or requests share a prefix (shared_extend), which only
+        eager steps plan. O(batch)."""
+        planner, lens, seq_lens = self.planner, batch.extend_lens_cpu, batch.seq_lens_cpu
+        if self._shared_members(batch)[0]:
+            return False
+        return not (planner.gathers and planner.gathered(lens, seq_lens).any())
+
+    def _shared_members(self, batch: ForwardBatch) -> tuple[list[SharedPrefix], np.ndarray | None]:
+        """An eager extend step's groups that shared_extend takes, and the mask of their
+        members (None without). O(batch)."""
+        if not (self.shared_block_m and batch.shared_prefixes and not batch.verify):
+            return [], None
+        groups, mask = shared_extend.members(
+            batch.shared_prefixes, batch.extend_lens_cpu, batch.seq_lens_cpu
+        )
+        return (groups, mask) if groups else ([], None)
 
     def init_verify_graph_capture(self, max_bs: int, max_tokens: int, max_queries: int) -> None:
         self.graph_verify_shape = (max_bs, max_tokens, max_queries)
@@ -370,6 +400,12 @@ class TritonAttnBackend(AttentionBackend):
         extend_lens, qo_indptr, tiles, fresh_tiles, runs = self.extend
         # NOTE: the tables name disjoint requests, so each row of out is written once
         out = torch.empty_like(q)
+        if self.shared_extend is not None:
+            shared_extend.attend(
+                q, k, v, pool.k_buffers[i], pool.v_buffers[i], pool.layer_scales[i],
+                batch.req_to_token, extend_lens, qo_indptr, layer.scaling, self.shared_extend,
+                self.shared_block_m, out,
+            )  # fmt: skip
         if runs is not None:
             # NOTE: the runs are packed and written in full: a tile's rows past its request's
             # run are another run's (finite) or past the buffer's end (the descriptor's zeros)

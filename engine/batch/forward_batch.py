@@ -52,7 +52,8 @@ class ForwardBatch:
     # decode [positions, out_cache_loc, req_pool_indices, seq_lens] ([4, B]);
     # extend [input_ids, positions, out_cache_loc, each token's table row] ([4, T])
     packed: torch.Tensor | None = None
-    # decode: requests that share a cached prefix, which attention may read once per group
+    # decode and eager extend: requests that share a cached prefix, which attention may read
+    # once per group
     shared_prefixes: list[SharedPrefix] | None = None
     # extend, on a vision-language model: M-RoPE positions and image embeddings
     images: ImageBatch | None = None

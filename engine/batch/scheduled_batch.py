@@ -29,7 +29,8 @@ class ScheduledBatch:
     # the others): the runner writes them into the request's table row with the new slots.
     # Requests admitted with one prefix share one array (the runner ships it once).
     cached_slots: list[np.ndarray] = field(default_factory=list, kw_only=True)
-    # decode: groups of requests that share a cached prefix (empty: attention reads each alone)
+    # decode and extend: groups of requests that share a cached prefix (empty: attention reads
+    # each alone; engine/scheduler/prefix_grouping.py)
     shared_prefixes: list[SharedPrefix] = field(default_factory=list, kw_only=True)
     # decode: each request's table row, and its draws so far (pending ones included: the seeded
     # draw's step), as arrays: the runner builds the step's columns from them without a

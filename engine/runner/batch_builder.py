@@ -146,6 +146,7 @@ def _build_extend(
         req_to_token=req_to_token.table,
         packed=tokens,
         verify=batch.drafts is not None,
+        shared_prefixes=batch.shared_prefixes if batch.drafts is None else None,
     )
     return forward, plan
 

@@ -214,7 +214,7 @@ class ModelRunner:
         # extend kernel)
         if batch.verify and self.attn_backend.has_verify_kernel:
             return False
-        return self.attn_backend.prefill_graph_takes(batch.extend_lens_cpu, batch.seq_lens_cpu)
+        return self.attn_backend.prefill_graph_takes(batch)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor | None) -> torch.Tensor:

@@ -32,6 +32,7 @@ from engine.batch.req import Req
 from engine.batch.scheduled_batch import ScheduledBatch
 from engine.scheduler.kv_cache import KVCache
 from engine.scheduler.new_tokens import NewTokenEstimate, Reservation
+from engine.scheduler.prefix_grouping import extend_groups
 from engine.scheduler.queues import RequestQueues
 from engine.scheduler.stats import SchedulerStats
 from engine.server_args import ServerArgs
@@ -77,6 +78,8 @@ class PrefillPlanner:
         # distinct LoRA adapters that may run at once: the device's adapter slots (0: no LoRA)
         self.max_loras = args.max_loras_per_batch if args.lora_enabled else 0
         self.max_prefill_tokens = args.max_prefill_tokens
+        # requests admitted at one cached node make a group (prefix_grouping.extend_groups)
+        self.group_shared_prefixes = args.shared_prefix_attention
         self.chunk_size = args.prefill_chunk_size
         self.lpm = args.schedule_policy == "lpm"
         # NOTE: the exact peak assumes every running request takes one slot per decode step;
@@ -180,7 +183,11 @@ class PrefillPlanner:
         # an allocation may evict cached prefixes, never one this batch is about to read
         starts = [r.kv_len for r in reqs]
         slots = np.concatenate([self.kv.extend(req, n) for req, n in zip(reqs, lens)])
-        return ScheduledBatch(ForwardMode.EXTEND, reqs, lens, starts, slots, cached_slots=prefixes)
+        groups = extend_groups(reqs, prefixes) if self.group_shared_prefixes else []
+        return ScheduledBatch(
+            ForwardMode.EXTEND, reqs, lens, starts, slots, cached_slots=prefixes,
+            shared_prefixes=groups,
+        )  # fmt: skip
 
     def refuse_unadmittable(self) -> list[Req]:
         """Nothing runs, yet the head of the queue cannot be admitted: it can never fit; fail it alone."""

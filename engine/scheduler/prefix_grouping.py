@@ -18,6 +18,8 @@ node, nothing proportional to a prompt's length or to the waiting queue.
 
 from __future__ import annotations
 
+import numpy as np
+
 from engine.batch.prefix_groups import MAX_SHARED_PREFIXES, SharedPrefix
 from engine.batch.req import Req
 
@@ -49,6 +51,24 @@ def shared_prefixes(reqs: list[Req]) -> list[SharedPrefix]:
         SharedPrefix(node.depth, below[node], reqs[below[node][0]].pool_row)
         for _, node in groups[:MAX_SHARED_PREFIXES]
     ]
+
+
+def extend_groups(reqs: list[Req], cached: list[np.ndarray]) -> list[SharedPrefix]:
+    """The groups of an extend batch (`reqs`, in batch order, with the slot arrays of their
+    cached prefixes): runs of consecutive requests admitted at one cached node, which get one
+    array (engine/scheduler/prefill.py), of at least MIN_SHARED_PREFIX_TOKENS and two members.
+    The triton backend reads each group's prefix once for all of its members' new tokens
+    (engine/attention/shared_extend.py). O(batch)."""
+    groups = []
+    start = 0
+    for i in range(1, len(reqs) + 1):
+        if i < len(reqs) and cached[i] is cached[start]:
+            continue
+        prefix = cached[start]
+        if i - start >= 2 and len(prefix) >= MIN_SHARED_PREFIX_TOKENS:
+            groups.append(SharedPrefix(len(prefix), list(range(start, i)), reqs[start].pool_row))
+        start = i
+    return groups
 
 
 def _best_groups(

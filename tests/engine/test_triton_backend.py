@@ -98,7 +98,10 @@ def test_extend_plan_sends_each_request_to_one_kernel(seed, graph, monkeypatch):
     assert ext_lens[:n].tolist() == lens and indptr[: n + 1].tolist() == [0, *np.cumsum(lens)]
     gathered = [b for b in range(n) if kind[b] == "gathered"]
     assert (plan.context is None) == (not gathered)
-    assert backend.prefill_graph_takes(lens, seq_lens) == (
+    step = SimpleNamespace(
+        extend_lens_cpu=lens, seq_lens_cpu=seq_lens, shared_prefixes=None, verify=False
+    )
+    assert backend.prefill_graph_takes(step) == (
         not any(p and e >= 20 for e, p in zip(lens, prefixes))
     )
     tables = [(plan.fresh_tiles, backend.prefill_block_m, "fresh")]
