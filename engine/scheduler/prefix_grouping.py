@@ -26,6 +26,8 @@ from engine.batch.req import Req
 # A prefix shorter than this is cheaper to read per request than to group (the grouped path
 # adds a merge of two partial results per request).
 MIN_SHARED_PREFIX_TOKENS = 256
+# An extend batch's group has at least this many members (fewer: the plain extend path)
+MIN_EXTEND_GROUP_MEMBERS = 2
 
 
 def shared_prefixes(reqs: list[Req]) -> list[SharedPrefix]:
@@ -56,7 +58,8 @@ def shared_prefixes(reqs: list[Req]) -> list[SharedPrefix]:
 def extend_groups(reqs: list[Req], cached: list[np.ndarray]) -> list[SharedPrefix]:
     """The groups of an extend batch (`reqs`, in batch order, with the slot arrays of their
     cached prefixes): runs of consecutive requests admitted at one cached node, which get one
-    array (engine/scheduler/prefill.py), of at least MIN_SHARED_PREFIX_TOKENS and two members.
+    array (engine/scheduler/prefill.py), of at least MIN_SHARED_PREFIX_TOKENS and
+    MIN_EXTEND_GROUP_MEMBERS members.
     The triton backend reads each group's prefix once for all of its members' new tokens
     (engine/attention/shared_extend.py). O(batch)."""
     groups = []
@@ -65,7 +68,7 @@ def extend_groups(reqs: list[Req], cached: list[np.ndarray]) -> list[SharedPrefi
         if i < len(reqs) and cached[i] is cached[start]:
             continue
         prefix = cached[start]
-        if i - start >= 2 and len(prefix) >= MIN_SHARED_PREFIX_TOKENS:
+        if i - start >= MIN_EXTEND_GROUP_MEMBERS and len(prefix) >= MIN_SHARED_PREFIX_TOKENS:
             groups.append(SharedPrefix(len(prefix), list(range(start, i)), reqs[start].pool_row))
         start = i
     return groups
