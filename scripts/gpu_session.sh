@@ -76,7 +76,7 @@ run_step() {
       extend) tests tests/kernels/test_extend_attention.py -m gpu -s ;;
       gpu) tests tests/engine/test_gpu_path.py tests/engine/test_generate_vs_transformers.py \
              tests/engine/test_shared_prefix_decode.py::test_gpu_grouped_decode_equals_cpu_reference \
-             tests/engine/test_shared_extend.py \
+             tests/engine/test_shared_extend.py::test_gpu_grouped_extend_equals_cpu_reference \
              tests/engine/test_spec_verify.py tests/kernels/test_verify_attention.py \
              tests/engine/test_speculative.py::test_greedy_on_the_gpu_equals_decoding_without_speculation \
              tests/engine/test_spec_standalone.py::test_greedy_on_the_gpu_equals_decoding_without -n 8 ;;

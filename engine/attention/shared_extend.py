@@ -15,8 +15,9 @@ extend_groups, consecutive requests admitted at one cached node) attend in two p
     merge:       kernels/merge_attention.py, by the two parts' log-sum-exp
 
 which is the same attention (tests/engine/test_shared_extend.py). Only eager steps take it: a
-run's size is the prefix's, which a captured prefill graph cannot size. O(batch + tiles) on the
-host, one host-to-device copy.
+run's size is the prefix's, which a captured prefill graph cannot size; and a step is not made
+eager for it (TritonAttnBackend.prefill_graph_takes says why). O(batch + tiles) on the host,
+one host-to-device copy.
 """
 
 from __future__ import annotations
