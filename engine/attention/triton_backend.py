@@ -51,9 +51,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.attention import shared_extend
+import engine.attention.shared_extend as shared_extend
 from engine.attention.backend import AttentionBackend, AttentionLayer
 from engine.attention.extend_plan import ExtendPlan, ExtendPlanner
+from engine.attention.prefix_items import longest_suffix, prefix_host
 from engine.batch.forward_batch import ForwardBatch, ForwardMode
 from engine.batch.prefix_groups import MAX_SHARED_PREFIXES, SharedPrefix
 from engine.transfer import to_device
@@ -199,16 +200,16 @@ class TritonAttnBackend(AttentionBackend):
                 flat = to_device(host, torch.int64, batch.seq_lens.device)
                 self.verify = (flat[: len(lens)], flat[len(lens) :], int(lens.max()), None)
             else:
-                lens = batch.extend_lens_cpu
-                groups, skip = self._shared_members(batch)
-                host, tiles, runs = self.planner.host(
-                    lens, batch.seq_lens_cpu, len(lens), None, skip
-                )
+                lens, seq_lens = batch.extend_lens_cpu, batch.seq_lens_cpu
+                groups, skip = [], None  # an eager step's shared-prefix members
+                if self.shared_block_m and batch.shared_prefixes:
+                    groups, skip = shared_extend.members(batch.shared_prefixes, lens, seq_lens)
+                host, tiles, runs = self.planner.host(lens, seq_lens, len(lens), None, skip)
                 flat = to_device(host, torch.int64, batch.seq_lens.device)
                 self.extend = ExtendPlanner.split(flat, len(lens), tiles, runs)
                 if groups:
                     self.shared_extend = shared_extend.plan(
-                        groups, lens, batch.seq_lens_cpu, self.shared_block_m, flat.device
+                        groups, lens, seq_lens, self.shared_block_m, flat.device
                     )
         elif batch.seq_lens_cpu is None:  # captured: the graph reads the static buffers
             if self.graph_prefix is not None:
@@ -218,11 +219,11 @@ class TritonAttnBackend(AttentionBackend):
                 self.suffix_tile = self._capture_suffix_tile
         elif batch.shared_prefixes:
             groups = batch.shared_prefixes
-            host = self._prefix_host(groups, batch.batch_size, None)
+            host = prefix_host(groups, batch.batch_size, self.item_size, None)
             flat = to_device(host, torch.int64, batch.seq_lens.device)
             self.prefix = self._split(flat, batch.batch_size)
             # the suffixes are what the per-request splits walk
-            self.max_seq_len = _longest_suffix(batch)
+            self.max_seq_len = longest_suffix(batch)
             if self._short_suffixes(batch, self.max_seq_len):
                 self.suffix_tile = SHORT_SUFFIX_TILE
 
@@ -243,7 +244,7 @@ class TritonAttnBackend(AttentionBackend):
         of at least _SHORT_SUFFIX_MIN_BATCH requests with groups read at most
         _SHORT_SUFFIX_TOKENS of each request's tokens apart from its group's prefix (a request
         outside the groups: its whole sequence)? `longest`: that count if known
-        (_longest_suffix)."""
+        (longest_suffix)."""
         if not (_SHORT_SUFFIX_GRAPHS and batch.shared_prefixes):
             return False
         if batch.seq_lens_cpu is None or len(batch.seq_lens_cpu) < _SHORT_SUFFIX_MIN_BATCH:
@@ -251,7 +252,7 @@ class TritonAttnBackend(AttentionBackend):
         if not self._rows_of_model_dtype(batch.kv_pool):
             return False
         if longest is None:
-            longest = _longest_suffix(batch)
+            longest = longest_suffix(batch)
         return longest <= _SHORT_SUFFIX_TOKENS
 
     def _rows_of_model_dtype(self, kv_pool: KVPool) -> bool:
@@ -287,7 +288,7 @@ class TritonAttnBackend(AttentionBackend):
         held = self._graph_holds
         if held is not None and held[0] is groups and held[1] == padded:
             return  # the same requests as the last replay (the decode planner kept its groups)
-        host = self._prefix_host(groups, padded, self.items_capacity(padded))
+        host = prefix_host(groups, padded, self.item_size, self.items_capacity(padded))
         lens, items = self.graph_prefix
         flat = to_device(host, torch.int64, lens.device)
         lens[:padded].copy_(flat[:padded])
@@ -313,24 +314,10 @@ class TritonAttnBackend(AttentionBackend):
 
     def prefill_graph_takes(self, batch: ForwardBatch) -> bool:
         """Whether a prefill graph may run this step: not when a request attends over a
-        gathered run (GATHER_MIN_NEW), which only eager steps plan. O(batch).
-
-        NOTE: a shared prefix's members (shared_extend) do not keep a step out of the graphs:
-        an eager step of the pair's shape (Qwen3-0.6B, 1000 items of 50 tokens over 2000) took
-        about 70 ms to launch against 30 of device time, where the shared path saved about 7
-        ms a step (H200, 2026-11-29). Steps that run eagerly anyway take it."""
+        gathered run (GATHER_MIN_NEW), which only eager steps plan (not shared_extend's groups:
+        its docstring says why). O(batch)."""
         planner, lens, seq_lens = self.planner, batch.extend_lens_cpu, batch.seq_lens_cpu
         return not (planner.gathers and planner.gathered(lens, seq_lens).any())
-
-    def _shared_members(self, batch: ForwardBatch) -> tuple[list[SharedPrefix], np.ndarray | None]:
-        """An eager extend step's groups that shared_extend takes, and the mask of their
-        members (None without). O(batch)."""
-        if not (self.shared_block_m and batch.shared_prefixes and not batch.verify):
-            return [], None
-        groups, mask = shared_extend.members(
-            batch.shared_prefixes, batch.extend_lens_cpu, batch.seq_lens_cpu
-        )
-        return (groups, mask) if groups else ([], None)
 
     def init_verify_graph_capture(self, max_bs: int, max_tokens: int, max_queries: int) -> None:
         self.graph_verify_shape = (max_bs, max_tokens, max_queries)
@@ -450,28 +437,5 @@ class TritonAttnBackend(AttentionBackend):
         return self.prefill_fp8 if is_grouped(k_buffer, v_buffer) else "qk"
 
     # ------------------------------------------------------------------ helpers
-    def _prefix_host(self, groups: list[SharedPrefix], bs: int, num_items: int | None) -> list[int]:
-        """prefix_lens [bs] then the items [num_items (or as many as needed), 2 + item_size],
-        flat: one host-to-device copy. O(batch)."""
-        lens = [0] * bs
-        items: list[list[int]] = []
-        k = self.item_size
-        for g in groups:
-            for m in g.members:
-                lens[m] = g.length
-            for i in range(0, len(g.members), k):
-                chunk = g.members[i : i + k]
-                items.append([g.row, g.length, *chunk, *[-1] * (k - len(chunk))])
-        if num_items is not None:
-            items += [[0] * (2 + k)] * (num_items - len(items))
-        return lens + [x for item in items for x in item]
-
     def _split(self, flat: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         return flat[:bs], flat[bs:].view(-1, 2 + self.item_size)
-
-
-def _longest_suffix(batch: ForwardBatch) -> int:
-    """The most tokens a request of the decode batch has beyond its group's shared prefix (a
-    request in no group: its whole length). O(batch)."""
-    prefix_of = {m: g.length for g in batch.shared_prefixes for m in g.members}
-    return max(n - prefix_of.get(i, 0) for i, n in enumerate(batch.seq_lens_cpu))
