@@ -14,6 +14,8 @@ pairs' two products; `*` marks the kernel's default.
                                          # q·k and p·v), with long cached prefixes as chunks have
     python -m bench.extend_tiles --gathered  # those chunks over the pool against over gathered
                                              # runs (kernels/context_gather.py), bf16 and float8
+    python -m bench.extend_tiles --shared  # suffixes over one shared prefix: over the pool
+                                           # against engine/attention/shared_extend.py's kernels
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kernels.extend_attention import (
     extend_tiles,
 )
 from kernels.kv_fp8 import quantize
+from kernels.merge_attention import merge_attention
 from kernels.prefill_attention import prefill_attention, prefill_block_m
 from kernels.v_groups import GROUP, to_grouped
 
@@ -176,6 +179,77 @@ def gathered_table() -> None:
             print(f"| {cache} | {label} | " + " | ".join(cells) + " |")
 
 
+# --shared: suffixes over one cached prefix (the pair's, and at Llama-3.1-8B's heads)
+SHARED_BATCHES = {
+    "pair: 200 x 50 over 2000": BATCHES["pair: 200 x 50 over 2000"],
+    "pair, 8B heads: 200 x 50 over 2000": (200, 2000, 50, 32, 8, False),
+    "64 x 300 over 4000, 8B heads": (64, 4000, 300, 32, 8, False),
+}
+# the prefix part's Triton tiles (BLOCK_M, BLOCK_N, warps, stages); the first is the default
+PREFIX_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
+
+
+def shared_ms(args: dict, tile: tuple[int, int, int, int]) -> tuple[float, float, float, float]:
+    """ms of shared_extend's four launches for `args`' batch (its prefix one run, gathered
+    once): the gather, own tokens, the prefix part at `tile`, and the merge."""
+    q, lens, n = args["q"], args["extend_lens"].to(torch.int64), args["q"].shape[0]
+    prefix = int(args["seq_lens"][0] - lens[0])
+    hkv, d = args["k_buffer"].shape[1], args["k_buffer"].shape[2]
+    k, v = torch.randn(2, n, hkv, d, device="cuda", dtype=q.dtype)
+    one = lambda *xs: torch.tensor(xs, dtype=torch.int64, device="cuda")  # noqa: E731
+    # (made here, not in the timed calls: a graph cannot capture a host-to-device copy)
+    zero, runs, prefix_t, rows, span = one(0), one(0, prefix), one(prefix), one(n), one(0, n)
+    k_run = torch.empty(prefix, hkv, d, device="cuda", dtype=q.dtype)
+    v_run = torch.empty_like(k_run)
+    gather = graph_time(
+        lambda: gather_context(
+            args["k_buffer"], args["v_buffer"], k, v, args["req_to_token"], zero, prefix_t,
+            zero, zero, runs, zero, prefix, k_run, v_run,
+        )
+    )  # fmt: skip
+    bm_own = prefill_block_m(d, q.dtype, q.device, triton_kernel=True)
+    own_tiles = torch.from_numpy(extend_tiles(lens.tolist(), lens.tolist(), bm_own)).cuda()
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device="cuda")
+    own = graph_time(
+        lambda: prefill_attention(
+            q, k, v, lens, args["qo_indptr"], args["scaling"], own_tiles, out=out,
+            block_m=bm_own, lse=lse,
+        )
+    )  # fmt: skip
+    bm, bn, warps, stages = tile
+    pre_tiles = torch.from_numpy(extend_tiles([n], [n + prefix], bm)).cuda()
+    pre, pre_lse = torch.empty_like(q), torch.empty_like(lse)
+    part = graph_time(
+        lambda: prefill_attention(
+            q, k_run, v_run, rows, zero, args["scaling"], pre_tiles, out=pre, block_m=bm,
+            block_n=bn, num_warps=warps, num_stages=stages, prefix_lens=prefix_t,
+            kv_indptr=runs, causal=False, lse=pre_lse,
+        )
+    )  # fmt: skip
+    merge = graph_time(lambda: merge_attention(out, lse, pre, pre_lse, span.view(1, 2), n))
+    return gather * 1e3, own * 1e3, part * 1e3, merge * 1e3
+
+
+def shared_table() -> None:
+    """Suffixes over one shared prefix: extend_attention over the pool (its default tile)
+    against shared_extend's launches, TFLOP/s of the whole attention, then each launch's ms."""
+    print("| kernel | " + " | ".join(SHARED_BATCHES) + " |")
+    print("| --- |" + " --- |" * len(SHARED_BATCHES))
+    default = _default_blocks(128, torch.bfloat16, torch.device("cuda"))
+    cases = [batch(*shape) for shape in SHARED_BATCHES.values()]
+    pool = [f"{tflops(args, flops, default):.0f}" for args, flops in cases]
+    print("| extend_attention over the pool | " + " | ".join(pool) + " |")
+    for tile in PREFIX_TILES:
+        times = [shared_ms(args, tile) for args, _ in cases]
+        cells = [
+            f"{flops / sum(t) / 1e9:.0f} ({' + '.join(f'{x:.3f}' for x in t)} ms)"
+            for (_, flops), t in zip(cases, times)
+        ]
+        mark = " (the default)" if tile == PREFIX_TILES[0] else ""
+        label = f"gather + own + prefix at {', '.join(map(str, tile))}{mark} + merge"
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m bench.extend_tiles", description=__doc__.split("\n\n")[0]
@@ -184,9 +258,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--gathered", action="store_true", help="long chunks over the pool or gathered runs"
     )
+    ap.add_argument(
+        "--shared", action="store_true", help="suffixes over a shared prefix: pool or shared"
+    )
     opts = ap.parse_args(argv)
     if opts.gathered:
         return gathered_table()
+    if opts.shared:
+        return shared_table()
     default = _default_blocks(128, torch.bfloat16, torch.device("cuda"))
     batches = FP8_BATCHES if opts.fp8 else BATCHES
     modes = (None, *FP8_MODES) if opts.fp8 else (None,)

@@ -2,7 +2,7 @@
 # One call on the GPU machine: kernel tests, engine tests (the triton backend is the CUDA
 # default), then the benchmark workloads of docs/performance.md. Tables land in $OUT.
 # Usage there: bash scripts/gpu_session.sh [regress|spec|spec-adaptive|spec-copier|spec-copier-tpN|spec-random|w1-spec|w2-spec|kernels|extend|gpu|engine|issue7|tp|w2-tpN|w1-dpN|
-#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|prefill-attn|prefill-attn-long|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-steps-long|trtllm-steps-20k|trtllm-steps-tail|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-fifth:SHAPE,SHAPE|trtllm-chunks:SIZE,SIZE|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|fp8-long|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
+#   prefix-dpN|prefix-rr-dpN|l70-tpN|l70-fp8-tpN|flow-dp|flow-prefix|flow-paths|flow-prefix-profile|splits|w1|w1-steps|stream-overlap|fp8-gemm|fp8-act|extend-tiles|extend-fp8|extend-shared|prefill-attn|prefill-attn-long|prefill|trtllm-two|prefix-steps|trtllm-steps|trtllm-steps-long|trtllm-steps-20k|trtllm-steps-tail|trtllm-rest|trtllm-decode|trtllm-long|trtllm-per-token|trtllm-full:SHAPE,SHAPE|trtllm-fifth:SHAPE,SHAPE|trtllm-chunks:SIZE,SIZE|trtllm-fp8-prefill|prefix-decode|prefix-decode-tiles|prefix-stage-tiles|prefix-decode-heads|prefix-variants|w1-fp8-steps|w2-fp8-steps|w2-steps|w1-profile|w2|w2-tp2|flashinfer|w1-flashinfer|w1-peer|prefix|prefix-on|fewshot-on|prefix-plain|prefix-profile|fewshot|queue|queue-profile|latency|startup|lora|w1-lora|fp8|fp8-kernels|fp8-splits|fp8-one-split|fp8-large|fp8-long|vl|vl-bench|vl-profile|fp8-accuracy|fp8-decode|fp8-decode-mix|w1-fp8|w2-fp8|w2-fp8kv ...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/gristmill-out}
@@ -73,6 +73,8 @@ run_step() {
     echo "=== $s ($(date -u +%H:%M:%S))"
     case $s in
       kernels) tests tests/kernels ;;
+      # suffixes over a shared prefix: over the pool, or engine/attention/shared_extend.py's launches
+      extend-shared) python3 -m bench.extend_tiles --shared 2>&1 | grep "^|\|Error" ;;
       extend) tests tests/kernels/test_extend_attention.py -m gpu -s ;;
       gpu) tests tests/engine/test_gpu_path.py tests/engine/test_generate_vs_transformers.py \
              tests/engine/test_shared_prefix_decode.py::test_gpu_grouped_decode_equals_cpu_reference \
