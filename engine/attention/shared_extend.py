@@ -58,7 +58,7 @@ class SharedExtend(NamedTuple):
 
 def members(
     groups: list[SharedPrefix], extend_lens: list[int], seq_lens: list[int]
-) -> tuple[list[SharedPrefix], np.ndarray]:
+) -> tuple[list[SharedPrefix], np.ndarray | None]:
     """The groups whose every member has exactly the group's prefix cached (no more: its own
     tokens start where the prefix ends) and new tokens, and a mask [B] of their members (None
     without any)."""
